@@ -1,0 +1,204 @@
+"""Loading checkpoints: sharded safetensors, memory-mapped and assigned into a meta-device model.
+
+Accepted layouts:
+- official DeepSeek names (`embed.weight`, `layers.{i}.attn.wq_a.weight` + `.scale`, FP4 experts as
+  packed int8 with e8m0 scales), one file or shards listed in `model.safetensors.index.json`;
+- the names transformers' `save_pretrained` writes for DeepseekV4, mapped by `TRANSFORMERS_RENAMES`.
+
+Each shard file is memory-mapped once and every tensor is a view into it, assigned to the model in
+place of its meta parameter: nothing is allocated twice (a dtype conversion, e.g. a bf16 checkpoint
+into an fp32 model, is the only copy). Only safetensors are read; nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# Tensors the text model does not use (yet): skipped by name, and counted in the report.
+SKIPPED_PREFIXES = ("vision.", "aligner.", "mtp.", "image_start", "image_end", "image_newline")
+
+# transformers' DeepseekV4 `save_pretrained` keeps a `model.` prefix and a few of its own leaf names;
+# the attention kv_norm comes out as `attn.norm` (compressor norms are named `norm` in both schemes).
+TRANSFORMERS_RENAMES = (
+    (re.compile(r"^model\.embed_tokens\.weight$"), "embed.weight"),
+    (re.compile(r"^model\.hc_head\.hc_(fn|base|scale)$"), r"hc_head_\1"),
+    (re.compile(r"^model\.layers\.(\d+)\.attn\.norm\.weight$"), r"layers.\1.attn.kv_norm.weight"),
+    (re.compile(r"^model\."), ""),
+)
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "F4": torch.float4_e2m1fn_x2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_PACKED_BYTES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model; the message names the tensors."""
+
+
+@dataclass
+class LoadReport:
+    loaded: int = 0
+    skipped: list[str] = field(default_factory=list)
+    shards: int = 0
+
+
+def official_name(name: str) -> str:
+    """Map a transformers-saved DeepseekV4 tensor name to the official one (identity otherwise)."""
+    for pattern, repl in TRANSFORMERS_RENAMES:
+        name, n = pattern.subn(repl, name)
+        if n and pattern.pattern != r"^model\.":
+            return name
+    return name
+
+
+def resolve_model_dir(path_or_repo: str | os.PathLike) -> Path:
+    """A local directory, or a Hugging Face repo id fetched with huggingface-hub (HF_HUB_OFFLINE applies)."""
+    path = Path(path_or_repo)
+    if path.is_dir():
+        return path
+    text = str(path_or_repo)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise FileNotFoundError(f"model directory {text!r} does not exist")
+    from huggingface_hub import snapshot_download
+
+    try:
+        patterns = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+        return Path(snapshot_download(repo_id=text, allow_patterns=patterns))
+    except Exception as e:  # offline, unknown repo, no network: one line that says which
+        raise FileNotFoundError(f"cannot get model {text!r} from the Hugging Face hub: {e}".splitlines()[0]) from None
+
+
+def shard_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map")
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (model_dir / f).exists()]
+        if missing:
+            raise CheckpointError(f"shards listed in {index.name} are missing: {missing[:5]}")
+        return [model_dir / f for f in files]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
+            raise CheckpointError(f"{model_dir} holds only pickle checkpoints; dsv4 loads safetensors only")
+        raise CheckpointError(f"no .safetensors files in {model_dir}")
+    return files
+
+
+def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file as views into a private memory map of it."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    size = path.stat().st_size
+    data = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+    base = 8 + header_len
+    out = {}
+    for name, info in header.items():
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{name}: unsupported safetensors dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        raw = data[base + start : base + end]
+        if (base + start) % max(dtype.itemsize, 1):  # misaligned for a view: copy this one tensor
+            raw = raw.clone()
+        out[name] = raw.view(dtype).view(info["shape"])
+    return out
+
+
+def _fit(name: str, tensor: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Check one tensor against the model's slot and convert where the conversion is exact in intent."""
+    if tuple(tensor.shape) != tuple(expected.shape):
+        raise CheckpointError(f"{name}: shape {list(tensor.shape)}, expected {list(expected.shape)}")
+    want, got = expected.dtype, tensor.dtype
+    if want == torch.int8 and got in _PACKED_BYTES:  # packed FP4 pairs, however the writer typed the bytes
+        return tensor.view(torch.int8)
+    if want in (torch.int64, torch.int32) and not got.is_floating_point and got != torch.bool:
+        return tensor.to(want)
+    if want.is_floating_point and want.itemsize > 1 and got.is_floating_point and got.itemsize > 1:
+        if torch.isnan(tensor).any():
+            raise CheckpointError(f"{name}: contains NaN")
+        return tensor if got == want else tensor.to(want)
+    if want == got:
+        if want == torch.float8_e4m3fn and ((tensor.view(torch.uint8) & 0x7F) == 0x7F).any():
+            raise CheckpointError(f"{name}: contains NaN")
+        return tensor
+    raise CheckpointError(f"{name}: dtype {got}, expected {want}")
+
+
+def _slots(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor, bool]]:
+    """Every persistent parameter and buffer: name -> (owner module, attribute, current tensor, is_param)."""
+    slots = {}
+    for mod_name, module in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for attr, p in module._parameters.items():
+            if p is not None:
+                slots[prefix + attr] = (module, attr, p, True)
+        for attr, b in module._buffers.items():
+            if b is not None and attr not in module._non_persistent_buffers_set:
+                slots[prefix + attr] = (module, attr, b, False)
+    return slots
+
+
+def load_into(model: nn.Module, model_dir: Path, progress: bool = True) -> LoadReport:
+    """Assign every checkpoint tensor into `model` (built on the meta device), checking all of them.
+
+    Raises CheckpointError listing missing, unexpected, misshapen and mistyped tensors by name.
+    """
+    from tqdm import tqdm
+
+    slots = _slots(model)
+    report, problems, seen = LoadReport(), [], set()
+    files = shard_files(model_dir)
+    for path in tqdm(files, desc="Loading shards", unit="shard", disable=not progress or len(files) < 2):
+        for raw_name, tensor in mmap_safetensors(path).items():
+            name = official_name(raw_name)
+            if name.startswith(SKIPPED_PREFIXES):
+                report.skipped.append(name)
+                continue
+            if name not in slots:
+                problems.append(f"unexpected tensor {name}")
+                continue
+            module, attr, expected, is_param = slots[name]
+            try:
+                value = _fit(name, tensor, expected)
+            except CheckpointError as e:
+                problems.append(str(e))
+                continue
+            if is_param:
+                module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+            else:
+                module._buffers[attr] = value
+            seen.add(name)
+        report.shards += 1
+    problems += [f"missing tensor {n}" for n in slots if n not in seen]
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; ... ({len(problems)} problems)" if len(problems) > 8 else "")
+        raise CheckpointError(f"checkpoint {model_dir} does not fit the model: {shown}")
+    report.loaded = len(seen)
+    return report

@@ -1,0 +1,170 @@
+"""Shared-KV multi-query attention over a sliding window plus compressed KV.
+
+One 512-wide latent per position is both key and value for all heads. Every query attends, in one
+softmax with a per-head sink logit (denominator only), to
+- the window: its own position and the `sliding_window - 1` before it, and
+- on compressed layers, compressed entries: the indexer's top-k (CSA), or every visible entry (HCA).
+RoPE covers the trailing `qk_rope_head_dim` channels; because values carry the keys' rotation, the
+output is rotated back by the query position before the grouped low-rank output projection
+(`wo_a` per head group, then `wo_b`).
+
+Which layer computes the compressed KV, the index keys and the top-k a layer uses is in its
+`LayerRole`; what one layer computes for later ones travels in `SharedKV`, made per forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dsv4.config import Dsv4Config, LayerRole
+from dsv4.quant import fake_quant_fp8, fake_quant_nvfp4
+from dsv4.reference.compressor import Compressor
+from dsv4.reference.indexer import Indexer
+from dsv4.reference.linear import Linear, RMSNorm
+from dsv4.reference.rope import Rotary, apply_rope
+
+
+@dataclass
+class SharedKV:
+    """What layers hand to later layers within one forward pass, keyed by the producing layer."""
+
+    compressed: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, G, head_dim], rotated
+    index_keys: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, G, index_head_dim]
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, S, k], -1 = none
+    candidates: torch.Tensor | None = None  # [B, S, G] bool
+
+
+def sparse_attention(
+    q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax attention of q [B, S, H, D] over kv [B, T, D] where allowed [B, S, T], with a sink.
+
+    Logits and the softmax are fp32; probabilities are rounded to kv's dtype before P @ V, as in the
+    official kernel. Output [B, S, H, D] in q's dtype.
+    """
+    kvf = kv.float()
+    logits = torch.einsum("bshd,btd->bsht", q.float(), kvf) * scale
+    logits = logits.masked_fill(~allowed.unsqueeze(2), float("-inf"))
+    sink = sink.float().view(1, 1, -1)
+    peak = torch.maximum(logits.amax(-1), sink)  # [B, S, H]
+    p = torch.exp(logits - peak.unsqueeze(-1))
+    denom = p.sum(-1) + torch.exp(sink - peak)
+    out = torch.einsum("bsht,btd->bshd", p.to(kv.dtype).float(), kvf) / denom.unsqueeze(-1)
+    return out.to(q.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Dsv4Config, role: LayerRole, dtype: torch.dtype):
+        super().__init__()
+        self.role = role
+        self.is_v41 = config.is_v41
+        self.n_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.rope_dim, self.window = config.qk_rope_head_dim, config.sliding_window
+        self.o_groups, self.o_lora_rank = config.o_groups, config.o_lora_rank
+        self.eps = config.rms_norm_eps
+        self.quant_sim = True
+        D, H, Dh = config.hidden_size, self.n_heads, self.head_dim
+        fmt = "fp8" if config.quantization_config else "dense"
+        block, act = config.weight_block_size or (128, 128), config.act_block_size
+        self.wq_a = Linear(D, config.q_lora_rank, fmt, block, act, dtype=dtype)
+        self.q_norm = RMSNorm(config.q_lora_rank, self.eps)
+        self.wq_b = Linear(config.q_lora_rank, H * Dh, fmt, block, act, dtype=dtype)
+        self.wkv = Linear(D, Dh, fmt, block, act, dtype=dtype)
+        self.kv_norm = RMSNorm(Dh, self.eps)
+        # wo_a is stored FP8 but the official reference runs it dequantized, without activation rounding
+        self.wo_a = Linear(H * Dh // self.o_groups, self.o_groups * self.o_lora_rank, fmt, block, dtype=dtype)
+        self.wo_b = Linear(self.o_groups * self.o_lora_rank, D, fmt, block, act, dtype=dtype)
+        self.attn_sink = nn.Parameter(torch.empty(H, dtype=torch.float32), False)
+        if role.compress_ratio:
+            self.rotary = Rotary(self.rope_dim, config.compress_rope_theta, config.rope_scaling)
+        else:
+            self.rotary = Rotary(self.rope_dim, config.rope_theta, None)
+        if role.owns_compressor:
+            self.compressor = Compressor(config, role.compress_ratio, Dh, dtype)
+        if role.owns_indexer:
+            self.indexer = Indexer(config, role.owns_index_keys, dtype)
+
+    # ------------------------------------------------------------------ precision steps (quant_sim)
+    def _window_quant(self, kv: torch.Tensor) -> torch.Tensor:
+        """V4: FP8 (block 64) on the non-RoPE dims; V4.1: FP8 (block 32) over all 512 dims."""
+        if not self.quant_sim:
+            return kv
+        if self.is_v41:
+            return fake_quant_fp8(kv, 32)
+        rd = self.rope_dim
+        return torch.cat((fake_quant_fp8(kv[..., :-rd], 64), kv[..., -rd:]), dim=-1)
+
+    def _compressed_quant(self, kv: torch.Tensor) -> torch.Tensor:
+        """V4: as the window; V4.1: e2m1 with an e4m3 scale per 16, after RoPE."""
+        if self.quant_sim and self.is_v41:
+            return fake_quant_nvfp4(kv, 16)
+        return self._window_quant(kv)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: SharedKV) -> torch.Tensor:
+        """x: [B, S, D] at positions [S] (a prefix starting at 0) -> [B, S, D]."""
+        B, S, _ = x.shape
+        cos, sin = self.rotary.cos_sin(positions)
+        cos, sin = cos[None], sin[None]
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B, S, H, Dh]
+        if not self.is_v41:  # V4 only: weightless RMS norm per query head
+            qf = q.float()
+            q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
+        q = apply_rope(q, cos, sin)
+        kv = self._window_quant(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))  # [B, S, Dh]
+
+        distance = positions.unsqueeze(1) - positions.unsqueeze(0)  # [S, S]
+        allowed = ((distance >= 0) & (distance < self.window)).expand(B, S, S)
+        if self.role.compress_ratio:
+            comp, comp_allowed = self._compressed(x, qr, positions, shared)
+            kv = torch.cat((kv, comp.to(kv.dtype)), dim=1)
+            allowed = torch.cat((allowed, comp_allowed), dim=-1)
+
+        o = sparse_attention(q, kv, allowed, self.attn_sink, self.head_dim**-0.5)
+        o = apply_rope(o, cos, sin, inverse=True)
+        o = o.reshape(B, S, self.o_groups, -1)  # consecutive heads form a group
+        wo_a = self.wo_a.dequantized_weight().to(o.dtype).view(self.o_groups, self.o_lora_rank, -1)
+        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        return self.wo_b(o.flatten(2))
+
+    def _compressed(
+        self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, shared: SharedKV
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compressed KV this layer reads [B, G, Dh] and which entries each query sees [B, S, G]."""
+        role, r = self.role, self.role.compress_ratio
+        B, S = x.shape[:2]
+        if role.owns_compressor:
+            latent = self.compressor(x)  # [B, G, Dh], pre-RoPE
+            G = latent.shape[1]
+            if role.owns_index_keys:
+                shared.index_keys[role.layer_id] = self.indexer.keys(x, latent, self.rotary, r)
+            cos, sin = self.rotary.cos_sin(torch.arange(G, device=x.device) * r)
+            shared.compressed[role.layer_id] = self._compressed_quant(apply_rope(latent, cos[None], sin[None]))
+        comp = shared.compressed[role.kv_source]
+        G = comp.shape[1]
+        if role.index_source is None:  # HCA: every visible entry
+            visible = torch.arange(G, device=x.device) < ((positions + 1) // r).unsqueeze(-1)
+            return comp, visible.expand(B, S, G)
+        if role.owns_indexer:
+            keys = shared.index_keys[role.kv_source if self.is_v41 else role.layer_id]
+            idx, pool = self.indexer(
+                x,
+                qr,
+                keys,
+                positions,
+                self.rotary,
+                r,
+                candidates=shared.candidates if role.candidate_role == "consumer" else None,
+                select_candidates=role.candidate_role == "source",
+            )
+            if pool is not None:
+                shared.candidates = pool
+            shared.topk[role.layer_id] = idx
+        idx = shared.topk[role.index_source]
+        selected = torch.zeros(B, S, G + 1, dtype=torch.bool, device=x.device)
+        selected.scatter_(-1, torch.where(idx < 0, G, idx), True)  # -1 lands in a dropped column
+        return comp, selected[..., :G]

@@ -1,0 +1,123 @@
+"""The lightning indexer: picks, per query, the `index_topk` compressed entries it attends to.
+
+score[s, t] = sum_h w[s, h] * relu(q[s, h] . k[t]), masked to entries visible at the query
+(t < (p_s + 1) // ratio), then top-k; picks that are not selectable come back as -1.
+
+V4: every CSA layer compresses its own index keys (a ratio-4 overlapping compressor at index_head_dim);
+under quant_sim q and keys are Hadamard-rotated and FP4-simulated.
+V4.1: keys come from the KV source's latent (`wk` + `k_norm`, no rotation), FP4-simulated; the
+candidate source layer keeps the best `candidate_topk_blocks` blocks of `candidate_block_size`
+entries (a block scores its best entry; the block of the newest visible entry is always kept) and
+later index layers rescore only inside that pool.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.config import Dsv4Config
+from dsv4.quant import fake_quant_mxfp4
+from dsv4.reference.compressor import Compressor
+from dsv4.reference.linear import Linear, RMSNorm
+from dsv4.reference.rope import Rotary, apply_rope
+
+FP4_BLOCK = 32
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform over the last dim (a power of two), in fp32."""
+    d = x.shape[-1]
+    y = x.float()
+    h = 1
+    while h < d:
+        y = y.unflatten(-1, (-1, 2, h))
+        y = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2).flatten(-3)
+        h *= 2
+    return (y * d**-0.5).to(x.dtype)
+
+
+def select_candidate_blocks(score: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
+    """Level one of V4.1's two-level top-k.
+
+    score: [B, S, T] with unreachable entries at -inf; visible: [S] entries each query can see.
+    Returns a bool mask [B, S, T] of the entries inside the kept blocks.
+    """
+    T = score.shape[-1]
+    blocks = F.pad(score, (0, -T % block), value=float("-inf")).unflatten(-1, (-1, block)).amax(-1)
+    n_blocks = blocks.shape[-1]
+    # the newest block is only partly filled, so it could lose to an older full block: pin it
+    newest = ((visible - 1) // block).view(1, -1, 1)
+    blocks = blocks.masked_fill(torch.arange(n_blocks, device=score.device) == newest, float("inf"))
+    top = blocks.topk(min(topk_blocks, n_blocks), dim=-1)
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block, dim=-1)[..., :T]
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: Dsv4Config, owns_keys: bool, dtype: torch.dtype):
+        super().__init__()
+        self.is_v41 = config.is_v41
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.topk = config.index_topk
+        self.candidate_topk_blocks = config.candidate_topk_blocks
+        self.candidate_block_size = config.candidate_block_size
+        self.quant_sim = True
+        fmt = "fp8" if config.quantization_config else "dense"
+        block, act = config.weight_block_size or (128, 128), config.act_block_size
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, fmt, block, act, dtype=dtype)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, dtype=dtype)
+        if owns_keys and self.is_v41:
+            self.wk = Linear(config.head_dim, self.head_dim, dtype=dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        elif owns_keys:
+            self.compressor = Compressor(config, 4, self.head_dim, dtype)
+
+    def _fp4(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.quant_sim:
+            return t
+        return fake_quant_mxfp4(t if self.is_v41 else hadamard(t), FP4_BLOCK)
+
+    def keys(self, x: torch.Tensor, latent: torch.Tensor, rotary: Rotary, ratio: int) -> torch.Tensor:
+        """Index keys [B, G, index_head_dim] of the complete groups, rotated at positions g * ratio."""
+        k = self.k_norm(self.wk(latent)) if self.is_v41 else self.compressor(x)
+        G = k.shape[1]
+        cos, sin = rotary.cos_sin(torch.arange(G, device=k.device) * ratio)
+        return self._fp4(apply_rope(k, cos[None], sin[None]))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        keys: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        ratio: int,
+        candidates: torch.Tensor | None = None,
+        select_candidates: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns top-k entry ids [B, S, k] (-1 = none) and, for the candidate source, the pool mask.
+
+        x: [B, S, D]; qr: [B, S, q_lora_rank]; keys: [B, T, index_head_dim]; positions: [S].
+        candidates: [B, S, T] pool from the candidate source, for a layer that rescores inside it.
+        """
+        B, S, _ = x.shape
+        T = keys.shape[1]
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B, S, Hi, di]
+        cos, sin = rotary.cos_sin(positions)
+        q = self._fp4(apply_rope(q, cos[None], sin[None]))
+        w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)  # [B, S, Hi]
+        score = (torch.einsum("bshd,btd->bsht", q, keys.to(q.dtype)).relu() * w.unsqueeze(-1)).sum(2)
+        visible = (positions + 1) // ratio  # [S]
+        reachable = torch.arange(T, device=x.device) < visible.unsqueeze(-1)  # [S, T]
+        score = score.float().masked_fill(~reachable, float("-inf"))
+        pool = None
+        if select_candidates:
+            pool = select_candidate_blocks(score, visible, self.candidate_topk_blocks, self.candidate_block_size)
+        elif candidates is not None:
+            score = score.masked_fill(~candidates, float("-inf"))
+        top = score.topk(min(self.topk, T), dim=-1)
+        idx = torch.where(top.values > float("-inf"), top.indices, -1)
+        return idx.sort(dim=-1).values, pool

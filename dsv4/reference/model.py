@@ -1,0 +1,143 @@
+"""The DeepSeek-V4 / V4.1 text model: embed, expand into mHC streams, blocks, collapse, head.
+
+Module and parameter names equal the official checkpoint keys (`embed`, `layers.{i}.attn.wq_a`,
+`layers.{i}.ffn.experts.{e}.w1`, `layers.{i}.hc_attn_fn`, `head`, ...), so official checkpoints load
+without renaming. Every mechanism lives in its own file; this one wires them:
+
+    h = embed(ids) repeated into hc_mult streams                       # [B, S, hc, D]
+    per layer: [V4.1 Engram] -> mHC(attn_norm -> attention) -> mHC(ffn_norm -> MoE)
+    logits = head(norm(collapse(h)))                                   # fp32
+
+`quant_sim` (on by default) reproduces the official reference's precision steps (FP8 activations at
+quantized linears, FP8/FP4 KV and indexer simulation); off, the model computes in full precision as
+transformers does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.config import Dsv4Config, LayerRole
+from dsv4.reference.attention import Attention, SharedKV
+from dsv4.reference.linear import RMSNorm
+from dsv4.reference.mhc import hc_collapse, hc_expand, hc_head_pre, hc_project, hc_split_sinkhorn, one_hot_pre
+from dsv4.reference.moe import MoE
+
+
+class Block(nn.Module):
+    def __init__(self, config: Dsv4Config, role: LayerRole, dtype: torch.dtype):
+        super().__init__()
+        self.config, self.role = config, role
+        D, hc = config.hidden_size, config.hc_mult
+        mix = (2 + hc) * hc
+        if role.engram:
+            from dsv4.reference.engram import Engram
+
+            self.engram = Engram(config, role.layer_id, dtype)
+        self.attn = Attention(config, role, dtype)
+        self.ffn = MoE(config, role, dtype)
+        self.attn_norm = RMSNorm(D, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(D, config.rms_norm_eps)
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty(mix, hc * D), False))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.empty(mix), False))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.empty(3), False))
+
+    def mixes(self, h: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        c = self.config
+        m = hc_project(h, getattr(self, f"hc_{site}_fn"), c.rms_norm_eps)
+        base, scale = getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale")
+        return hc_split_sinkhorn(m, scale, base, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        pre: torch.Tensor | None,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        shared: SharedKV,
+        hash_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h: [B, S, hc, D]. `pre` is V4.1's carried collapse weights (None for V4); returns the new
+        streams and the weights the next site collapses with."""
+        if self.role.engram:
+            h = self.engram(h, hash_ids)
+        single_pass = self.config.is_v41
+        attn_pre, post, comb = self.mixes(h, "attn")
+        x = hc_collapse(h, pre if single_pass else attn_pre)
+        h = hc_expand(self.attn(self.attn_norm(x), positions, shared), h, post, comb)
+        ffn_pre, post, comb = self.mixes(h, "ffn")
+        x = hc_collapse(h, attn_pre if single_pass else ffn_pre)
+        h = hc_expand(self.ffn(self.ffn_norm(x), input_ids), h, post, comb)
+        return h, ffn_pre
+
+
+class Dsv4Model(nn.Module):
+    def __init__(self, config: Dsv4Config, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.config = config
+        D, hc = config.hidden_size, config.hc_mult
+        self.embed = nn.Embedding(config.vocab_size, D, dtype=dtype)
+        self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(Block(config, role, dtype) for role in config.layer_roles)
+        self.norm = RMSNorm(D, config.rms_norm_eps)
+        self.head = nn.Linear(D, config.vocab_size, bias=False, dtype=dtype)
+        self.head.weight.requires_grad_(False)
+        if not config.is_v41:
+            self.hc_head_fn = nn.Parameter(torch.empty(hc, hc * D), False)
+            self.hc_head_base = nn.Parameter(torch.empty(hc), False)
+            self.hc_head_scale = nn.Parameter(torch.empty(1), False)
+        self.engram_hasher = None  # set by the loader for V4.1 models with Engram layers
+
+    def set_quant_sim(self, on: bool) -> None:
+        """Switch the official reference's precision steps on or off in every submodule."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "quant_sim"):
+                m.quant_sim = on
+
+    def hidden_states(self, input_ids: torch.Tensor, layer_hook=None) -> torch.Tensor:
+        """Final collapsed hidden state [B, S, D] (before the final norm) of a prompt from position 0."""
+        c = self.config
+        B, S = input_ids.shape
+        positions = torch.arange(S, device=input_ids.device)
+        hash_ids = self.engram_hasher.hash_ids(input_ids, 0) if c.engram_layer_ids and c.is_v41 else None
+        h = self.embed(input_ids).unsqueeze(2).repeat(1, 1, c.hc_mult, 1)  # [B, S, hc, D]
+        pre = one_hot_pre(h) if c.is_v41 else None
+        shared = SharedKV()
+        for layer in self.layers:
+            ids = None
+            if layer.role.engram:
+                ids = hash_ids[:, :, c.engram_layer_ids.index(layer.role.layer_id)]
+            h, pre = layer(h, pre, input_ids, positions, shared, ids)
+            if layer_hook is not None:
+                layer_hook(layer.role.layer_id, h)
+        if c.is_v41:
+            return hc_collapse(h, pre)
+        head_pre = hc_head_pre(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.rms_norm_eps, c.hc_eps)
+        return hc_collapse(h, head_pre)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the final norm's output, as the official head computes them."""
+        return F.linear(self.norm(hidden).float(), self.head.weight.float())
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [B, S] -> logits [B, S, vocab_size] fp32."""
+        return self.logits(self.hidden_states(input_ids))
+
+
+def load_model(
+    path_or_repo: str, dtype: torch.dtype = torch.bfloat16, quant_sim: bool = True, progress: bool = True
+) -> Dsv4Model:
+    """Build on the meta device, then memory-map and assign the checkpoint (nothing allocated twice)."""
+    from dsv4.checkpoint import load_into, resolve_model_dir
+
+    model_dir = resolve_model_dir(path_or_repo)
+    config = Dsv4Config.from_json(model_dir)
+    with torch.device("meta"):
+        model = Dsv4Model(config, dtype)
+    load_into(model, model_dir, progress=progress)
+    model.set_quant_sim(quant_sim)
+    model.model_dir = model_dir
+    return model.eval()
