@@ -201,7 +201,7 @@ class Dsv4Config:
     engram_compressed_vocab_size: int = 99092
     num_nextn_predict_layers: int = 3
     dspark_block_size: int = 5
-    dspark_noise_token_id: int = 128799
+    dspark_noise_token_id: int | None = 128799
     dspark_target_layer_ids: list[int] = field(default_factory=lambda: [37, 38, 39])
     dspark_markov_rank: int = 256
     dspark_n_routed_experts: int = 128
@@ -250,6 +250,15 @@ class Dsv4Config:
         if self.weight_block_size is not None:
             return self.weight_block_size[1]
         return _DEFAULT_ACT_BLOCK[self.model_family]
+
+    @property
+    def decoder_start(self) -> int | None:
+        """V4.1: first decoder layer (after the last KV source); these own only a window and read the
+        last source's global KV, so `decoder_replay` may run them over the prompt's last window only."""
+        if not self.is_v41 or not self.kv_source_layer_ids:
+            return None
+        start = self.kv_source_layer_ids[-1] + 1
+        return start if start < self.num_hidden_layers else None
 
     @property
     def layer_roles(self) -> list[LayerRole]:
@@ -375,6 +384,8 @@ class Dsv4Config:
                     f"layer {i} (ratio {ratios[i]}) reads source {src} (ratio {ratios[src]})",
                 )
         index = self.index_source_layer_ids
+        for i in sources:
+            _check(i in index, "index_source_layer_ids", f"KV source {i} must also be an index source (it owns the index keys)")
         _check(index == sorted(set(index)), "index_source_layer_ids", "must be sorted and unique")
         for i in index:
             _check(0 <= i < n and ratios[i] > 0, "index_source_layer_ids", f"layer {i} has no compress ratio")
@@ -429,6 +440,10 @@ class Dsv4Config:
         else:
             raise ConfigError(f"model_type must be 'deepseek_v4', 'deepseek_v41' or 'dsv4', got {model_type!r}")
         d.setdefault("quantization_config", None)  # no quantization_config: a dense checkpoint
+        if d["model_family"] == V4:  # V4.1-only settings a V4 file may lack
+            for key, value in (("image_token_id", None), ("dspark_block_size", 0), ("dspark_noise_token_id", None)):
+                d.setdefault(key, value)
+            d.setdefault("dspark_target_layer_ids", [])
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
         for k in ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):

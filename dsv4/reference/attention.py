@@ -36,6 +36,12 @@ class SharedKV:
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, S, k], -1 = none
     candidates: torch.Tensor | None = None  # [B, S, G] bool
 
+    def keep_queries(self, keep: slice) -> None:
+        """Keep only some query rows of the per-query selections (V4.1 decoder replay)."""
+        self.topk = {layer: idx[:, keep] for layer, idx in self.topk.items()}
+        if self.candidates is not None:
+            self.candidates = self.candidates[:, keep]
+
 
 def sparse_attention(
     q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor, scale: float

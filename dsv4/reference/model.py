@@ -90,6 +90,7 @@ class Dsv4Model(nn.Module):
             self.hc_head_base = nn.Parameter(torch.empty(hc), False)
             self.hc_head_scale = nn.Parameter(torch.empty(1), False)
         self.engram_hasher = None  # set by the loader for V4.1 models with Engram layers
+        self.decoder_replay = False
 
     def set_quant_sim(self, on: bool) -> None:
         """Switch the official reference's precision steps on or off in every submodule."""
@@ -97,26 +98,42 @@ class Dsv4Model(nn.Module):
             if m is not self and hasattr(m, "quant_sim"):
                 m.quant_sim = on
 
-    def hidden_states(self, input_ids: torch.Tensor, layer_hook=None) -> torch.Tensor:
-        """Final collapsed hidden state [B, S, D] (before the final norm) of a prompt from position 0."""
+    def hidden_states(self, input_ids: torch.Tensor, layer_hook=None, decoder_replay: bool | None = None) -> torch.Tensor:
+        """Final collapsed hidden state [B, S', D] (before the final norm) of a prompt from position 0.
+
+        With V4.1's `decoder_replay` on, the decoder layers (after the last KV source) run only over the
+        last `sliding_window` positions, reading the global KV the encoder built over the whole prompt
+        (DeepSeek's "decoder SWA bounded replay"); their windows then start at that cut, and S' is the
+        window. Off (the default), every layer runs over every token: the exact causal model.
+        """
         c = self.config
+        self._reject_image_tokens(input_ids)
+        replay = self.decoder_replay if decoder_replay is None else decoder_replay
         B, S = input_ids.shape
         positions = torch.arange(S, device=input_ids.device)
-        hash_ids = self.engram_hasher.hash_ids(input_ids, 0) if c.engram_layer_ids and c.is_v41 else None
+        hash_ids = self.engram_hasher.hash_ids(input_ids, 0) if c.is_v41 and c.engram_layer_ids else None
         h = self.embed(input_ids).unsqueeze(2).repeat(1, 1, c.hc_mult, 1)  # [B, S, hc, D]
         pre = one_hot_pre(h) if c.is_v41 else None
         shared = SharedKV()
         for layer in self.layers:
-            ids = None
-            if layer.role.engram:
-                ids = hash_ids[:, :, c.engram_layer_ids.index(layer.role.layer_id)]
+            i = layer.role.layer_id
+            if replay and i == c.decoder_start and S > c.sliding_window:
+                keep = slice(S - c.sliding_window, S)
+                h, pre, input_ids, positions = h[:, keep], pre[:, keep], input_ids[:, keep], positions[keep]
+                shared.keep_queries(keep)
+            ids = hash_ids[:, :, c.engram_layer_ids.index(i)] if layer.role.engram else None
             h, pre = layer(h, pre, input_ids, positions, shared, ids)
             if layer_hook is not None:
-                layer_hook(layer.role.layer_id, h)
+                layer_hook(i, h)
         if c.is_v41:
             return hc_collapse(h, pre)
         head_pre = hc_head_pre(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.rms_norm_eps, c.hc_eps)
         return hc_collapse(h, head_pre)
+
+    def _reject_image_tokens(self, input_ids: torch.Tensor) -> None:
+        image = self.config.image_token_id if self.config.is_v41 else None
+        if image is not None and bool((input_ids == image).any()):
+            raise ValueError(f"the prompt contains image tokens (id {image}); image input is not supported yet")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the final norm's output, as the official head computes them."""
@@ -128,7 +145,11 @@ class Dsv4Model(nn.Module):
 
 
 def load_model(
-    path_or_repo: str, dtype: torch.dtype = torch.bfloat16, quant_sim: bool = True, progress: bool = True
+    path_or_repo: str,
+    dtype: torch.dtype = torch.bfloat16,
+    quant_sim: bool = True,
+    progress: bool = True,
+    decoder_replay: bool = False,
 ) -> Dsv4Model:
     """Build on the meta device, then memory-map and assign the checkpoint (nothing allocated twice)."""
     from dsv4.checkpoint import load_into, resolve_model_dir
@@ -138,6 +159,34 @@ def load_model(
     with torch.device("meta"):
         model = Dsv4Model(config, dtype)
     load_into(model, model_dir, progress=progress)
+    if config.is_v41 and config.engram_layer_ids:
+        model.engram_hasher = engram_hasher(model_dir, config)
     model.set_quant_sim(quant_sim)
+    model.decoder_replay = decoder_replay
     model.model_dir = model_dir
     return model.eval()
+
+
+def engram_hasher(model_dir, config: Dsv4Config):
+    """The n-gram hasher of V4.1's Engram layers: token map from the checkpoint's tokenizer, hash
+    layout frozen in `engram_layout.json` beside the checkpoint (or in the user cache when the
+    checkpoint directory is read-only)."""
+    import hashlib
+    import os
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from dsv4.reference.engram import LAYOUT_FILENAME, EngramHasher, compressed_token_map, load_or_create_layout
+
+    model_dir = Path(model_dir)
+    tokenizer_file = model_dir / "tokenizer.json"
+    if not tokenizer_file.exists():
+        raise FileNotFoundError(f"{model_dir} has Engram layers but no tokenizer.json to build their token map")
+    token_map, _ = compressed_token_map(Tokenizer.from_file(str(tokenizer_file)))
+    layout_path = model_dir / LAYOUT_FILENAME
+    if not layout_path.exists() and not os.access(model_dir, os.W_OK):
+        key = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]
+        layout_path = Path(os.environ.get("DSV4_CACHE", Path.home() / ".cache" / "dsv4")) / key / LAYOUT_FILENAME
+        layout_path.parent.mkdir(parents=True, exist_ok=True)
+    return EngramHasher(load_or_create_layout(layout_path, config, token_map), token_map)
