@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-# Tensors the text model does not use (yet): skipped by name, and counted in the report.
-SKIPPED_PREFIXES = ("vision.", "aligner.", "mtp.", "image_start", "image_end", "image_newline")
+# Tensors the text model does not use (yet): skipped by name, and counted in the report. The drafter
+# (`mtp.`) is skipped only where the model has none (V4's MTP stages).
+SKIPPED_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 
 # transformers' DeepseekV4 `save_pretrained` keeps a `model.` prefix and a few of its own leaf names;
 # the attention kv_norm comes out as `attn.norm` (compressor norms are named `norm` in both schemes).
@@ -165,7 +166,7 @@ def _slots(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor, bo
     return slots
 
 
-def load_into(model: nn.Module, model_dir: Path, progress: bool = True) -> LoadReport:
+def load_into(model: nn.Module, model_dir: Path, progress: bool = True, skip: tuple[str, ...] = ()) -> LoadReport:
     """Assign every checkpoint tensor into `model` (built on the meta device), checking all of them.
 
     Raises CheckpointError listing missing, unexpected, misshapen and mistyped tensors by name.
@@ -178,7 +179,7 @@ def load_into(model: nn.Module, model_dir: Path, progress: bool = True) -> LoadR
     for path in tqdm(files, desc="Loading shards", unit="shard", disable=not progress or len(files) < 2):
         for raw_name, tensor in mmap_safetensors(path).items():
             name = official_name(raw_name)
-            if name.startswith(SKIPPED_PREFIXES):
+            if name.startswith(SKIPPED_PREFIXES + tuple(skip)):
                 report.skipped.append(name)
                 continue
             if name not in slots:

@@ -252,6 +252,11 @@ class Dsv4Config:
         return _DEFAULT_ACT_BLOCK[self.model_family]
 
     @property
+    def has_drafter(self) -> bool:
+        """V4.1 checkpoints carry a DSpark block drafter under `mtp.*`."""
+        return self.is_v41 and self.dspark_block_size > 0 and self.num_nextn_predict_layers > 0
+
+    @property
     def decoder_start(self) -> int | None:
         """V4.1: first decoder layer (after the last KV source); these own only a window and read the
         last source's global KV, so `decoder_replay` may run them over the prompt's last window only."""
@@ -366,6 +371,13 @@ class Dsv4Config:
             )
         if self.is_v41:
             self._validate_v41()
+        if self.has_drafter:
+            for i in self.dspark_target_layer_ids:
+                # the drafter reads a target layer's input, which we take as the previous layer's output:
+                # exact unless an Engram lookup sits in between
+                _check(0 < i < n and i not in self.engram_layer_ids, "dspark_target_layer_ids",
+                       f"layer {i} must be a backbone layer after layer 0 without Engram")
+            _check(len(self.dspark_target_layer_ids) > 0, "dspark_target_layer_ids", "the drafter needs target layers")
 
     def _validate_v41(self) -> None:
         n = self.num_hidden_layers

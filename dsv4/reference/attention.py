@@ -131,7 +131,11 @@ class Attention(nn.Module):
             allowed = torch.cat((allowed, comp_allowed), dim=-1)
 
         o = sparse_attention(q, kv, allowed, self.attn_sink, self.head_dim**-0.5)
-        o = apply_rope(o, cos, sin, inverse=True)
+        return self._output(apply_rope(o, cos, sin, inverse=True))
+
+    def _output(self, o: torch.Tensor) -> torch.Tensor:
+        """Grouped low-rank output projection: o [B, S, H, Dh] -> [B, S, D]."""
+        B, S = o.shape[:2]
         o = o.reshape(B, S, self.o_groups, -1)  # consecutive heads form a group
         wo_a = self.wo_a.dequantized_weight().to(o.dtype).view(self.o_groups, self.o_lora_rank, -1)
         o = torch.einsum("bsgd,grd->bsgr", o, wo_a)

@@ -27,7 +27,9 @@ from dsv4.reference.moe import MoE
 
 
 class Block(nn.Module):
-    def __init__(self, config: Dsv4Config, role: LayerRole, dtype: torch.dtype):
+    attention_cls = Attention
+
+    def __init__(self, config: Dsv4Config, role: LayerRole, dtype: torch.dtype, n_experts=None, topk=None):
         super().__init__()
         self.config, self.role = config, role
         D, hc = config.hidden_size, config.hc_mult
@@ -36,8 +38,8 @@ class Block(nn.Module):
             from dsv4.reference.engram import Engram
 
             self.engram = Engram(config, role.layer_id, dtype)
-        self.attn = Attention(config, role, dtype)
-        self.ffn = MoE(config, role, dtype)
+        self.attn = self.attention_cls(config, role, dtype)
+        self.ffn = MoE(config, role, dtype, n_experts, topk)
         self.attn_norm = RMSNorm(D, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(D, config.rms_norm_eps)
         for site in ("attn", "ffn"):
@@ -57,11 +59,12 @@ class Block(nn.Module):
         pre: torch.Tensor | None,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        shared: SharedKV,
+        shared,
         hash_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h: [B, S, hc, D]. `pre` is V4.1's carried collapse weights (None for V4); returns the new
-        streams and the weights the next site collapses with."""
+        streams and the weights the next site collapses with. `shared` is what the attention reads
+        from earlier layers (a SharedKV; a drafter stage's context)."""
         if self.role.engram:
             h = self.engram(h, hash_ids)
         single_pass = self.config.is_v41
@@ -89,6 +92,10 @@ class Dsv4Model(nn.Module):
             self.hc_head_fn = nn.Parameter(torch.empty(hc, hc * D), False)
             self.hc_head_base = nn.Parameter(torch.empty(hc), False)
             self.hc_head_scale = nn.Parameter(torch.empty(1), False)
+        if config.has_drafter:
+            from dsv4.reference.drafter import draft_stage
+
+            self.mtp = nn.ModuleList(draft_stage(config, k, dtype) for k in range(config.num_nextn_predict_layers))
         self.engram_hasher = None  # set by the loader for V4.1 models with Engram layers
         self.decoder_replay = False
 
@@ -130,6 +137,51 @@ class Dsv4Model(nn.Module):
         head_pre = hc_head_pre(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.rms_norm_eps, c.hc_eps)
         return hc_collapse(h, head_pre)
 
+    @torch.no_grad()
+    def draft(
+        self, input_ids: torch.Tensor, next_token: torch.Tensor, temperature: float = 0.0, generator=None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DSpark draft after the prefix input_ids [B, S] and the token sampled after it [B].
+
+        Returns the block's tokens [B, block + 1] (next_token first), its logits [B, block, V] fp32
+        (Markov bias included) and confidences [B, block]. See dsv4/reference/drafter.py.
+        """
+        from dsv4.reference.drafter import DraftContext
+        from dsv4.sampling import sample
+
+        c = self.config
+        if not c.has_drafter:
+            raise ValueError("this model has no DSpark drafter (mtp.*) layers")
+        targets = {t - 1: t for t in c.dspark_target_layer_ids}  # a layer's input is the previous layer's output
+        inputs: dict[int, torch.Tensor] = {}
+
+        def keep_target_inputs(layer_id: int, h: torch.Tensor) -> None:
+            if layer_id in targets:
+                inputs[targets[layer_id]] = h.mean(dim=2)
+
+        self.hidden_states(input_ids, keep_target_inputs, decoder_replay=False)
+        first, last = self.mtp[0], self.mtp[-1]
+        main = torch.cat([inputs[t] for t in c.dspark_target_layer_ids], dim=-1)
+        S, blk = input_ids.shape[1], c.dspark_block_size
+        context = DraftContext(first.main_norm(first.main_proj(main)), torch.arange(S, device=input_ids.device))
+        block = next_token.new_full((input_ids.shape[0], blk), c.dspark_noise_token_id)
+        block[:, 0] = next_token
+        positions = torch.arange(S, S + blk, device=input_ids.device)
+        h = self.embed(block).unsqueeze(2).repeat(1, 1, c.hc_mult, 1)
+        pre = one_hot_pre(h)
+        for stage in self.mtp:
+            h, pre = stage(h, pre, block, positions, context)
+        x = hc_collapse(h, pre)
+        logits = F.linear(last.norm(x).float(), self.head.weight.float())  # [B, blk, V]
+        tokens, markov = [next_token], []
+        for i in range(blk):
+            bias, embedding = last.markov_head(tokens[-1])
+            logits[:, i] += bias
+            markov.append(embedding)
+            tokens.append(sample(logits[:, i], temperature, generator=generator))
+        confidence = last.confidence_head(x, torch.stack(markov, dim=1).to(x.dtype))
+        return torch.stack(tokens, dim=1), logits, confidence
+
     def _reject_image_tokens(self, input_ids: torch.Tensor) -> None:
         image = self.config.image_token_id if self.config.is_v41 else None
         if image is not None and bool((input_ids == image).any()):
@@ -158,7 +210,7 @@ def load_model(
     config = Dsv4Config.from_json(model_dir)
     with torch.device("meta"):
         model = Dsv4Model(config, dtype)
-    load_into(model, model_dir, progress=progress)
+    load_into(model, model_dir, progress=progress, skip=() if config.has_drafter else ("mtp.",))
     if config.is_v41 and config.engram_layer_ids:
         model.engram_hasher = engram_hasher(model_dir, config)
     model.set_quant_sim(quant_sim)

@@ -74,9 +74,9 @@ class Expert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: Dsv4Config, role: LayerRole, dtype: torch.dtype):
+    def __init__(self, config: Dsv4Config, role: LayerRole, dtype: torch.dtype, n_experts=None, topk=None):
         super().__init__()
-        E, k = config.n_routed_experts, config.num_experts_per_tok
+        E, k = n_experts or config.n_routed_experts, topk or config.num_experts_per_tok
         self.gate = Gate(config, role, E, k, dtype)
         expert_fmt = config.expert_format
         shared_fmt = "fp8" if config.quantization_config else "dense"
