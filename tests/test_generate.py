@@ -1,0 +1,52 @@
+"""`python -m dsv4.generate`: the embedded default runs; bad input ends in one line, exit status 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from dsv4.generate import main
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("DSV4_CACHE", str(tmp_path_factory.getbasetemp() / "dsv4-cache"))
+
+
+def test_embedded_default_generates(capsys):
+    assert main(["--prompt", "Hello", "--max-new-tokens", "4", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert "time to first token" in err and "tokens/s" in err
+
+
+def test_sampling_is_seeded(capsys):
+    args = ["--prompt", "abc", "--max-new-tokens", "5", "--temperature", "1.0", "--top-k", "50", "--quiet"]
+    main(args + ["--seed", "7"])
+    first = capsys.readouterr().out
+    main(args + ["--seed", "7"])
+    assert capsys.readouterr().out == first
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "/no/such/model", "--prompt", "x"], "does not exist"),
+        (["--prompt", "   "], "prompt is empty"),
+        (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--prompt", "x", "--top-p", "0"], "--top-p"),
+        (["--prompt", "x", "--temperature", "-1"], "--temperature"),
+        (["--prompt", "x", "--max-new-tokens", str(1 << 21)], "exceeds the context"),
+    ],
+)
+def test_bad_input_is_one_line(argv, message, capsys):
+    assert main(argv + ["--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_module_entry_point_reads_stdin():
+    run = subprocess.run(
+        [sys.executable, "-m", "dsv4.generate", "--max-new-tokens", "2", "--quiet"],
+        input="Hi", capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr

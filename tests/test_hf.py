@@ -1,0 +1,77 @@
+"""transformers integration: registration, from_pretrained on transformers-saved dirs, generate, save round trip."""
+
+import importlib
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV4Config, DeepseekV4ForCausalLM
+
+import dsv4
+from dsv4 import Dsv4ForCausalLM
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A transformers DeepseekV4 model (SWA, CSA, HCA; one hash layer) saved by transformers itself."""
+    torch.manual_seed(0)
+    config = DeepseekV4Config(
+        vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=2, head_dim=64,
+        qk_rope_head_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, num_hash_layers=1, sliding_window=8,
+        compress_ratios=[0, 4, 128], index_n_heads=2, index_head_dim=64, index_topk=2,
+    )
+    model = DeepseekV4ForCausalLM(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.3 if ("hc" in name or "sinks" in name) else 0.05)
+            if name.endswith("norm.weight"):
+                p.add_(1.0)
+        for name, b in model.named_buffers():
+            if "tid2eid" in name:
+                b.copy_(torch.randint(0, 4, b.shape))
+    out = tmp_path_factory.mktemp("hf_v4")
+    model.save_pretrained(out)
+    return out
+
+
+def test_import_twice_keeps_registration():
+    importlib.reload(dsv4)
+    dsv4.register()
+    assert AutoConfig.for_model("dsv4").__class__.__name__ == "Dsv4Config"
+
+
+def test_logits_match_transformers(hf_dir):
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(3))
+    ours = Dsv4ForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32, quant_sim=False, progress=False)
+    theirs = DeepseekV4ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        a, b = ours(ids).logits, theirs(ids).logits
+    assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def test_generate_and_save_round_trip(hf_dir, tmp_path):
+    model = Dsv4ForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32, quant_sim=False, progress=False)
+    ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(4))
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 14) and torch.equal(out[:, :10], ids)
+    # greedy generate continues with the argmax of the full-sequence logits
+    assert int(out[0, 10]) == int(model(ids).logits[0, -1].argmax())
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32, quant_sim=False, progress=False)
+    assert isinstance(again, Dsv4ForCausalLM)
+    assert torch.equal(again(ids).logits, model(ids).logits)
+    assert '"model_type": "dsv4"' in (tmp_path / "config.json").read_text()
+
+
+def test_padded_batches_are_rejected(hf_dir):
+    model = Dsv4ForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32, progress=False)
+    ids = torch.ones(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="padded"):
+        model(ids, attention_mask=torch.tensor([[0, 1, 1, 1]]))
+
+
+def test_unknown_impl_and_path_fail_clearly(hf_dir):
+    with pytest.raises(ValueError, match="impl"):
+        Dsv4ForCausalLM.from_pretrained(hf_dir, impl="nope")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Dsv4ForCausalLM.from_pretrained("/no/such/dir")
