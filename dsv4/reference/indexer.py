@@ -55,6 +55,21 @@ def select_candidate_blocks(score: torch.Tensor, visible: torch.Tensor, topk_blo
     return keep.repeat_interleave(block, dim=-1)[..., :T]
 
 
+def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """score[b, s, t] = sum_h weights[b, s, h] * relu(q[b, s, h] . keys[b, t]), fp32.
+
+    q: [B, S, H, d]; keys: [B, T, d]; weights: [B, S, H] (already scaled).
+    """
+    dots = torch.einsum("bshd,btd->bsht", q, keys.to(q.dtype))
+    return (dots.relu() * weights.unsqueeze(-1)).sum(2).float()
+
+
+def top_entries(score: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best entries per row in position order; picks with score -inf (unreachable) become -1."""
+    top = score.topk(min(k, score.shape[-1]), dim=-1)
+    return torch.where(top.values > float("-inf"), top.indices, -1).sort(dim=-1).values
+
+
 class Indexer(nn.Module):
     def __init__(self, config: Dsv4Config, owns_keys: bool, dtype: torch.dtype):
         super().__init__()
@@ -109,15 +124,13 @@ class Indexer(nn.Module):
         cos, sin = rotary.cos_sin(positions)
         q = self._fp4(apply_rope(q, cos[None], sin[None]))
         w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)  # [B, S, Hi]
-        score = (torch.einsum("bshd,btd->bsht", q, keys.to(q.dtype)).relu() * w.unsqueeze(-1)).sum(2)
+        score = index_scores(q, keys, w)
         visible = (positions + 1) // ratio  # [S]
         reachable = torch.arange(T, device=x.device) < visible.unsqueeze(-1)  # [S, T]
-        score = score.float().masked_fill(~reachable, float("-inf"))
+        score = score.masked_fill(~reachable, float("-inf"))
         pool = None
         if select_candidates:
             pool = select_candidate_blocks(score, visible, self.candidate_topk_blocks, self.candidate_block_size)
         elif candidates is not None:
             score = score.masked_fill(~candidates, float("-inf"))
-        top = score.topk(min(self.topk, T), dim=-1)
-        idx = torch.where(top.values > float("-inf"), top.indices, -1)
-        return idx.sort(dim=-1).values, pool
+        return top_entries(score, self.topk), pool

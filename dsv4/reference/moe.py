@@ -25,6 +25,18 @@ def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
+def route(
+    scores: torch.Tensor, bias: torch.Tensor | None, hashed: torch.Tensor | None, topk: int, normalize: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert choice from router scores [N, E] (fp32): ids from top-k of scores + bias, or the hash
+    table's ids `hashed` [N, k]; weights are the unbiased scores, normalized and scaled."""
+    idx = hashed if hashed is not None else (scores + bias).topk(topk, dim=-1).indices
+    w = scores.gather(-1, idx)
+    if normalize and topk > 1:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scale, idx
+
+
 class Gate(nn.Module):
     def __init__(self, config: Dsv4Config, role: LayerRole, n_experts: int, topk: int, dtype: torch.dtype):
         super().__init__()
@@ -42,14 +54,9 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D], input_ids: [N] -> weights [N, k] fp32, expert ids [N, k]."""
         scores = router_scores(F.linear(x.float(), self.weight.float()) / self.temp, self.scoring_func)
-        if hasattr(self, "tid2eid"):
-            idx = self.tid2eid[input_ids]
-        else:
-            idx = (scores + self.bias).topk(self.topk, dim=-1).indices
-        w = scores.gather(-1, idx)
-        if self.norm_topk_prob and self.topk > 1:
-            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * self.scale, idx
+        hashed = self.tid2eid[input_ids] if hasattr(self, "tid2eid") else None
+        bias = getattr(self, "bias", None)
+        return route(scores, bias, hashed, self.topk, self.norm_topk_prob, self.scale)
 
 
 class Expert(nn.Module):
