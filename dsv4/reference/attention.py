@@ -29,10 +29,11 @@ from dsv4.reference.rope import Rotary, apply_rope
 
 @dataclass
 class SharedKV:
-    """What layers hand to later layers within one forward pass, keyed by the producing layer."""
+    """Per-query selections index layers hand to later layers within one forward pass.
 
-    compressed: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, G, head_dim], rotated
-    index_keys: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, G, index_head_dim]
+    The compressed KV and index keys themselves live in the cache (see dsv4/reference/cache.py).
+    """
+
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, S, k], -1 = none
     candidates: torch.Tensor | None = None  # [B, S, G] bool
 
@@ -110,9 +111,10 @@ class Attention(nn.Module):
         return self._window_quant(kv)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: SharedKV) -> torch.Tensor:
-        """x: [B, S, D] at positions [S] (a prefix starting at 0) -> [B, S, D]."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: SharedKV, cache) -> torch.Tensor:
+        """x: [B, S, D] at consecutive positions [S], the cache filled up to positions[0] -> [B, S, D]."""
         B, S, _ = x.shape
+        layer = self.role.layer_id
         cos, sin = self.rotary.cos_sin(positions)
         cos, sin = cos[None], sin[None]
         qr = self.q_norm(self.wq_a(x))
@@ -123,10 +125,15 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         kv = self._window_quant(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))  # [B, S, Dh]
 
-        distance = positions.unsqueeze(1) - positions.unsqueeze(0)  # [S, S]
-        allowed = ((distance >= 0) & (distance < self.window)).expand(B, S, S)
+        past, past_pos = cache.window(layer)
+        cache.append_window(layer, kv, positions)
+        key_pos = positions
+        if past is not None:
+            kv, key_pos = torch.cat((past.to(kv.dtype), kv), dim=1), torch.cat((past_pos, positions))
+        distance = positions.unsqueeze(1) - key_pos.unsqueeze(0)  # [S, P + S]
+        allowed = ((distance >= 0) & (distance < self.window)).expand(B, -1, -1)
         if self.role.compress_ratio:
-            comp, comp_allowed = self._compressed(x, qr, positions, shared)
+            comp, comp_allowed = self._compressed(x, qr, positions, shared, cache)
             kv = torch.cat((kv, comp.to(kv.dtype)), dim=1)
             allowed = torch.cat((allowed, comp_allowed), dim=-1)
 
@@ -142,25 +149,24 @@ class Attention(nn.Module):
         return self.wo_b(o.flatten(2))
 
     def _compressed(
-        self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, shared: SharedKV
+        self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, shared: SharedKV, cache
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The compressed KV this layer reads [B, G, Dh] and which entries each query sees [B, S, G]."""
         role, r = self.role, self.role.compress_ratio
         B, S = x.shape[:2]
         if role.owns_compressor:
-            latent = self.compressor(x)  # [B, G, Dh], pre-RoPE
-            G = latent.shape[1]
-            if role.owns_index_keys:
-                shared.index_keys[role.layer_id] = self.indexer.keys(x, latent, self.rotary, r)
-            cos, sin = self.rotary.cos_sin(torch.arange(G, device=x.device) * r)
-            shared.compressed[role.layer_id] = self._compressed_quant(apply_rope(latent, cos[None], sin[None]))
-        comp = shared.compressed[role.kv_source]
+            self._compress(x, positions, cache)
+        comp = cache.compressed(role.kv_source)
+        if comp is None:
+            comp = x.new_zeros(B, 0, self.head_dim)
         G = comp.shape[1]
+        visible = torch.arange(G, device=x.device) < ((positions + 1) // r).unsqueeze(-1)  # [S, G]
         if role.index_source is None:  # HCA: every visible entry
-            visible = torch.arange(G, device=x.device) < ((positions + 1) // r).unsqueeze(-1)
             return comp, visible.expand(B, S, G)
         if role.owns_indexer:
-            keys = shared.index_keys[role.kv_source if self.is_v41 else role.layer_id]
+            keys = cache.index_keys(role.kv_source if self.is_v41 else role.layer_id)
+            if keys is None:
+                keys = x.new_zeros(B, 0, self.indexer.head_dim)
             idx, pool = self.indexer(
                 x,
                 qr,
@@ -178,3 +184,19 @@ class Attention(nn.Module):
         selected = torch.zeros(B, S, G + 1, dtype=torch.bool, device=x.device)
         selected.scatter_(-1, torch.where(idx < 0, G, idx), True)  # -1 lands in a dropped column
         return comp, selected[..., :G]
+
+    def _compress(self, x: torch.Tensor, positions: torch.Tensor, cache) -> None:
+        """Run this layer's compressor (and index-key owner) over the chunk; append what completes."""
+        role, r, layer = self.role, self.role.compress_ratio, self.role.layer_id
+        latent, first, state = self.compressor(x, positions, cache.state(f"{layer}.compressor"))
+        cache.set_state(f"{layer}.compressor", state)
+        if role.owns_index_keys:
+            key = f"{layer}.indexer.compressor"
+            keys, key_state = self.indexer.keys(x, positions, latent, first, self.rotary, r, cache.state(key))
+            if key_state is not None:
+                cache.set_state(key, key_state)
+            if keys.shape[1]:
+                cache.append_index_keys(layer, keys)
+        if latent.shape[1]:
+            cos, sin = self.rotary.cos_sin((first + torch.arange(latent.shape[1], device=x.device)) * r)
+            cache.append_compressed(layer, self._compressed_quant(apply_rope(latent, cos[None], sin[None])))

@@ -34,28 +34,53 @@ class Compressor(nn.Module):
             self.ape = nn.Parameter(torch.empty(ratio, coff * head_dim, dtype=torch.float32), False)
         self.norm = RMSNorm(head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, D] from position 0 -> latents [B, S // ratio, head_dim] of the complete groups."""
-        B, S, _ = x.shape
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, state: dict | None
+    ) -> tuple[torch.Tensor, int, dict]:
+        """Compress the tokens x [B, S, D] at consecutive `positions` [S], continuing `state`.
+
+        Returns the latents of the groups completed by this chunk [B, G, head_dim], the index of the
+        first of them, and the new state. Positions below `state["next"]` were consumed already and
+        are skipped (a prefix-cache replay). The state holds the raw fp32 projections of the
+        unfinished group's tokens and, when groups overlap, those of the last finished group.
+        """
         r, d = self.ratio, self.head_dim
+        B = x.shape[0]
+        start = int(positions[0]) if state is None else state["next"]
+        x = x[:, max(0, start - int(positions[0])) :]
+        end = start + x.shape[1]
+        if state is not None and int(positions[0]) > start:
+            raise ValueError(f"compressor expects position {start}, got {int(positions[0])}")
+        if state is None and start % r:
+            raise ValueError(f"a compressor without carry state must start on a group boundary, got {start}")
         if r == 1:
-            return self.norm(self.wkv(x))
-        G = S // r
-        kv = self.wkv(x[:, : G * r]).unflatten(1, (G, r))  # [B, G, r, coff * d] fp32
-        score = self.wgate(x[:, : G * r]).unflatten(1, (G, r))
+            return self.norm(self.wkv(x)), start, {"next": end}
+        new_pos = torch.arange(start, end, device=x.device)
+        kv, score = self.wkv(x), self.wgate(x)  # [B, S', coff * d] fp32
         if hasattr(self, "ape"):
-            score = score + self.ape
+            score = score + self.ape[new_pos % r]
+        if state is not None and state["kv"].shape[1]:
+            kv, score = torch.cat((state["kv"], kv), dim=1), torch.cat((state["score"], score), dim=1)
+        first = (end - kv.shape[1]) // r  # the tail always starts on a group boundary
+        G = kv.shape[1] // r
+        groups_kv, groups_score = kv[:, : G * r].unflatten(1, (G, r)), score[:, : G * r].unflatten(1, (G, r))
+        prev = (state or {}).get("prev")
+        new_state = {"next": end, "kv": kv[:, G * r :], "score": score[:, G * r :]}
         if self.overlap:
-            kv, score = _overlap(kv, d, 0.0), _overlap(score, d, float("-inf"))
-        pooled = (kv * score.softmax(dim=2)).sum(dim=2)  # [B, G, d]
-        return self.norm(pooled.to(x.dtype))
+            new_state["prev"] = (groups_kv[:, -1], groups_score[:, -1]) if G else prev
+            groups_kv = _overlap(groups_kv, d, 0.0, None if prev is None else prev[0])
+            groups_score = _overlap(groups_score, d, float("-inf"), None if prev is None else prev[1])
+        pooled = (groups_kv * groups_score.softmax(dim=2)).sum(dim=2)  # [B, G, d]
+        return self.norm(pooled.to(x.dtype)), first, new_state
 
 
-def _overlap(t: torch.Tensor, d: int, pad: float) -> torch.Tensor:
-    """[B, G, r, 2d] -> [B, G, 2r, d]: slots 0..r-1 hold group g-1's first halves (pad for g = 0),
-    slots r..2r-1 hold group g's second halves."""
+def _overlap(t: torch.Tensor, d: int, pad: float, prev: torch.Tensor | None) -> torch.Tensor:
+    """[B, G, r, 2d] -> [B, G, 2r, d]: slots 0..r-1 hold group g-1's first halves (`prev` [B, r, 2d]
+    for g = 0, else pad), slots r..2r-1 hold group g's second halves."""
     B, G, r, _ = t.shape
     out = t.new_full((B, G, 2 * r, d), pad)
     out[:, :, r:] = t[..., d:]
     out[:, 1:, :r] = t[:, :-1, :, :d]
+    if prev is not None and G:
+        out[:, 0, :r] = prev[..., :d]
     return out

@@ -41,7 +41,7 @@ class DraftContext:
 class DraftAttention(Attention):
     """Window-only attention of a block over the main context's last window plus the whole block."""
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: DraftContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: DraftContext, cache=None) -> torch.Tensor:
         B, blk, _ = x.shape
         window = context.positions[-self.window :]
         main_x = context.main_x[:, -self.window :]

@@ -50,9 +50,20 @@ def select_candidate_blocks(score: torch.Tensor, visible: torch.Tensor, topk_blo
     # the newest block is only partly filled, so it could lose to an older full block: pin it
     newest = ((visible - 1) // block).view(1, -1, 1)
     blocks = blocks.masked_fill(torch.arange(n_blocks, device=score.device) == newest, float("inf"))
-    top = blocks.topk(min(topk_blocks, n_blocks), dim=-1)
-    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    values, indices = stable_topk(blocks, min(topk_blocks, n_blocks))
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))
     return keep.repeat_interleave(block, dim=-1)[..., :T]
+
+
+def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last dim with ties going to the lower index.
+
+    relu makes exact-zero scores common, and torch.topk breaks such ties by implementation detail,
+    so the selection would depend on how many entries the tensor happens to hold (a chunked prefill
+    and a full pass would disagree). A stable sort makes the semantics one function.
+    """
+    values, indices = x.sort(dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -66,8 +77,8 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> 
 
 def top_entries(score: torch.Tensor, k: int) -> torch.Tensor:
     """The k best entries per row in position order; picks with score -inf (unreachable) become -1."""
-    top = score.topk(min(k, score.shape[-1]), dim=-1)
-    return torch.where(top.values > float("-inf"), top.indices, -1).sort(dim=-1).values
+    values, indices = stable_topk(score, min(k, score.shape[-1]))
+    return torch.where(values > float("-inf"), indices, -1).sort(dim=-1).values
 
 
 class Indexer(nn.Module):
@@ -95,12 +106,25 @@ class Indexer(nn.Module):
             return t
         return fake_quant_mxfp4(t if self.is_v41 else hadamard(t), FP4_BLOCK)
 
-    def keys(self, x: torch.Tensor, latent: torch.Tensor, rotary: Rotary, ratio: int) -> torch.Tensor:
-        """Index keys [B, G, index_head_dim] of the complete groups, rotated at positions g * ratio."""
-        k = self.k_norm(self.wk(latent)) if self.is_v41 else self.compressor(x)
-        G = k.shape[1]
-        cos, sin = rotary.cos_sin(torch.arange(G, device=k.device) * ratio)
-        return self._fp4(apply_rope(k, cos[None], sin[None]))
+    def keys(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        latent: torch.Tensor,
+        first: int,
+        rotary: Rotary,
+        ratio: int,
+        state: dict | None,
+    ) -> tuple[torch.Tensor, dict | None]:
+        """Index keys [B, G, index_head_dim] of the groups completed by this chunk, rotated at their
+        positions. V4.1 derives them from the KV source's latent (groups first..first+G-1); V4 runs
+        its own compressor over x, with its own carry state (returned)."""
+        if self.is_v41:
+            k = self.k_norm(self.wk(latent))
+        else:
+            k, first, state = self.compressor(x, positions, state)
+        cos, sin = rotary.cos_sin((first + torch.arange(k.shape[1], device=k.device)) * ratio)
+        return self._fp4(apply_rope(k, cos[None], sin[None])), state
 
     def forward(
         self,

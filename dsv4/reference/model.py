@@ -21,6 +21,7 @@ from torch import nn
 
 from dsv4.config import Dsv4Config, LayerRole
 from dsv4.reference.attention import Attention, SharedKV
+from dsv4.reference.cache import DenseCache
 from dsv4.reference.linear import RMSNorm
 from dsv4.reference.mhc import hc_collapse, hc_expand, hc_head_pre, hc_project, hc_split_sinkhorn, one_hot_pre
 from dsv4.reference.moe import MoE
@@ -60,6 +61,7 @@ class Block(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         shared,
+        cache=None,
         hash_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h: [B, S, hc, D]. `pre` is V4.1's carried collapse weights (None for V4); returns the new
@@ -70,7 +72,7 @@ class Block(nn.Module):
         single_pass = self.config.is_v41
         attn_pre, post, comb = self.mixes(h, "attn")
         x = hc_collapse(h, pre if single_pass else attn_pre)
-        h = hc_expand(self.attn(self.attn_norm(x), positions, shared), h, post, comb)
+        h = hc_expand(self.attn(self.attn_norm(x), positions, shared, cache), h, post, comb)
         ffn_pre, post, comb = self.mixes(h, "ffn")
         x = hc_collapse(h, attn_pre if single_pass else ffn_pre)
         h = hc_expand(self.ffn(self.ffn_norm(x), input_ids), h, post, comb)
@@ -105,20 +107,33 @@ class Dsv4Model(nn.Module):
             if m is not self and hasattr(m, "quant_sim"):
                 m.quant_sim = on
 
-    def hidden_states(self, input_ids: torch.Tensor, layer_hook=None, decoder_replay: bool | None = None) -> torch.Tensor:
-        """Final collapsed hidden state [B, S', D] (before the final norm) of a prompt from position 0.
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        layer_hook=None,
+        decoder_replay: bool | None = None,
+        cache: DenseCache | None = None,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
+        """Final collapsed hidden state [B, S', D] (before the final norm) of tokens at positions
+        start_pos..start_pos+S-1, continuing `cache` (filled up to start_pos; a fresh one if None).
 
-        With V4.1's `decoder_replay` on, the decoder layers (after the last KV source) run only over the
-        last `sliding_window` positions, reading the global KV the encoder built over the whole prompt
-        (DeepSeek's "decoder SWA bounded replay"); their windows then start at that cut, and S' is the
-        window. Off (the default), every layer runs over every token: the exact causal model.
+        With V4.1's `decoder_replay` on (prefill from position 0 only), the decoder layers (after the
+        last KV source) run only over the last `sliding_window` positions, reading the global KV the
+        encoder built over the whole prompt (DeepSeek's "decoder SWA bounded replay"); their windows
+        then start at that cut, and S' is the window. Off (the default), every layer runs over every
+        token: the exact causal model.
         """
         c = self.config
         self._reject_image_tokens(input_ids)
         replay = self.decoder_replay if decoder_replay is None else decoder_replay
+        if replay and start_pos:
+            raise ValueError("decoder_replay applies to a prefill from position 0")
+        cache = DenseCache(c.sliding_window) if cache is None else cache
         B, S = input_ids.shape
-        positions = torch.arange(S, device=input_ids.device)
-        hash_ids = self.engram_hasher.hash_ids(input_ids, 0) if c.is_v41 and c.engram_layer_ids else None
+        positions = torch.arange(start_pos, start_pos + S, device=input_ids.device)
+        history = cache.write_tokens(start_pos, input_ids)
+        hash_ids = self.engram_hasher.hash_ids(history, start_pos) if c.is_v41 and c.engram_layer_ids else None
         h = self.embed(input_ids).unsqueeze(2).repeat(1, 1, c.hc_mult, 1)  # [B, S, hc, D]
         pre = one_hot_pre(h) if c.is_v41 else None
         shared = SharedKV()
@@ -129,7 +144,7 @@ class Dsv4Model(nn.Module):
                 h, pre, input_ids, positions = h[:, keep], pre[:, keep], input_ids[:, keep], positions[keep]
                 shared.keep_queries(keep)
             ids = hash_ids[:, :, c.engram_layer_ids.index(i)] if layer.role.engram else None
-            h, pre = layer(h, pre, input_ids, positions, shared, ids)
+            h, pre = layer(h, pre, input_ids, positions, shared, cache, ids)
             if layer_hook is not None:
                 layer_hook(i, h)
         if c.is_v41:
@@ -170,7 +185,7 @@ class Dsv4Model(nn.Module):
         h = self.embed(block).unsqueeze(2).repeat(1, 1, c.hc_mult, 1)
         pre = one_hot_pre(h)
         for stage in self.mtp:
-            h, pre = stage(h, pre, block, positions, context)
+            h, pre = stage(h, pre, block, positions, context, None)
         x = hc_collapse(h, pre)
         logits = F.linear(last.norm(x).float(), self.head.weight.float())  # [B, blk, V]
         tokens, markov = [next_token], []
@@ -191,9 +206,9 @@ class Dsv4Model(nn.Module):
         """fp32 logits of the final norm's output, as the official head computes them."""
         return F.linear(self.norm(hidden).float(), self.head.weight.float())
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: [B, S] -> logits [B, S, vocab_size] fp32."""
-        return self.logits(self.hidden_states(input_ids))
+    def forward(self, input_ids: torch.Tensor, cache: DenseCache | None = None, start_pos: int = 0) -> torch.Tensor:
+        """input_ids: [B, S] at positions start_pos.. (continuing `cache`) -> logits [B, S, vocab_size] fp32."""
+        return self.logits(self.hidden_states(input_ids, cache=cache, start_pos=start_pos))
 
 
 def load_model(
