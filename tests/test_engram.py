@@ -80,6 +80,7 @@ def small_config(**changes) -> Dsv4Config:
         engram_head_dim=32,
         engram_pad_id=2,
         engram_compressed_vocab_size=5,
+        num_nextn_predict_layers=0,  # no DSpark drafter in these two-layer models
     )
     fields.update(changes)
     return Dsv4Config(**fields)

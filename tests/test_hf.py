@@ -12,13 +12,16 @@ from dsv4 import Dsv4ForCausalLM
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """A transformers DeepseekV4 model (SWA, CSA, HCA; one hash layer) saved by transformers itself."""
+    """A transformers DeepseekV4 model (SWA, CSA, HCA; one hash layer) saved by transformers itself.
+
+    16 indexer heads: a score is exactly 0 (a tie) only when every head's dot product is negative,
+    and top-k ties are broken differently by torch.topk and by dsv4 (lower index first)."""
     torch.manual_seed(0)
     config = DeepseekV4Config(
         vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=2, head_dim=64,
         qk_rope_head_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, num_hash_layers=1, sliding_window=8,
-        compress_ratios=[0, 4, 128], index_n_heads=2, index_head_dim=64, index_topk=2,
+        compress_ratios=[0, 4, 128], index_n_heads=16, index_head_dim=64, index_topk=2,
     )
     model = DeepseekV4ForCausalLM(config).float()
     with torch.no_grad():
