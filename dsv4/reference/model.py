@@ -257,3 +257,23 @@ def engram_hasher(model_dir, config: Dsv4Config):
         layout_path = Path(os.environ.get("DSV4_CACHE", Path.home() / ".cache" / "dsv4")) / key / LAYOUT_FILENAME
         layout_path.parent.mkdir(parents=True, exist_ok=True)
     return EngramHasher(load_or_create_layout(layout_path, config, token_map), token_map)
+
+
+def bounded_replay_state(model: Dsv4Model, prefix_ids: torch.Tensor) -> DenseCache:
+    """The state a prefix-cache hit of `prefix_ids` [B, H] defines under SWA bounded replay.
+
+    The prefix-cacheable state (compressed KV, index keys, compressor carries, tokens) is the cold
+    run's; the sliding windows are rebuilt by recomputing only the last `sliding_window` positions
+    [H - W, H), whose own windows therefore start at H - W. The replay reads but never rewrites the
+    cached compressed KV (the compressors have consumed those positions already). Hits shorter than
+    the window are not replayed: callers treat them as misses.
+    """
+    W = model.config.sliding_window
+    H = prefix_ids.shape[1]
+    if H < W:
+        raise ValueError(f"a bounded replay needs a hit of at least {W} tokens, got {H}")
+    cache = DenseCache(W)
+    model.hidden_states(prefix_ids, cache=cache)
+    cache.reset_windows()
+    model.hidden_states(prefix_ids[:, H - W :], cache=cache, start_pos=H - W)
+    return cache
