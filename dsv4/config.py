@@ -415,6 +415,12 @@ class Dsv4Config:
             _check(cand in index, "candidate_source_layer_id", f"layer {cand} is not an index source")
             _check(self.candidate_topk_blocks > 0, "candidate_topk_blocks", "must be > 0")
             _check(self.candidate_block_size > 0, "candidate_block_size", "must be > 0")
+            for i in index:
+                _check(
+                    i <= cand or _last_at_or_before(sources, i) == _last_at_or_before(sources, cand),
+                    "candidate_source_layer_id",
+                    f"index layer {i} rescores inside the pool of layer {cand} but reads other compressed KV",
+                )
         _check(
             len(self.engram_layer_ids) == len(self.engram_num_embeddings),
             "engram_num_embeddings",

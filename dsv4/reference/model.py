@@ -143,6 +143,7 @@ class Dsv4Model(nn.Module):
                 keep = slice(S - c.sliding_window, S)
                 h, pre, input_ids, positions = h[:, keep], pre[:, keep], input_ids[:, keep], positions[keep]
                 shared.keep_queries(keep)
+                hash_ids = hash_ids[:, keep] if hash_ids is not None else None
             ids = hash_ids[:, :, c.engram_layer_ids.index(i)] if layer.role.engram else None
             h, pre = layer(h, pre, input_ids, positions, shared, cache, ids)
             if layer_hook is not None:
