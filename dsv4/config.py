@@ -310,6 +310,7 @@ class Dsv4Config:
         """Reject configs that cannot describe a model, naming the offending field."""
         if self.model_family not in FAMILIES:
             raise ConfigError(f"model_family must be one of {FAMILIES}, got {self.model_family!r}")
+        self._validate_types()
         positive = (
             "vocab_size hidden_size num_hidden_layers num_attention_heads head_dim q_lora_rank o_groups "
             "o_lora_rank n_routed_experts num_experts_per_tok moe_intermediate_size sliding_window "
@@ -378,6 +379,19 @@ class Dsv4Config:
                 _check(0 < i < n and i not in self.engram_layer_ids, "dspark_target_layer_ids",
                        f"layer {i} must be a backbone layer after layer 0 without Engram")
             _check(len(self.dspark_target_layer_ids) > 0, "dspark_target_layer_ids", "the drafter needs target layers")
+
+    def _validate_types(self) -> None:
+        """Every field holds the kind of value its annotation names (JSON gives no such promise)."""
+        kinds = {
+            "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+            "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+            "bool": lambda v: isinstance(v, bool),
+            "list[int]": lambda v: isinstance(v, (list, tuple)) and all(kinds["int"](x) for x in v),
+        }
+        for f in dataclasses.fields(self):
+            check = kinds.get(f.type)
+            if check is not None and not check(getattr(self, f.name)):
+                raise ConfigError(f"config field {f.name}: must be {f.type}, got {getattr(self, f.name)!r}")
 
     def _validate_v41(self) -> None:
         n = self.num_hidden_layers
