@@ -1,0 +1,421 @@
+"""Sparse latent-MQA attention over quantized KV: an FP8 window plus global (compressed) entries.
+
+Each query row s attends, in one softmax, to the window slots `win_idx[s]` and the global entries
+`glob_idx[s]` (-1 = skip). One D-wide latent row is both key and value for all H heads. A per-head sink
+logit adds exp(sink - max) to the denominator only; probabilities are rounded to bf16 before P @ V, the
+output is rounded to bf16 and then rotated back by the query position (inverse RoPE, interleaved pairs on
+the trailing R dims), as `dsv4.reference.attention.sparse_attention` followed by `apply_rope(inverse=True)`.
+A row with no valid index gets 0 (only the sink is left in the softmax). Indices must be in range and, within
+a row's list, duplicate-free (as the twin's `allowed` mask assumes; the kernel would count a repeat twice).
+
+Three storage formats, one kernel (a constexpr format per store), dequantized in-kernel to bf16, which is
+exact for all three:
+- FP8: e4m3 values [*, D] and an e8m0 scale per 32 [*, D/32]   (V4.1 window, 528 B per row at D=512)
+- FP4: e2m1 codes, two per byte (even element low) [*, D/2] and an e4m3 scale per 16 [*, D/16]
+       (V4.1 compressed KV, 288 B per row); each code is rewritten as the e4m3 byte of (value * 2^-6),
+       (c & 7) << 2 | sign << 7 (e2m1 and e4m3 subnormals line up), and the 2^6 goes into the scale
+- BF16: plain rows [*, D] (1024 B per row)
+
+Ops (all return o [S, H, D] bf16):
+- `dsv4::sparse_attn_fp4(q, win_q8, win_scale, win_idx, glob_packed, glob_scale, glob_idx, sink, softmax_scale, cos, sin, split_size=0)`
+- `dsv4::sparse_attn_fp8(q, win_q8, win_scale, win_idx, glob_q8, glob_scale, glob_idx, sink, softmax_scale, cos, sin, split_size=0)`
+- `dsv4::sparse_attn_bf16(q, win_kv, win_idx, glob_kv, glob_idx, sink, softmax_scale, cos, sin, split_size=0)`
+
+Work split: programs over (query row, split of the index list, head block). The index list of a row is the
+window's tiles then the global tiles; when rows x head blocks would not fill the GPU (decode), the list is cut
+into splits that each write a partial (running max, sum, fp32 accumulator) and a combine kernel merges them
+(split_size forces the entries per split; 0 picks it from the shapes). With one split (prefill) the main
+kernel writes the output itself.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.fast.kernels import use_triton
+from dsv4.quant import dequantize_fp8, dequantize_nvfp4
+from dsv4.reference.attention import sparse_attention
+from dsv4.reference.rope import apply_rope
+
+__all__ = [
+    "KV",
+    "Config",
+    "sparse_attn",
+    "sparse_attn_bf16",
+    "sparse_attn_fp4",
+    "sparse_attn_fp8",
+    "sparse_attn_reference",
+]
+
+BF16, FP8, FP4 = 0, 1, 2
+FORMAT_NAMES = {BF16: "bf16", FP8: "fp8", FP4: "fp4"}
+LOG2E = 1.4426950408889634
+_INTERP = os.environ.get("TRITON_INTERPRET") == "1"  # read when triton.jit is, at import
+
+
+@dataclass(frozen=True)
+class KV:
+    """One KV store: `data` rows [N, D] (bf16 or e4m3) or [N, D/2] (packed e2m1), `scale` rows or None."""
+
+    fmt: int
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    def row_bytes(self) -> int:
+        """Bytes one row occupies (data plus scales)."""
+        n = self.data[0].numel() * self.data.element_size()
+        return n + (0 if self.scale is None else self.scale[0].numel() * self.scale.element_size())
+
+    def dequantize(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows (long, any shape) -> bf16 [..., D], with dsv4.quant (exact)."""
+        if self.fmt == BF16:
+            return self.data[rows].to(torch.bfloat16)
+        if self.fmt == FP8:
+            return dequantize_fp8(self.data[rows], self.scale[rows], (32,)).to(torch.bfloat16)
+        return dequantize_nvfp4(self.data[rows], self.scale[rows], 16).to(torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Kernel launch choices. block_h: heads per program (>= 16, a power of two; 0 = min(64, H rounded up))."""
+
+    block_n: int = 32
+    block_h: int = 0
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+INTERPRETER_CONFIG = Config(block_n=16, num_warps=4, num_stages=1)
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _load_kv(FMT: tl.constexpr, data_ptr, scale_ptr, rows, valid, D: tl.constexpr):
+    """Rows [BN] (int64; only where valid) of a store -> [BN, D] bf16, dequantized exactly: a value times its
+    scale has at most 6 significant bits (e4m3 x 2^k: 4; e2m1 x e4m3: 2 + 4), bf16 holds 8."""
+    BN: tl.constexpr = rows.shape[0]
+    if FMT == 1:  # FP8: e4m3 * 2^(e8m0 - 127), block 32
+        d = tl.arange(0, D)
+        v = tl.load(data_ptr + rows[:, None] * D + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        g = tl.arange(0, D // 32)
+        sb = tl.load(scale_ptr + rows[:, None] * (D // 32) + g[None, :], mask=valid[:, None], other=127)
+        # the e8m0 byte is fp32's exponent field (byte 0, 2^-127, which no quantizer writes, reads as 0)
+        s = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        kv = tl.reshape(tl.reshape(v, [BN, D // 32, 32]) * s[:, :, None], [BN, D])
+    elif FMT == 2:  # FP4: e2m1 * e4m3, block 16, two codes per byte (even element low)
+        j = tl.arange(0, D // 2)
+        b = tl.load(data_ptr + rows[:, None] * (D // 2) + j[None, :], mask=valid[:, None], other=0)  # uint8
+        # e2m1 code c -> e4m3 byte of value * 2^-6: magnitude bits (c & 7) << 2, sign bit 3 -> bit 7
+        lo = (((b & 7) << 2) | ((b & 8) << 4)).to(tl.uint8)
+        hi = (((b >> 2) & 0x1C) | (b & 0x80)).to(tl.uint8)
+        e = tl.reshape(tl.join(lo, hi), [BN, D]).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        g = tl.arange(0, D // 16)
+        sc = tl.load(scale_ptr + rows[:, None] * (D // 16) + g[None, :], mask=valid[:, None], other=0.0)
+        s = sc.to(tl.float32) * 64.0
+        kv = tl.reshape(tl.reshape(e, [BN, D // 16, 16]) * s[:, :, None], [BN, D])
+    else:  # BF16
+        d = tl.arange(0, D)
+        kv = tl.load(data_ptr + rows[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+    return kv.to(tl.bfloat16)
+
+
+@triton.jit
+def _to_bf16(x, INTERP: tl.constexpr):
+    """fp32 -> bf16, round to nearest even. The interpreter's cast truncates, so there the rounding is done
+    on the bits (finite x only) and the cast only drops zeros."""
+    if INTERP:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _dot(a, b, INTERP: tl.constexpr):
+    """bf16 a @ b, fp32 accumulation. The interpreter multiplies bf16 bit patterns as integers, so there
+    the (exactly representable) operands go in as fp32."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _attend(q, kv, valid, m, l, acc, qk_scale, INTERP: tl.constexpr):
+    """One online-softmax step over a KV tile [BN, D] (key = value) for q [BH, D]; m is in log2 units."""
+    qk = _dot(q, tl.trans(kv), INTERP)  # [BH, BN] fp32
+    qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(qk, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(_to_bf16(p, INTERP), kv, INTERP)
+    return m_new, l, acc
+
+
+@triton.jit
+def _store_out(o_ptr, cos_ptr, sin_ptr, acc, denom, s, heads, hmask, d0, H, D: tl.constexpr, R: tl.constexpr,
+               INTERP: tl.constexpr):
+    """o = acc / denom rounded to bf16, then rotated back on the trailing R dims; acc covers dims d0.. of D."""
+    BH: tl.constexpr = acc.shape[0]
+    DC: tl.constexpr = acc.shape[1]
+    o = _to_bf16(acc / denom[:, None], INTERP).to(tl.float32)
+    ev, od = tl.split(tl.reshape(o, [BH, DC // 2, 2]))
+    pair = d0 // 2 + tl.arange(0, DC // 2) - (D - R) // 2  # RoPE pair index, < 0 outside the RoPE dims
+    rope = pair >= 0
+    c = tl.load(cos_ptr + s * (R // 2) + pair, mask=rope, other=1.0)[None, :]
+    sn = tl.load(sin_ptr + s * (R // 2) + pair, mask=rope, other=0.0)[None, :]
+    out = tl.reshape(tl.join(ev * c + od * sn, od * c - ev * sn), [BH, DC])
+    cols = d0 + tl.arange(0, DC)
+    tl.store(o_ptr + (s * H + heads)[:, None] * D + cols[None, :], _to_bf16(out, INTERP), mask=hmask[:, None])
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr, o_ptr, sink_ptr, cos_ptr, sin_ptr,
+    wd_ptr, ws_ptr, widx_ptr, kw,
+    gd_ptr, gs_ptr, gidx_ptr, kg,
+    part_o_ptr, part_ml_ptr,
+    H, qk_scale, tiles_per_split,
+    WIN_FMT: tl.constexpr, GLOB_FMT: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (s * H + heads)[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
+    # the running max starts at the sink: it is the reference's floor for the softmax max, and keeps m finite
+    m = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
+    l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+
+    nw = tl.cdiv(kw, BLOCK_N)  # window tiles come first, then global tiles
+    t0 = split * tiles_per_split
+    t1 = tl.minimum(t0 + tiles_per_split, nw + tl.cdiv(kg, BLOCK_N))
+    for t in range(t0, tl.minimum(t1, nw)):
+        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.load(widx_ptr + s * kw + cols, mask=cols < kw, other=-1)
+        valid = rows >= 0
+        kv = _load_kv(WIN_FMT, wd_ptr, ws_ptr, tl.where(valid, rows, 0).to(tl.int64), valid, D)
+        m, l, acc = _attend(q, kv, valid, m, l, acc, qk_scale, INTERP)
+    for t in range(tl.maximum(t0, nw), t1):
+        cols = (t - nw) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.load(gidx_ptr + s * kg + cols, mask=cols < kg, other=-1)
+        valid = rows >= 0
+        kv = _load_kv(GLOB_FMT, gd_ptr, gs_ptr, tl.where(valid, rows, 0).to(tl.int64), valid, D)
+        m, l, acc = _attend(q, kv, valid, m, l, acc, qk_scale, INTERP)
+
+    if SPLIT:
+        part = (s * n_splits + split) * H + heads  # [BLOCK_H] rows of the partials
+        tl.store(part_o_ptr + part[:, None] * D + d[None, :], acc, mask=hmask[:, None])
+        tl.store(part_ml_ptr + part * 2, m, mask=hmask)
+        tl.store(part_ml_ptr + part * 2 + 1, l, mask=hmask)
+    else:
+        sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
+        _store_out(o_ptr, cos_ptr, sin_ptr, acc, l + tl.exp2(sink - m), s, heads, hmask, 0, H, D, R, INTERP)
+
+
+@triton.jit
+def _combine_kernel(
+    part_o_ptr, part_ml_ptr, o_ptr, sink_ptr, cos_ptr, sin_ptr, H, n_splits,
+    D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr,
+):
+    """Merge the splits' partials for BLOCK_H heads x BLOCK_D dims of one query row, then finish."""
+    s = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d0 = tl.program_id(2) * BLOCK_D
+    cols = d0 + tl.arange(0, BLOCK_D)
+    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
+    top = sink
+    for j in range(n_splits):
+        top = tl.maximum(top, tl.load(part_ml_ptr + ((s * n_splits + j) * H + heads) * 2, mask=hmask, other=0.0))
+    denom = tl.exp2(sink - top)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for j in range(n_splits):
+        part = (s * n_splits + j) * H + heads
+        w = tl.exp2(tl.load(part_ml_ptr + part * 2, mask=hmask, other=0.0) - top)
+        denom += w * tl.load(part_ml_ptr + part * 2 + 1, mask=hmask, other=0.0)
+        acc += w[:, None] * tl.load(part_o_ptr + part[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0)
+    _store_out(o_ptr, cos_ptr, sin_ptr, acc, denom, s, heads, hmask, d0, H, D, R, INTERP)
+
+
+# ---------------------------------------------------------------------------------------------- launch
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _check(q, win: KV, win_idx, glob: KV, glob_idx, sink, cos, sin) -> None:
+    S, H, D = q.shape
+    if D < 32 or D & (D - 1):
+        raise ValueError(f"sparse_attn: head dim {D} must be a power of two >= 32")
+    R = 2 * cos.shape[-1]
+    if cos.shape != (S, R // 2) or sin.shape != cos.shape or R > D or R % 2:
+        raise ValueError(f"sparse_attn: cos/sin must be [S={S}, R/2] with R <= D, got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if win_idx.dim() != 2 or win_idx.shape[0] != S or glob_idx.dim() != 2 or glob_idx.shape[0] != S:
+        raise ValueError(f"sparse_attn: index lists must be [S={S}, k], got {tuple(win_idx.shape)}, {tuple(glob_idx.shape)}")
+    if sink.shape != (H,):
+        raise ValueError(f"sparse_attn: sink must be [H={H}], got {tuple(sink.shape)}")
+    for kv in (win, glob):
+        width = D // 2 if kv.fmt == FP4 else D
+        if kv.data.dim() != 2 or kv.data.shape[1] != width:
+            raise ValueError(f"sparse_attn: {FORMAT_NAMES[kv.fmt]} store rows must be {width} wide, got {tuple(kv.data.shape)}")
+
+
+def _bytes(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Triton sees fp8 scales as raw bytes (e8m0) or e4m3; everything contiguous."""
+    if t is None:
+        return None
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t
+
+
+def plan_splits(S: int, H: int, kw: int, kg: int, device: torch.device, config: Config, split_size: int = 0) -> tuple[int, int]:
+    """(number of splits, tiles per split) of each row's index list (window tiles, then global tiles)."""
+    block_h = config.block_h or min(64, max(16, triton.next_power_of_2(H)))
+    tiles = triton.cdiv(kw, config.block_n) + triton.cdiv(kg, config.block_n)
+    if tiles == 0:
+        return 1, 1
+    if split_size > 0:
+        per = triton.cdiv(split_size, config.block_n)
+    else:
+        programs = S * triton.cdiv(H, block_h)
+        sms = _sm_count(device)
+        want = 1 if programs >= sms else min(triton.cdiv(sms, programs), triton.cdiv(tiles, 2))
+        per = triton.cdiv(tiles, max(want, 1))
+    return triton.cdiv(tiles, per), per
+
+
+def sparse_attn(
+    q: torch.Tensor, win: KV, win_idx: torch.Tensor, glob: KV, glob_idx: torch.Tensor, sink: torch.Tensor,
+    softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0, config: Config | None = None,
+) -> torch.Tensor:
+    """Launch the kernels (no dispatch): q [S, H, D] bf16 -> o [S, H, D] bf16."""
+    _check(q, win, win_idx, glob, glob_idx, sink, cos, sin)
+    if config is None:
+        config = Config() if q.is_cuda else INTERPRETER_CONFIG
+    S, H, D = q.shape
+    R = 2 * cos.shape[-1]
+    q = q.to(torch.bfloat16).contiguous()
+    o = torch.empty_like(q)
+    if S == 0 or H == 0:
+        return o
+    kw, kg = win_idx.shape[1], glob_idx.shape[1]
+    block_h = config.block_h or min(64, max(16, triton.next_power_of_2(H)))
+    n_splits, per = plan_splits(S, H, kw, kg, q.device, config, split_size)
+    split = n_splits > 1
+    if split:
+        part_o = torch.empty(S, n_splits, H, D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(S, n_splits, H, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_ml = o  # unused
+    sink = sink.float().contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    win_idx, glob_idx = win_idx.to(torch.int32).contiguous(), glob_idx.to(torch.int32).contiguous()
+    ws = _bytes(win.scale) if win.scale is not None else win.data
+    gs = _bytes(glob.scale) if glob.scale is not None else glob.data
+    _attn_kernel[(S, n_splits, triton.cdiv(H, block_h))](
+        q, o, sink, cos, sin,
+        win.data.contiguous(), ws, win_idx, kw,
+        glob.data.contiguous(), gs, glob_idx, kg,
+        part_o, part_ml,
+        H, softmax_scale * LOG2E, per,
+        WIN_FMT=win.fmt, GLOB_FMT=glob.fmt, D=D, R=R, BLOCK_H=block_h, BLOCK_N=config.block_n, SPLIT=split,
+        INTERP=_INTERP,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split:
+        bh, bd = min(4, triton.next_power_of_2(H)), min(32, D)
+        _combine_kernel[(S, triton.cdiv(H, bh), D // bd)](
+            part_o, part_ml, o, sink, cos, sin, H, n_splits, D=D, R=R, BLOCK_H=bh, BLOCK_D=bd, INTERP=_INTERP, num_warps=1
+        )
+    return o
+
+
+def sparse_attn_reference(
+    q: torch.Tensor, win: KV, win_idx: torch.Tensor, glob: KV, glob_idx: torch.Tensor, sink: torch.Tensor,
+    softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, max_chunk_bytes: int = 2**31,
+) -> torch.Tensor:
+    """The twin: dequantize with dsv4.quant, gather the rows, mask the -1s, `sparse_attention`, inverse RoPE.
+
+    Query rows go through in chunks so that the gathered fp32 KV stays under max_chunk_bytes.
+    """
+    _check(q, win, win_idx, glob, glob_idx, sink, cos, sin)
+    S, _, D = q.shape
+    k = win_idx.shape[1] + glob_idx.shape[1]
+    if k == 0:  # only the sink: every output is 0
+        return torch.zeros_like(q, dtype=torch.bfloat16)
+    idx = torch.cat((win_idx, glob_idx), dim=1).long()  # [S, k]
+    chunk = max(1, max_chunk_bytes // (k * D * 6))
+    out = []
+    for s0 in range(0, S, chunk):
+        rows = idx[s0 : s0 + chunk].clamp(min=0)
+        kw = win_idx.shape[1]
+        kv = torch.cat((win.dequantize(rows[:, :kw]), glob.dequantize(rows[:, kw:])), dim=1)  # [s, k, D]
+        allowed = (idx[s0 : s0 + chunk] >= 0).unsqueeze(1)  # [s, 1, k]
+        o = sparse_attention(q[s0 : s0 + chunk, None].to(torch.bfloat16), kv, allowed, sink, softmax_scale)
+        out.append(o[:, 0])
+    o = torch.cat(out)  # [S, H, D]
+    return apply_rope(o[None], cos[None].float(), sin[None].float(), inverse=True)[0]
+
+
+def _run(q, win: KV, win_idx, glob: KV, glob_idx, sink, softmax_scale, cos, sin, split_size) -> torch.Tensor:
+    if use_triton(q):
+        return sparse_attn(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size)
+    return sparse_attn_reference(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin)
+
+
+# ---------------------------------------------------------------------------------------------- ops
+
+
+@torch.library.custom_op("dsv4::sparse_attn_fp4", mutates_args=())
+def sparse_attn_fp4(
+    q: torch.Tensor, win_q8: torch.Tensor, win_scale: torch.Tensor, win_idx: torch.Tensor,
+    glob_packed: torch.Tensor, glob_scale: torch.Tensor, glob_idx: torch.Tensor, sink: torch.Tensor,
+    softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0,
+) -> torch.Tensor:
+    """FP8 window (e4m3 + e8m0 per 32) and FP4 global entries (packed e2m1 + e4m3 per 16) -> o [S, H, D] bf16."""
+    win, glob = KV(FP8, win_q8, win_scale), KV(FP4, glob_packed, glob_scale)
+    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size)
+
+
+@torch.library.custom_op("dsv4::sparse_attn_fp8", mutates_args=())
+def sparse_attn_fp8(
+    q: torch.Tensor, win_q8: torch.Tensor, win_scale: torch.Tensor, win_idx: torch.Tensor,
+    glob_q8: torch.Tensor, glob_scale: torch.Tensor, glob_idx: torch.Tensor, sink: torch.Tensor,
+    softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0,
+) -> torch.Tensor:
+    """FP8 window and FP8 global entries (both e4m3 + e8m0 per 32) -> o [S, H, D] bf16."""
+    win, glob = KV(FP8, win_q8, win_scale), KV(FP8, glob_q8, glob_scale)
+    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size)
+
+
+@torch.library.custom_op("dsv4::sparse_attn_bf16", mutates_args=())
+def sparse_attn_bf16(
+    q: torch.Tensor, win_kv: torch.Tensor, win_idx: torch.Tensor, glob_kv: torch.Tensor, glob_idx: torch.Tensor,
+    sink: torch.Tensor, softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0,
+) -> torch.Tensor:
+    """Plain bf16 window and global rows -> o [S, H, D] bf16."""
+    win, glob = KV(BF16, win_kv), KV(BF16, glob_kv)
+    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size)
+
+
+def _fake(q, *args, **kwargs):
+    return torch.empty_like(q, dtype=torch.bfloat16)
+
+
+for _op in (sparse_attn_fp4, sparse_attn_fp8, sparse_attn_bf16):
+    _op.register_fake(_fake)

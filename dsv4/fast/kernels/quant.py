@@ -1,0 +1,197 @@
+"""Activation quantization kernels, bit-identical to the codecs in `dsv4.quant`.
+
+Three custom ops, each quantizing x [..., K] in 1 x block blocks along the last dim:
+
+- `dsv4::fp8_quant(x, block)`     -> (q float8_e4m3fn [..., K], scale float8_e8m0fnu [..., K/block])
+- `dsv4::mxfp4_quant(x, block=32)` -> (packed uint8 [..., K/2], scale float8_e8m0fnu [..., K/block])
+- `dsv4::nvfp4_quant(x, block=16)` -> (packed uint8 [..., K/2], scale float8_e4m3fn [..., K/block])
+
+One Triton kernel serves all three (a constexpr format switch). Every output byte is built with integer
+arithmetic on IEEE bits, never with a hardware float->fp8 conversion, so the kernel gives the same bytes
+on a GPU and under the Triton interpreter (whose fp8 cast truncates subnormals):
+
+- ue8m0 scale (fp8, mxfp4): s = 2^ceil(log2(amax * fp32(1/qmax))) read off the exponent and mantissa
+  bits; x / s is computed as x * 2^-log2(s), the same correctly rounded value.
+- e4m3 (fp8 values, nvfp4 scales): round-to-nearest-even on the bits, subnormals via the 2^23 trick.
+- e2m1: the magnitude code counts the midpoints passed (ties to the even code), the sign bit is x's.
+
+The kernels do not check for NaN (that would need a host sync); `dsv4.quant` raises on NaN, the kernels
+give unspecified bytes. Where `use_triton(x)` is false the ops call `dsv4.quant` itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4 import quant as ref
+from dsv4.fast.kernels import use_triton
+
+__all__ = ["fp8_quant", "mxfp4_quant", "nvfp4_quant"]
+
+_FP8, _MXFP4, _NVFP4 = 0, 1, 2
+_TILE = 4096  # elements per program
+
+
+@triton.jit
+def _e4m3_code(v):
+    """fp32 v with |v| <= 448 (no NaN) -> e4m3 byte (int32 0..255), round to nearest even, sign kept."""
+    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)
+    # normal (a >= 2^-6): drop 20 mantissa bits with RNE; a carry moves into the exponent by itself
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal: a multiple of 2^-9, rounded to even by adding and removing 2^23
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    return tl.where(a < 0.015625, sub, normal) | sign
+
+
+@triton.jit
+def _e4m3_value(code):
+    """Positive e4m3 byte (int32, not NaN) -> fp32."""
+    e = (code >> 3) & 15
+    m = code & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+
+
+@triton.jit
+def _e2m1_code(y):
+    """fp32 y with |y| <= 6 (no NaN) -> e2m1 code (int32 0..15): ties to the even code, sign in bit 3."""
+    a = tl.abs(y)
+    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    code += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+    code += (a > 5.0).to(tl.int32)
+    return code | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
+def _ue8m0(amax, RECIP: tl.constexpr):
+    """amax (> 0, fp32) -> (log2 of the ue8m0 scale for amax * RECIP, exact 1/scale as fp32)."""
+    y = amax * tl.full([], RECIP, tl.float32)
+    bits = y.to(tl.int32, bitcast=True)
+    log2s = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    inv = ((127 - log2s) << 23).to(tl.float32, bitcast=True)
+    return log2s, inv
+
+
+@triton.jit
+def _quant_kernel(
+    x_ptr, q_ptr, s_ptr, n_blocks,
+    FMT: tl.constexpr, BLOCK: tl.constexpr, HALF_P2: tl.constexpr, ROWS: tl.constexpr,
+):
+    """Quantize ROWS consecutive blocks of BLOCK elements (padded to 2 * HALF_P2, a power of two); FP4 codes
+    pack in pairs (even | odd << 4)."""
+    blk = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # [ROWS]
+    col = tl.arange(0, 2 * HALF_P2)[None, :]
+    mask = (blk[:, None] < n_blocks) & (col < BLOCK)
+    x = tl.load(x_ptr + blk[:, None] * BLOCK + col, mask=mask, other=0.0).to(tl.float32)  # [ROWS, 2 * HALF_P2]
+    amax = tl.max(tl.abs(x), axis=1)  # [ROWS]
+
+    if FMT == 0:  # FP8 e4m3, ue8m0 scale
+        log2s, inv = _ue8m0(tl.maximum(amax, 1e-4), 1.0 / 448.0)
+        y = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
+        tl.store(q_ptr + blk[:, None] * BLOCK + col, _e4m3_code(y).to(tl.uint8), mask=mask)
+        scale = log2s + 127
+    else:
+        if FMT == 1:  # MXFP4: ue8m0 scale
+            log2s, inv = _ue8m0(tl.maximum(amax, 6.0 * 2.0**-126), 1.0 / 6.0)
+            y = x * inv[:, None]
+            scale = log2s + 127
+        else:  # NVFP4: e4m3 scale = e4m3(amax / 6)
+            sb = tl.math.div_rn(tl.maximum(amax, 6.0 * 2.0**-9), tl.full([ROWS], 6.0, tl.float32))
+            scale = _e4m3_code(tl.minimum(sb, 448.0))
+            eff = tl.broadcast_to(_e4m3_value(scale)[:, None], x.shape)
+            y = tl.math.div_rn(x, eff)
+        codes = _e2m1_code(tl.minimum(tl.maximum(y, -6.0), 6.0))
+        even, odd = tl.split(tl.reshape(codes, [ROWS, HALF_P2, 2]))  # [ROWS, HALF_P2]
+        pair = tl.arange(0, HALF_P2)
+        pmask = (blk[:, None] < n_blocks) & (pair[None, :] < BLOCK // 2)
+        tl.store(q_ptr + blk[:, None] * (BLOCK // 2) + pair[None, :], (even | (odd << 4)).to(tl.uint8), mask=pmask)
+    tl.store(s_ptr + blk, scale.to(tl.uint8), mask=blk < n_blocks)
+
+
+def _launch(x: torch.Tensor, block: int, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel; returns raw bytes: q (uint8 [..., K] or [..., K/2]) and scales (uint8 [..., K/block])."""
+    k = x.shape[-1]
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        x = x.float()
+    x = x.contiguous()
+    q_cols = k if fmt == _FP8 else k // 2
+    q = torch.empty((*x.shape[:-1], q_cols), dtype=torch.uint8, device=x.device)
+    s = torch.empty((*x.shape[:-1], k // block), dtype=torch.uint8, device=x.device)
+    n_blocks = x.numel() // block
+    if n_blocks:
+        half_p2 = triton.next_power_of_2(-(-block // 2))
+        rows = max(1, _TILE // (2 * half_p2))
+        _quant_kernel[(triton.cdiv(n_blocks, rows),)](
+            x, q, s, n_blocks, FMT=fmt, BLOCK=block, HALF_P2=half_p2, ROWS=rows, num_warps=4
+        )
+    return q, s
+
+
+def _check(x: torch.Tensor, block: int, what: str, even: bool) -> None:
+    if x.dim() == 0:
+        raise ValueError(f"{what}: expected at least 1 dim, got a scalar")
+    if block <= 0 or x.shape[-1] % block != 0:
+        raise ValueError(f"{what}: last dim {x.shape[-1]} is not divisible by block size {block}")
+    if even and block % 2:
+        raise ValueError(f"{what}: block {block} must be even (two codes per byte)")
+
+
+def _scale_shape(x: torch.Tensor, block: int) -> tuple[int, ...]:
+    return (*x.shape[:-1], x.shape[-1] // block)
+
+
+# ---------------------------------------------------------------------------------------------- ops
+
+
+@torch.library.custom_op("dsv4::fp8_quant", mutates_args=())
+def fp8_quant(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (float8_e4m3fn [..., K], float8_e8m0fnu [..., K/block]) == quantize_fp8(x, (block,))."""
+    _check(x, block, "fp8_quant", even=False)
+    if not use_triton(x):
+        return ref.quantize_fp8(x, (block,))
+    q, s = _launch(x, block, _FP8)
+    return q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu)
+
+
+@fp8_quant.register_fake
+def _(x, block):
+    _check(x, block, "fp8_quant", even=False)
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty(_scale_shape(x, block), dtype=torch.float8_e8m0fnu)
+
+
+@torch.library.custom_op("dsv4::mxfp4_quant", mutates_args=())
+def mxfp4_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (uint8 [..., K/2], float8_e8m0fnu [..., K/block]) == quantize_mxfp4(x, block)."""
+    _check(x, block, "mxfp4_quant", even=True)
+    if not use_triton(x):
+        return ref.quantize_mxfp4(x, block)
+    q, s = _launch(x, block, _MXFP4)
+    return q, s.view(torch.float8_e8m0fnu)
+
+
+@mxfp4_quant.register_fake
+def _(x, block=32):
+    _check(x, block, "mxfp4_quant", even=True)
+    packed = x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8)
+    return packed, x.new_empty(_scale_shape(x, block), dtype=torch.float8_e8m0fnu)
+
+
+@torch.library.custom_op("dsv4::nvfp4_quant", mutates_args=())
+def nvfp4_quant(x: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (uint8 [..., K/2], float8_e4m3fn [..., K/block]) == quantize_nvfp4(x, block)."""
+    _check(x, block, "nvfp4_quant", even=True)
+    if not use_triton(x):
+        return ref.quantize_nvfp4(x, block)
+    q, s = _launch(x, block, _NVFP4)
+    return q, s.view(torch.float8_e4m3fn)
+
+
+@nvfp4_quant.register_fake
+def _(x, block=16):
+    _check(x, block, "nvfp4_quant", even=True)
+    packed = x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8)
+    return packed, x.new_empty(_scale_shape(x, block), dtype=torch.float8_e4m3fn)

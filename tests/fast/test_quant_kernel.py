@@ -1,0 +1,151 @@
+"""dsv4.fast.kernels.quant against dsv4.quant: the same bytes, always.
+
+On CPU the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set before the kernel module is
+imported); without it and without CUDA the ops would only call dsv4.quant, so the module skips.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from dsv4 import quant as ref
+
+if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1 (else the ops only call dsv4.quant)", allow_module_level=True)
+
+from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FAST = settings(max_examples=60, deadline=None)
+
+# (op, reference, block sizes to draw from, largest |code value|)
+FORMATS = {
+    "fp8": (fp8_quant, lambda x, b: ref.quantize_fp8(x, (b,)), [16, 32, 64, 128, 3, 48], 448.0),
+    "mxfp4": (mxfp4_quant, ref.quantize_mxfp4, [32, 16, 64, 2, 6], 6.0),
+    "nvfp4": (nvfp4_quant, ref.quantize_nvfp4, [16, 32, 8, 2, 6], 6.0),
+}
+
+# e2m1 rounding ties (midpoints between neighbouring magnitudes)
+E2M1_TIES = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+
+
+def e4m3_ties() -> torch.Tensor:
+    """Midpoints between neighbouring finite positive e4m3 values, subnormal ones included."""
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    return (grid[1:] + grid[:-1]) / 2
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def make_values(seed: int, shape: tuple[int, ...], block: int, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    """Values spanning many magnitudes: per-block exponents, zeros, -0.0, fp32-subnormal tinies, rounding
+    ties of the element format (exact when the block holds a +-qmax anchor), all-zero and huge blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 1
+    for d in shape:
+        n *= d
+    nb = n // block
+    qmax = FORMATS[fmt][3]
+    lo, hi = (-20, 4) if dtype == torch.float16 else (-60, 60)
+    exp = torch.randint(lo, hi + 1, (nb, 1), generator=gen).float()
+    base = torch.randn(nb, block, generator=gen) * torch.exp2(torch.randint(-8, 3, (nb, block), generator=gen).float())
+    ties = torch.tensor(E2M1_TIES) if fmt != "fp8" else e4m3_ties()
+    tie = ties[torch.randint(0, len(ties), (nb, block), generator=gen)]
+    tie = tie * (1 - 2 * torch.randint(0, 2, (nb, block), generator=gen).float())
+    kind = torch.randint(0, 8, (nb, block), generator=gen)
+    v = torch.where(kind == 2, tie, base)
+    v = torch.where(kind == 3, torch.randn(nb, block, generator=gen) * 2.0**-100, v)  # x 2^exp -> fp32 subnormal
+    v = torch.where(kind == 0, torch.zeros(()), v)
+    v = torch.where(kind == 1, torch.full((), -0.0), v)
+    anchor = torch.rand(nb, generator=gen) < 0.5
+    v[:, 0] = torch.where(anchor, qmax * (1 - 2 * torch.randint(0, 2, (nb,), generator=gen).float()), v[:, 0])
+    block_kind = torch.randint(0, 8, (nb, 1), generator=gen)
+    x = v * torch.exp2(exp)
+    x = torch.where(block_kind == 0, torch.zeros(()), x)  # all-zero block: the amax clamp
+    tiny = 2.0**-20 if dtype == torch.float16 else 2.0**-40
+    x = torch.where(block_kind == 1, v * tiny, x)  # all tiny
+    if dtype != torch.float16:
+        x = torch.where(block_kind == 2, base * 2.0**110, x)  # huge
+    x = x.to(dtype)
+    assert torch.isfinite(x).all()
+    return x.reshape(shape).to(DEVICE)
+
+
+shapes = st.tuples(st.lists(st.integers(1, 3), min_size=0, max_size=2), st.integers(1, 6))
+dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@FAST
+@given(shape=shapes, block_pick=st.integers(0, 5), dtype=dtypes, seed=st.integers(0, 2**31 - 1))
+@example(shape=([], 1), block_pick=0, dtype=torch.float32, seed=0)
+@example(shape=([2, 3], 5), block_pick=1, dtype=torch.bfloat16, seed=1)
+def test_bytes_match_reference(fmt, shape, block_pick, dtype, seed):
+    op, reference, blocks, _ = FORMATS[fmt]
+    block = blocks[block_pick % len(blocks)]
+    lead, nblocks = shape
+    x = make_values(seed, (*lead, nblocks * block), block, fmt, dtype)
+    got, want = op(x, block), reference(x, block)
+    assert same_bytes(got[0], want[0])
+    assert same_bytes(got[1], want[1])
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_hand_vectors(fmt):
+    """Ties, signed zeros and saturation inside one block whose scale is exactly 1 (amax = qmax)."""
+    op, reference, _, _ = FORMATS[fmt]
+    if fmt == "fp8":
+        row = [448.0, -0.0, 0.0, 2.0**-10, -3 * 2.0**-10, 2.0**-7 + 2.0**-10, 1.0625, -1.1875, 240.0, 464.0 / 2, 1e-30]
+    else:
+        row = [6.0, -0.0, 0.0, *E2M1_TIES, *[-t for t in E2M1_TIES], -1e-30, 5.9]
+    row = row + [0.0] * (-len(row) % 16)
+    x = torch.tensor(row, device=DEVICE)
+    got, want = op(x, len(row)), reference(x, len(row))
+    assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_strided_and_empty_inputs(fmt):
+    op, reference, _, _ = FORMATS[fmt]
+    x = make_values(7, (4, 128), 32, fmt, torch.bfloat16)[:, ::2]  # non-contiguous [4, 64]
+    got, want = op(x, 32), reference(x, 32)
+    assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
+    empty = torch.zeros(0, 64, device=DEVICE)
+    got, want = op(empty, 32), reference(empty, 32)
+    assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
+
+
+def test_bad_block_raises():
+    x = torch.zeros(2, 48, device=DEVICE)
+    with pytest.raises(ValueError, match="divisible"):
+        fp8_quant(x, 32)
+    with pytest.raises(ValueError, match="even"):
+        mxfp4_quant(x, 3)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_opcheck(fmt):
+    """Schema, fake (meta) implementation and dispatch are consistent (torch.library.opcheck)."""
+    op, _, blocks, _ = FORMATS[fmt]
+    x = make_values(3, (2, 64), blocks[0], fmt, torch.bfloat16)
+    torch.library.opcheck(op, (x, blocks[0]), test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_real_shapes(fmt, dtype):
+    """Activation shapes of V4.1-Flash (hidden 5120), a decode row and a prefill batch."""
+    op, reference, blocks, _ = FORMATS[fmt]
+    for rows in (1, 4096):
+        x = make_values(rows, (rows, 5120), blocks[0], fmt, dtype)
+        got, want = op(x, blocks[0]), reference(x, blocks[0])
+        assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
