@@ -7,9 +7,10 @@ Importing dsv4 registers `model_type: "dsv4"` with transformers' AutoConfig and 
 """
 
 from dsv4.config import ConfigError, Dsv4Config, LayerRole
+from dsv4.engine.layout import cache_layout
 from dsv4.hf import Dsv4ForCausalLM, register
 
 register()
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "Dsv4Config", "Dsv4ForCausalLM", "LayerRole", "__version__"]
+__all__ = ["ConfigError", "Dsv4Config", "Dsv4ForCausalLM", "LayerRole", "__version__", "cache_layout"]

@@ -203,3 +203,106 @@ def load_into(model: nn.Module, model_dir: Path, progress: bool = True, skip: tu
         raise CheckpointError(f"checkpoint {model_dir} does not fit the model: {shown}")
     report.loaded = len(seen)
     return report
+
+
+# ----------------------------------------------------------------------------- writing for transformers
+# The inverse of TRANSFORMERS_RENAMES: official names -> the names transformers' DeepseekV4
+# `save_pretrained` writes (and its `from_pretrained` reads back). The LM head lives outside the base
+# model, so it alone keeps its name; everything else gains the `model.` prefix.
+_OFFICIAL_TO_TRANSFORMERS = (
+    (re.compile(r"^embed\.weight$"), "model.embed_tokens.weight"),
+    (re.compile(r"^hc_head_(fn|base|scale)$"), r"model.hc_head.hc_\1"),
+    (re.compile(r"^layers\.(\d+)\.attn\.kv_norm\.weight$"), r"model.layers.\1.attn.norm.weight"),
+    (re.compile(r"^head\.weight$"), "head.weight"),
+)
+
+
+def transformers_name(official: str) -> str:
+    """Map an official tensor name to the one transformers' DeepseekV4 checkpoints use."""
+    for pattern, repl in _OFFICIAL_TO_TRANSFORMERS:
+        name, n = pattern.subn(repl, official)
+        if n:
+            return name
+    return f"model.{official}"
+
+
+def dequantized_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Official tensors with every FP8 / FP4 linear weight replaced by its exact dequantization (fp32)
+    and its `.scale` dropped; everything else is passed through.
+
+    `model` is the (meta-device) model the tensors belong to: each weight is dequantized by a shallow
+    copy of its own module holding the stored tensors, so the values are exactly the ones the model
+    computes with.
+    """
+    import copy
+
+    out = dict(tensors)
+    for name, module in model.named_modules():
+        if getattr(module, "fmt", "dense") == "dense" or not hasattr(module, "dequantized_weight"):
+            continue
+        stored = copy.copy(module)
+        stored._parameters = {"weight": out.pop(f"{name}.weight"), "scale": out.pop(f"{name}.scale")}
+        out[f"{name}.weight"] = stored.dequantized_weight().float()
+    return out
+
+
+def _transformers_v4_config(config) -> dict:
+    """DeepseekV4Config fields of a V4 `Dsv4Config`: layer and MLP types per layer, RoPE by rope kind."""
+    kinds = {"window": "sliding_attention", "csa": "compressed_sparse_attention", "hca": "heavily_compressed_attention"}
+    roles = config.layer_roles
+    rotary = config.qk_rope_head_dim / config.head_dim
+    compress = {"rope_type": "default"}
+    if config.rope_scaling:
+        yarn = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+        # transformers derives YaRN's attention factor (mscale) unless told; the model applies none
+        compress = {"rope_type": "yarn", **{k: config.rope_scaling[k] for k in yarn}, "attention_factor": 1.0}
+    copied = (
+        "vocab_size hidden_size moe_intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+        "head_dim q_lora_rank num_experts_per_tok n_routed_experts n_shared_experts scoring_func norm_topk_prob "
+        "routed_scaling_factor max_position_embeddings rope_theta compress_rope_theta hc_mult hc_sinkhorn_iters "
+        "hc_eps swiglu_limit sliding_window o_groups o_lora_rank index_n_heads index_head_dim index_topk "
+        "num_nextn_predict_layers rms_norm_eps bos_token_id eos_token_id tie_word_embeddings"
+    ).split()
+    return {
+        **{k: getattr(config, k) for k in copied},
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "layer_types": [kinds[role.attention_kind] for role in roles],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        "mlp_layer_types": ["hash_moe" if role.hash_moe else "moe" for role in roles],
+        "partial_rotary_factor": rotary,
+        "rope_parameters": {
+            "main": {"rope_type": "default", "rope_theta": config.rope_theta, "partial_rotary_factor": rotary},
+            "compress": {**compress, "rope_theta": config.compress_rope_theta, "partial_rotary_factor": rotary},
+        },
+    }
+
+
+def to_transformers_dir(model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Write a dequantized copy of a V4 checkpoint that transformers' `DeepseekV4ForCausalLM` loads.
+
+    The config becomes `DeepseekV4Config` fields (written as JSON: dsv4 imports transformers only in
+    dsv4.hf); quantized weights become their exact fp32 dequantization and every name its transformers
+    form (`transformers_name`); tensors the text model skips are left out. Everything goes into one
+    `model.safetensors`: this is for test- and debug-sized checkpoints.
+    """
+    from safetensors.torch import save_file
+
+    from dsv4.config import Dsv4Config
+    from dsv4.reference.model import Dsv4Model
+
+    model_dir, out = resolve_model_dir(model_dir), Path(out_dir)
+    config = Dsv4Config.from_json(model_dir)
+    if config.is_v41:
+        raise ValueError(f"{model_dir} is a DeepSeek-V4.1 checkpoint; transformers' DeepseekV4 runs V4 only")
+    with torch.device("meta"):
+        model = Dsv4Model(config)
+    tensors = {}
+    for path in shard_files(model_dir):
+        tensors.update({official_name(k): v for k, v in mmap_safetensors(path).items()})
+    kept = {k: v for k, v in tensors.items() if not k.startswith(SKIPPED_PREFIXES + ("mtp.",))}
+    dense = dequantized_tensors(model, kept)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config = {"model_type": "deepseek_v4", **_transformers_v4_config(config)}
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    save_file({transformers_name(k): v.contiguous() for k, v in dense.items()}, str(out / "model.safetensors"))
+    return out

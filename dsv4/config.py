@@ -523,6 +523,8 @@ def _from_v41_composite(raw: dict) -> dict:
     if not isinstance(text, dict):
         raise ConfigError("config field text_config: missing in a deepseek_v41 config")
     d = dict(text, model_family=V41)
+    if "engram_pad_token_id" in d:  # the released file's name for engram_pad_id
+        d.setdefault("engram_pad_id", d["engram_pad_token_id"])
     for key in ("quantization_config", "image_token_id", "bos_token_id", "eos_token_id"):
         if key in raw and key not in d:
             d[key] = raw[key]

@@ -50,3 +50,20 @@ def test_module_entry_point_reads_stdin():
         input="Hi", capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr
+
+
+def test_twenty_turn_chat_hits_the_prefix_cache_from_turn_two():
+    turns = "\n".join(f"turn {i}: tell me more about item {i}" for i in range(1, 21)) + "\n"
+    run = subprocess.run(
+        [sys.executable, "-m", "dsv4.generate", "--chat", "--max-new-tokens", "6", "--quiet"],
+        input=turns, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    reports = [line for line in run.stderr.splitlines() if line.startswith("[turn ")]
+    assert len(reports) == 20
+    cached = [int(line.split(":")[1].split()[0]) for line in reports]
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:]), reports
+
+
+def test_no_swa_bounded_replay_flag(capsys):
+    assert main(["--prompt", "Hello", "--max-new-tokens", "3", "--no-swa-bounded-replay", "--quiet"]) == 0

@@ -36,6 +36,16 @@ class SharedKV:
 
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, S, k], -1 = none
     candidates: torch.Tensor | None = None  # [B, S, G] bool
+    # a source's compressed KV read from the cache once per forward: up to 20 layers read one source
+    compressed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def read_compressed(self, cache, source: int) -> torch.Tensor | None:
+        if source not in self.compressed:
+            view = cache.compressed(source)
+            if view is None:
+                return None
+            self.compressed[source] = view
+        return self.compressed[source]
 
     def keep_queries(self, keep: slice) -> None:
         """Keep only some query rows of the per-query selections (V4.1 decoder replay)."""
@@ -156,7 +166,8 @@ class Attention(nn.Module):
         B, S = x.shape[:2]
         if role.owns_compressor:
             self._compress(x, positions, cache)
-        comp = cache.compressed(role.kv_source)
+            shared.compressed.pop(role.layer_id, None)  # grown: read again
+        comp = shared.read_compressed(cache, role.kv_source)
         if comp is None:
             comp = x.new_zeros(B, 0, self.head_dim)
         G = comp.shape[1]

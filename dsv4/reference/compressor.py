@@ -65,7 +65,8 @@ class Compressor(nn.Module):
         G = kv.shape[1] // r
         groups_kv, groups_score = kv[:, : G * r].unflatten(1, (G, r)), score[:, : G * r].unflatten(1, (G, r))
         prev = (state or {}).get("prev")
-        new_state = {"next": end, "kv": kv[:, G * r :], "score": score[:, G * r :]}
+        # clone: a view would keep the whole chunk's projections alive in the cache
+        new_state = {"next": end, "kv": kv[:, G * r :].clone(), "score": score[:, G * r :].clone()}
         if self.overlap:
             new_state["prev"] = (groups_kv[:, -1], groups_score[:, -1]) if G else prev
             groups_kv = _overlap(groups_kv, d, 0.0, None if prev is None else prev[0])

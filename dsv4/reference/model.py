@@ -101,6 +101,11 @@ class Dsv4Model(nn.Module):
         self.engram_hasher = None  # set by the loader for V4.1 models with Engram layers
         self.decoder_replay = False
 
+    @property
+    def quant_sim(self) -> bool:
+        """Whether the official reference's precision steps are on."""
+        return self.layers[0].attn.quant_sim
+
     def set_quant_sim(self, on: bool) -> None:
         """Switch the official reference's precision steps on or off in every submodule."""
         for m in self.modules():
@@ -226,7 +231,7 @@ def load_model(
     config = Dsv4Config.from_json(model_dir)
     with torch.device("meta"):
         model = Dsv4Model(config, dtype)
-    load_into(model, model_dir, progress=progress, skip=() if config.has_drafter else ("mtp.",))
+    model.load_report = load_into(model, model_dir, progress=progress, skip=() if config.has_drafter else ("mtp.",))
     if config.is_v41 and config.engram_layer_ids:
         model.engram_hasher = engram_hasher(model_dir, config)
     model.set_quant_sim(quant_sim)

@@ -1,0 +1,399 @@
+"""Fused mHC: the pre-site pass (project, split, Sinkhorn, collapse) and the post-site expand.
+
+`dsv4::mhc_pre(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters) -> (x, pre, post, comb)`
+    h [N, hc, D] (bf16/fp32), fn [M=(2+hc)*hc, hc*D] fp32, scale [3], base [M] fp32,
+    collapse_pre [N, hc] fp32 or None. x [N, D] in h's dtype; pre, post [N, hc] and comb [N, hc, hc] fp32.
+    mixes = (h_flat @ fn^T) * rsqrt(mean(h_flat^2) + norm_eps), split into pre / post / comb with
+    Sinkhorn (`iters` column normalizations, the first after a row softmax), and x = sum_k w_k h_k with
+    w = collapse_pre when given (V4.1 single-pass: the previous site's pre) else this site's pre.
+`dsv4::mhc_post(f, residual, post, comb) -> h'`
+    f [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc] -> [N, hc, D] in f's dtype,
+    h'_k = post_k f + sum_j comb[j, k] residual_j in fp32.
+
+Twins: `dsv4.reference.mhc` (hc_project, hc_split_sinkhorn, hc_collapse, hc_expand) on [1, N, ...].
+
+mhc_pre runs as two launches:
+  1. `_pre_partial_kernel`, grid (token blocks, D splits): each program reads its slice of h once (all
+     hc streams for one range of d), accumulates the partial projection h_flat @ fn^T on the tensor
+     cores and the partial sum of squares, and writes both to a small fp32 workspace [S, N, M + 1].
+     With collapse_pre given, it also writes x for its d range from the same registers, so h is read
+     from memory exactly once.
+  2. `_pre_finish_kernel`, grid (token blocks, D chunks): sums the S partials, applies rsqrt, the split
+     and Sinkhorn (fp32, IEEE division), writes pre/post/comb; without collapse_pre it then collapses its
+     d chunk with this site's pre (h is read a second time: the weights need the full row first).
+The projection is fp32-exact: bf16 h meets fn split into three bf16 pieces (hi + mid + lo carry all 24
+bits of fp32), three bf16 MMAs with fp32 accumulation; fp32 h uses Triton's tf32x3. Each step's MMA
+result joins the running sum through an ordinary fp32 add, so tensor-core accumulation rounding stays
+within one step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from dsv4.fast.kernels import use_triton
+from dsv4.reference.mhc import hc_collapse, hc_expand, hc_project, hc_split_sinkhorn
+
+# ------------------------------------------------------------------------------------------------
+# Twins: the reference functions on [1, N, ...]
+
+
+def mhc_pre_twin(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters):
+    hb = h.unsqueeze(0)
+    mixes = hc_project(hb, fn, norm_eps)
+    pre, post, comb = hc_split_sinkhorn(mixes, scale, base, h.shape[1], iters, hc_eps)
+    w = pre if collapse_pre is None else collapse_pre.float().unsqueeze(0)
+    x = hc_collapse(hb, w)
+    return x[0], pre[0], post[0], comb[0]
+
+
+def mhc_post_twin(f, residual, post, comb):
+    return hc_expand(f.unsqueeze(0), residual.unsqueeze(0), post.unsqueeze(0), comb.unsqueeze(0))[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _exp(x, ACCURATE: tl.constexpr):
+    # libdevice expf is what torch's CUDA kernels call; the interpreter lacks libdevice (numpy exp is exact)
+    if ACCURATE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _mma(acc, a, b, INTERP: tl.constexpr):
+    # the interpreter's dot mishandles bf16 operands; fp32 gives the same exact products there
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _pre_partial_kernel(
+    h_ptr, fn_ptr, w_ptr, x_ptr, ws_ptr,
+    N, D, steps_per_prog,
+    stride_hn, stride_hk, stride_wn, stride_xn,
+    HC: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    COLLAPSE: tl.constexpr, BF16_SPLIT: tl.constexpr, INTERP: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, MP)
+    cmask = cols < M
+    dd = tl.arange(0, BD)
+    K = HC * D
+
+    acc = tl.zeros((BN, MP), dtype=tl.float32)
+    sq = tl.zeros((BN, BD), dtype=tl.float32)
+    xacc = tl.zeros((BN, BD), dtype=tl.float32)
+    # one flat loop over (d step, stream), d-major: one h tile and one fn tile live per iteration (the
+    # pipeline keeps num_stages of them in flight), and the hc streams of a d step arrive back to back
+    # so the collapse can finish that step's x on its last stream
+    t_begin = pid_s * steps_per_prog * HC
+    t_end = tl.minimum(t_begin + steps_per_prog * HC, (D // BD) * HC)
+    for t in range(t_begin, t_end):
+        d0 = (t // HC) * BD
+        k = t % HC
+        hv = tl.load(h_ptr + rows64[:, None] * stride_hn + k * stride_hk + (d0 + dd)[None, :],
+                     mask=rmask[:, None], other=0.0)
+        # fn^T tile [BD, MP]: column m is fn[m, k*D + d0 : k*D + d0 + BD]
+        fv = tl.trans(tl.load(fn_ptr + cols[:, None].to(tl.int64) * K + (k * D + d0 + dd)[None, :],
+                              mask=cmask[:, None], other=0.0))
+        h32 = hv.to(tl.float32)
+        sq += h32 * h32
+        # each step's product is summed into acc by an fp32 add (correctly rounded): tensor cores may
+        # truncate in their own accumulation, and the running sum would collect that over all of K
+        if BF16_SPLIT:
+            f1 = fv.to(tl.bfloat16)
+            r1 = fv - f1.to(tl.float32)
+            f2 = r1.to(tl.bfloat16)
+            f3 = (r1 - f2.to(tl.float32)).to(tl.bfloat16)
+            part = _mma(tl.zeros((BN, MP), dtype=tl.float32), hv, f3, INTERP)
+            part = _mma(part, hv, f2, INTERP)
+            acc += _mma(part, hv, f1, INTERP)
+        elif INTERP:
+            acc += tl.dot(h32, fv, input_precision="ieee")
+        else:
+            acc += tl.dot(h32, fv, input_precision="tf32x3")
+        if COLLAPSE:
+            wk = tl.load(w_ptr + rows64 * stride_wn + k, mask=rmask, other=0.0)
+            xacc += wk[:, None] * h32
+            last = (dd * 0 + k) == HC - 1  # [BD], all true on a step's last stream
+            tl.store(x_ptr + rows64[:, None] * stride_xn + (d0 + dd)[None, :], xacc.to(x_ptr.dtype.element_ty),
+                     mask=rmask[:, None] & last[None, :])
+            xacc = tl.where(last[None, :], 0.0, xacc)
+    # workspace [S, N, M + 1]: the M partial mixes, then the partial sum of squares
+    ws_row = ws_ptr + (pid_s * N + rows64) * (M + 1)
+    tl.store(ws_row[:, None] + cols[None, :], acc, mask=rmask[:, None] & cmask[None, :])
+    tl.store(ws_row + M, tl.sum(sq, axis=1), mask=rmask)
+
+
+@triton.jit
+def _pre_finish_kernel(
+    ws_ptr, scale_ptr, base_ptr, h_ptr, x_ptr, pre_ptr, post_ptr, comb_ptr,
+    N, D, n_split, d_per_prog, norm_eps, hc_eps, iters,
+    stride_hn, stride_hk, stride_xn,
+    HC: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    COLLAPSE: tl.constexpr, ACCURATE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rows = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    c = tl.arange(0, HC)
+    r2 = rmask[:, None]
+    r3 = rmask[:, None, None]
+    jk = c[:, None] * HC + c[None, :]  # comb[j, k] sits at mixes[2 hc + j hc + k]
+
+    ss = tl.zeros((BN,), dtype=tl.float32)
+    pre_raw = tl.zeros((BN, HC), dtype=tl.float32)
+    post_raw = tl.zeros((BN, HC), dtype=tl.float32)
+    comb_raw = tl.zeros((BN, HC, HC), dtype=tl.float32)
+    for s in range(n_split):
+        row = ws_ptr + (s * N + rows64) * (M + 1)
+        ss += tl.load(row + M, mask=rmask, other=0.0)
+        pre_raw += tl.load(row[:, None] + c[None, :], mask=r2, other=0.0)
+        post_raw += tl.load(row[:, None] + HC + c[None, :], mask=r2, other=0.0)
+        comb_raw += tl.load(row[:, None, None] + 2 * HC + jk[None, :, :], mask=r3, other=0.0)
+
+    rs = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, (HC * D) * 1.0) + norm_eps))
+    s_pre = tl.load(scale_ptr)
+    s_post = tl.load(scale_ptr + 1)
+    s_comb = tl.load(scale_ptr + 2)
+    b_pre = tl.load(base_ptr + c)
+    b_post = tl.load(base_ptr + HC + c)
+    b_comb = tl.load(base_ptr + 2 * HC + jk)
+
+    pre = tl.div_rn(1.0, 1.0 + _exp(-((pre_raw * rs[:, None]) * s_pre + b_pre[None, :]), ACCURATE)) + hc_eps
+    post = 2.0 * tl.div_rn(1.0, 1.0 + _exp(-((post_raw * rs[:, None]) * s_post + b_post[None, :]), ACCURATE))
+    comb = (comb_raw * rs[:, None, None]) * s_comb + b_comb[None, :, :]
+    comb = _exp(comb - tl.max(comb, axis=2)[:, :, None], ACCURATE)
+    comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None]) + hc_eps
+    comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    for _ in range(iters - 1):
+        comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+        comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+
+    if pid_d == 0:
+        tl.store(pre_ptr + rows64[:, None] * HC + c[None, :], pre, mask=r2)
+        tl.store(post_ptr + rows64[:, None] * HC + c[None, :], post, mask=r2)
+        tl.store(comb_ptr + rows64[:, None, None] * (HC * HC) + jk[None, :, :], comb, mask=r3)
+
+    if COLLAPSE:
+        dd = tl.arange(0, BD)
+        d_begin = pid_d * d_per_prog
+        d_end = tl.minimum(d_begin + d_per_prog, D)
+        for d0 in range(d_begin, d_end, BD):
+            xacc = tl.zeros((BN, BD), dtype=tl.float32)
+            for k in tl.static_range(HC):
+                wk = tl.sum(tl.where(c[None, :] == k, pre, 0.0), axis=1)
+                hv = tl.load(h_ptr + rows64[:, None] * stride_hn + k * stride_hk + (d0 + dd)[None, :],
+                             mask=r2, other=0.0)
+                xacc += wk[:, None] * hv.to(tl.float32)
+            tl.store(x_ptr + rows64[:, None] * stride_xn + (d0 + dd)[None, :], xacc.to(x_ptr.dtype.element_ty),
+                     mask=r2)
+
+
+@triton.jit
+def _post_kernel(
+    f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr,
+    N, D,
+    stride_fn, stride_rn, stride_rk, stride_on, stride_ok,
+    HC: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rows = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    c = tl.arange(0, HC)
+    dd = pid_d * BD + tl.arange(0, BD)
+    dmask = dd < D
+    m2 = rmask[:, None] & dmask[None, :]
+
+    mixed = tl.zeros((BN, HC, BD), dtype=tl.float32)
+    for j in tl.static_range(HC):
+        cj = tl.load(comb_ptr + rows64[:, None] * (HC * HC) + j * HC + c[None, :], mask=rmask[:, None], other=0.0)
+        rj = tl.load(res_ptr + rows64[:, None] * stride_rn + j * stride_rk + dd[None, :], mask=m2, other=0.0)
+        mixed += cj[:, :, None] * rj.to(tl.float32)[:, None, :]
+    pv = tl.load(post_ptr + rows64[:, None] * HC + c[None, :], mask=rmask[:, None], other=0.0)
+    fv = tl.load(f_ptr + rows64[:, None] * stride_fn + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+    out = pv[:, :, None] * fv[:, None, :] + mixed
+    optr = out_ptr + rows64[:, None, None] * stride_on + c[None, :, None] * stride_ok + dd[None, None, :]
+    tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=m2[:, None, :])
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch configuration
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _programs_target(t: torch.Tensor) -> int:
+    # about two programs per multiprocessor; the interpreter runs programs one by one, so few there
+    return 2 * _num_sms(t.device.index or 0) if t.is_cuda else 2
+
+
+def _pow2_block(D: int, cap: int) -> int:
+    b = triton.next_power_of_2(cap)
+    while b > 16 and D % b:
+        b //= 2
+    return b
+
+
+def pre_config(N: int, D: int, hc: int, elt: int, target: int, cfg: dict | None = None) -> dict:
+    """Tiles of mhc_pre's first kernel: BN tokens a program (the MMA's M, >= 16), BD columns of d a step,
+    `split` programs along D each doing `per` steps, and warps / pipeline stages. `cfg` overrides any.
+
+    Big token counts use a big BN so the fn slice a program holds serves more tokens (fn is re-read from
+    L2 once per token block); small ones split D until about `target` programs are busy. A pipeline
+    stage holds one h tile and one fn tile; stages are capped to keep within ~160 KB of shared memory.
+    """
+    cfg = cfg or {}
+    BN = cfg.get("BN") or (16 if N <= 16 else 32 if N <= 32 else 64 if N <= 1024 else 128)
+    # defaults that compile without register spills for sm_90 (ptxas -v, Triton 3.9)
+    BD = _pow2_block(D, cfg.get("BD") or (32 if BN >= 128 or elt > 2 else 64))  # a power of two >= 16 dividing D
+    MP = max(16, triton.next_power_of_2((2 + hc) * hc))
+    nb = triton.cdiv(N, BN)
+    steps = D // BD
+    split = cfg.get("split") or max(1, min(steps, triton.cdiv(target, nb)))
+    per = triton.cdiv(steps, split)
+    stage_bytes = BN * BD * elt + BD * MP * 4
+    return {
+        "BN": BN, "BD": BD, "MP": MP, "split": triton.cdiv(steps, per), "per": per,
+        "num_warps": cfg.get("num_warps") or (4 if BN <= 16 else 8),
+        "num_stages": cfg.get("num_stages") or max(1, min(4, (160 * 1024) // stage_bytes)),
+    }
+
+
+def _hc_supported(hc: int, D: int) -> bool:
+    return hc >= 2 and hc & (hc - 1) == 0 and D % 16 == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Ops
+
+
+def mhc_pre_triton(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters, cfg: dict | None = None):
+    """The Triton path of mhc_pre; `cfg` (BN, BD, split, target, num_warps, num_stages, BN2) overrides the
+    tiles (`target`: the program count the D split aims at)."""
+    cfg = cfg or {}
+    h = h.contiguous()
+    fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
+    N, hc, D = h.shape
+    M = (2 + hc) * hc
+    interp = not h.is_cuda
+    target = cfg.get("target") or _programs_target(h)
+    c = pre_config(N, D, hc, h.element_size(), target, cfg)
+    x = torch.empty(N, D, dtype=h.dtype, device=h.device)
+    pre = torch.empty(N, hc, dtype=torch.float32, device=h.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty(N, hc, hc, dtype=torch.float32, device=h.device)
+    if N == 0:
+        return x, pre, post, comb
+    ws = torch.empty(c["split"], N, M + 1, dtype=torch.float32, device=h.device)
+    collapse_now = collapse_pre is not None
+    w = collapse_pre.float().contiguous() if collapse_now else pre
+    launch = functools.partial(
+        _pre_partial_kernel[(triton.cdiv(N, c["BN"]), c["split"])],
+        h, fn, w, x, ws,
+        N, D, c["per"],
+        h.stride(0), h.stride(1), w.stride(0), x.stride(0),
+        HC=hc, M=M, MP=c["MP"], BN=c["BN"], BD=c["BD"],
+        COLLAPSE=collapse_now, BF16_SPLIT=h.dtype == torch.bfloat16, INTERP=interp,
+        num_warps=c["num_warps"],
+    )
+    try:
+        launch(num_stages=c["num_stages"])
+    except triton.runtime.errors.OutOfResources:  # a tile the shared-memory estimate let through
+        launch(num_stages=1)
+    split = c["split"]
+    BN2 = cfg.get("BN2", 16)
+    nb2 = triton.cdiv(N, BN2)
+    BD2 = _pow2_block(D, 64)  # wider tiles cost registers (255 at 128 columns) without fewer bytes
+    chunks = 1 if collapse_now else max(1, min(D // BD2, triton.cdiv(target, nb2)))
+    d_per = triton.cdiv(D // BD2, chunks) * BD2
+    chunks = triton.cdiv(D, d_per)
+    _pre_finish_kernel[(nb2, chunks)](
+        ws, scale, base, h, x, pre, post, comb,
+        N, D, split, d_per, norm_eps, hc_eps, iters,
+        h.stride(0), h.stride(1), x.stride(0),
+        HC=hc, M=M, BN=BN2, BD=BD2, COLLAPSE=not collapse_now, ACCURATE=not interp,
+        num_warps=4,
+    )
+    return x, pre, post, comb
+
+
+def mhc_post_triton(f, residual, post, comb, cfg: dict | None = None):
+    cfg = cfg or {}
+    f, residual = f.contiguous(), residual.contiguous()
+    post, comb = post.float().contiguous(), comb.float().contiguous()
+    N, hc, D = residual.shape
+    out = torch.empty(N, hc, D, dtype=f.dtype, device=f.device)
+    if N == 0:
+        return out
+    BN = cfg.get("BN", 1)
+    # 1024 bf16 columns: 16-byte accesses with 4 warps; fewer columns for few tokens, so more programs run
+    BD = cfg.get("BD", min(1024 if N >= 64 else 256, triton.next_power_of_2(D)))
+    _post_kernel[(triton.cdiv(N, BN), triton.cdiv(D, BD))](
+        f, residual, post, comb, out,
+        N, D,
+        f.stride(0), residual.stride(0), residual.stride(1), out.stride(0), out.stride(1),
+        HC=hc, BN=BN, BD=BD, num_warps=cfg.get("num_warps", 4),
+    )
+    return out
+
+
+@torch.library.custom_op("dsv4::mhc_pre", mutates_args=())
+def mhc_pre(
+    h: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    collapse_pre: torch.Tensor | None,
+    norm_eps: float,
+    hc_eps: float,
+    iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused mHC pre-site pass: h [N, hc, D] -> x [N, D], pre [N, hc], post [N, hc], comb [N, hc, hc]."""
+    if use_triton(h) and _hc_supported(h.shape[1], h.shape[2]):
+        return mhc_pre_triton(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters)
+    x, pre, post, comb = mhc_pre_twin(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters)
+    return x.contiguous(), pre.contiguous(), post.contiguous(), comb.contiguous()
+
+
+@mhc_pre.register_fake
+def _(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters):
+    N, hc, D = h.shape
+    f32 = torch.float32
+    return h.new_empty(N, D), h.new_empty(N, hc, dtype=f32), h.new_empty(N, hc, dtype=f32), h.new_empty(N, hc, hc, dtype=f32)
+
+
+@torch.library.custom_op("dsv4::mhc_post", mutates_args=())
+def mhc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """mHC expand: h'_k = post_k f + sum_j comb[j, k] residual_j; [N, D], [N, hc, D] -> [N, hc, D]."""
+    if use_triton(f) and _hc_supported(residual.shape[1], 16):
+        return mhc_post_triton(f, residual, post, comb)
+    return mhc_post_twin(f, residual, post, comb).contiguous()
+
+
+@mhc_post.register_fake
+def _(f, residual, post, comb):
+    return residual.new_empty(residual.shape, dtype=f.dtype)

@@ -1,0 +1,302 @@
+"""Fused MoE routing: score function, top-k selection and weight normalization in one kernel.
+
+`dsv4::route_topk(logits, bias, hashed_ids, topk, temp, scale, normalize, score_func) -> (weights, ids)`
+    logits [N, E] fp32, bias [E] fp32 or None, hashed_ids [N, k] int64 or None.
+    scores = score_func(logits / temp) (sqrtsoftplus, sigmoid or softmax); the experts are the top-k of
+    scores + bias, or `hashed_ids` when given; weights [N, k] fp32 are the chosen unbiased scores,
+    divided by their sum + 1e-20 when `normalize` and k > 1, times `scale`; ids [N, k] int64.
+    Order: ids come sorted by descending biased score (ties: the lower expert id first); on the hashed
+    path, in the table's order. Twin: `route(router_scores(logits / temp, score_func), ...)`, whose
+    top-k order is the same up to ties.
+`dsv4::gate_route(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func) -> (weights, ids)`
+    The same, with the gate GEMM in front: logits = x [N, D] @ weight [E, D]^T in fp32 (bf16 products
+    are exact in fp32, so this is F.linear(x.float(), weight.float()) up to summation order). Twin:
+    `Gate.forward`'s sequence.
+
+One program holds a block of rows, all E experts padded to a power of two (E <= 1024), in registers;
+top-k is k rounds of argmax with the winner masked out. gate_route first runs a split-K GEMM on the
+tensor cores into a [S, N, E] fp32 workspace that the routing kernel sums while loading.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from dsv4.fast.kernels import use_triton
+from dsv4.reference.moe import route, router_scores
+
+_SCORE_FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+MAX_EXPERTS = 1024
+
+
+def route_topk_twin(logits, bias, hashed_ids, topk, temp, scale, normalize, score_func):
+    scores = router_scores(logits.float() / temp, score_func)
+    if bias is None and hashed_ids is None:
+        bias = torch.zeros_like(scores[0])  # `route` wants a bias on the top-k path
+    return route(scores, bias, hashed_ids, topk, normalize, scale)
+
+
+def gate_route_twin(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func):
+    logits = F.linear(x.float(), weight.float())
+    return route_topk_twin(logits, bias, hashed_ids, topk, temp, scale, normalize, score_func)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _exp(x, ACCURATE: tl.constexpr):
+    # libdevice expf is what torch's CUDA kernels call; the interpreter lacks libdevice (numpy exp is exact)
+    if ACCURATE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _log1p(t, ACCURATE: tl.constexpr):
+    if ACCURATE:
+        return libdevice.log1p(t)
+    else:
+        u = 1.0 + t  # log1p from log: exact to a few ulp where u rounds (Goldberg)
+        return tl.where(u == 1.0, t, tl.log(u) * (t / tl.where(u == 1.0, 1.0, u - 1.0)))
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, hashed_ptr, w_ptr, ids_ptr,
+    N, E, n_split, stride_split, stride_ln, temp, scale,
+    TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BR: tl.constexpr, SCORE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HASHED: tl.constexpr, NORMALIZE: tl.constexpr, ACCURATE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BR + tl.arange(0, BR)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, EP)
+    cmask = cols < E
+    m2 = rmask[:, None] & cmask[None, :]
+
+    # logits: the sum of n_split partial products (1 for route_topk)
+    x = tl.zeros((BR, EP), dtype=tl.float32)
+    for s in range(n_split):
+        x += tl.load(logits_ptr + s * stride_split + rows64[:, None] * stride_ln + cols[None, :], mask=m2, other=0.0)
+    x = tl.div_rn(x, temp)
+    if SCORE == 0:  # sqrt(softplus(x)), softplus with torch's threshold 20
+        sp = _log1p(_exp(tl.minimum(x, 20.0), ACCURATE), ACCURATE)
+        scores = tl.sqrt_rn(tl.where(x > 20.0, x, sp))
+    elif SCORE == 1:
+        scores = tl.div_rn(1.0, 1.0 + _exp(-x, ACCURATE))
+    else:
+        xm = tl.where(cmask[None, :], x, float("-inf"))
+        ex = _exp(xm - tl.max(xm, axis=1)[:, None], ACCURATE)
+        scores = tl.div_rn(ex, tl.sum(ex, axis=1)[:, None])
+    scores = tl.where(cmask[None, :], scores, 0.0)
+
+    kk = tl.arange(0, KP)
+    weights = tl.zeros((BR, KP), dtype=tl.float32)
+    if HASHED:
+        ids = tl.load(hashed_ptr + rows64[:, None] * TOPK + kk[None, :],
+                      mask=rmask[:, None] & (kk[None, :] < TOPK), other=0).to(tl.int32)
+        for i in tl.static_range(TOPK):
+            idx = tl.sum(tl.where(kk[None, :] == i, ids, 0), axis=1)
+            wi = tl.sum(tl.where(cols[None, :] == idx[:, None], scores, 0.0), axis=1)
+            weights = tl.where(kk[None, :] == i, wi[:, None], weights)
+    else:
+        sel = scores
+        if HAS_BIAS:
+            sel = scores + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
+        sel = tl.where(cmask[None, :], sel, float("-inf"))
+        ids = tl.zeros((BR, KP), dtype=tl.int32)
+        for i in tl.static_range(TOPK):
+            best = tl.max(sel, axis=1)
+            idx = tl.min(tl.where(sel == best[:, None], cols[None, :], EP), axis=1)
+            idx = tl.minimum(idx, E - 1)  # a NaN row finds no maximum: keep the id in range
+            hit = cols[None, :] == idx[:, None]
+            wi = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+            sel = tl.where(hit, float("-inf"), sel)
+            weights = tl.where(kk[None, :] == i, wi[:, None], weights)
+            ids = tl.where(kk[None, :] == i, idx[:, None], ids)
+    if NORMALIZE and TOPK > 1:
+        weights = tl.div_rn(weights, tl.sum(weights, axis=1)[:, None] + 1e-20)
+    weights = weights * scale
+    om = rmask[:, None] & (kk[None, :] < TOPK)
+    tl.store(w_ptr + rows64[:, None] * TOPK + kk[None, :], weights, mask=om)
+    tl.store(ids_ptr + rows64[:, None] * TOPK + kk[None, :], ids.to(tl.int64), mask=om)
+
+
+@triton.jit
+def _gate_gemm_kernel(
+    x_ptr, w_ptr, ws_ptr,
+    N, E, D, steps_per_prog, stride_xn, stride_we,
+    BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, INTERP: tl.constexpr,
+):
+    """Partial logits ws[s, n, e] = sum over split s's K range of x[n, :] * w[e, :], fp32 accumulation."""
+    pid_m = tl.program_id(0)
+    pid_e = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    rows = pid_m * BM + tl.arange(0, BM)
+    rmask = rows < N
+    ex = pid_e * BE + tl.arange(0, BE)
+    emask = ex < E
+    kk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BE), dtype=tl.float32)
+    k_begin = pid_s * steps_per_prog * BK
+    k_end = tl.minimum(k_begin + steps_per_prog * BK, D)
+    for k0 in range(k_begin, k_end, BK):
+        kmask = (k0 + kk) < D
+        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xn + (k0 + kk)[None, :],
+                    mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.trans(tl.load(w_ptr + ex.to(tl.int64)[:, None] * stride_we + (k0 + kk)[None, :],
+                             mask=emask[:, None] & kmask[None, :], other=0.0))
+        # each step's product joins acc through an fp32 add: tensor-core accumulation rounding stays in the step
+        if INTERP:  # the interpreter's dot mishandles bf16; fp32 gives the same exact products
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif F32:
+            acc += tl.dot(a, b.to(tl.float32), input_precision="tf32x3")
+        else:
+            acc += tl.dot(a, b)
+    tl.store(ws_ptr + (pid_s * N + rows.to(tl.int64))[:, None] * E + ex[None, :], acc,
+             mask=rmask[:, None] & emask[None, :])
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _supported(E: int, topk: int, score_func: str) -> bool:
+    return 1 <= topk <= E <= MAX_EXPERTS and score_func in _SCORE_FUNCS
+
+
+def _route_launch(logits, n_split, stride_split, N, E, bias, hashed_ids, topk, temp, scale, normalize, score_func,
+                  cfg: dict | None = None):
+    cfg = cfg or {}
+    dev = logits.device
+    weights = torch.empty(N, topk, dtype=torch.float32, device=dev)
+    ids = torch.empty(N, topk, dtype=torch.int64, device=dev)
+    if N == 0:
+        return weights, ids
+    EP = triton.next_power_of_2(E)
+    # rows a program: on the GPU enough programs to spread over the chip, few rows so the [BR, EP] row
+    # block stays in registers; the interpreter pays per program, so it takes many rows at once
+    if not logits.is_cuda:
+        BR = cfg.get("BR") or min(32, triton.next_power_of_2(N))
+    else:
+        BR = cfg.get("BR") or max(1, min(8, 4096 // EP, triton.next_power_of_2(triton.cdiv(N, 128))))
+    hashed = hashed_ids.contiguous() if hashed_ids is not None else None
+    b = bias.float().contiguous() if bias is not None else None
+    _route_kernel[(triton.cdiv(N, BR),)](
+        logits, b if b is not None else logits, hashed if hashed is not None else ids, weights, ids,
+        N, E, n_split, stride_split, logits.stride(-2), float(temp), float(scale),
+        TOPK=topk, KP=triton.next_power_of_2(topk), EP=EP, BR=BR, SCORE=_SCORE_FUNCS[score_func],
+        HAS_BIAS=b is not None, HASHED=hashed is not None, NORMALIZE=bool(normalize), ACCURATE=logits.is_cuda,
+        num_warps=cfg.get("num_warps", 4 if EP <= 512 else 8),
+    )
+    return weights, ids
+
+
+def route_topk_triton(logits, bias, hashed_ids, topk, temp, scale, normalize, score_func, cfg=None):
+    logits = logits.float().contiguous()
+    N, E = logits.shape
+    return _route_launch(logits, 1, 0, N, E, bias, hashed_ids, topk, temp, scale, normalize, score_func, cfg)
+
+
+def gate_config(N: int, E: int, D: int, elt: int, target: int, BM=None, BE=None, BK=None, split=None):
+    BM = BM or (16 if N <= 16 else 32 if N <= 32 else 64)
+    # defaults that compile without register spills for sm_90 (ptxas -v, Triton 3.9)
+    BE = BE or min(64, triton.next_power_of_2(E))
+    BK = BK or (128 if elt <= 2 else 32)
+    nb = triton.cdiv(N, BM) * triton.cdiv(E, BE)
+    steps = triton.cdiv(D, BK)
+    # split K until about `target` programs run, but keep the fp32 partials ([S, N, E]) under the bytes of
+    # the weight itself
+    split = split or max(1, min(steps, triton.cdiv(target, nb), D // (2 * max(N, 1))))
+    per = triton.cdiv(steps, split)
+    return BM, BE, BK, triton.cdiv(steps, per), per
+
+
+def gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func, cfg=None):
+    cfg = cfg or {}
+    if x.dtype != weight.dtype:
+        x, weight = x.float(), weight.float()
+    x, weight = x.contiguous(), weight.contiguous()
+    N, D = x.shape
+    E = weight.shape[0]
+    interp = not x.is_cuda
+    target = 2 * _num_sms(x.device.index or 0) if x.is_cuda else 2
+    BM, BE, BK, split, per = gate_config(N, E, D, x.element_size(), target,
+                                         cfg.get("BM"), cfg.get("BE"), cfg.get("BK"), cfg.get("split"))
+    ws = torch.empty(split, max(N, 1), E, dtype=torch.float32, device=x.device)
+    if N > 0:
+        _gate_gemm_kernel[(triton.cdiv(N, BM), triton.cdiv(E, BE), split)](
+            x, weight, ws, N, E, D, per, x.stride(0), weight.stride(0),
+            BM=BM, BE=BE, BK=BK, F32=x.dtype == torch.float32, INTERP=interp,
+            num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+        )
+    return _route_launch(ws, split, N * E, N, E, bias, hashed_ids, topk, temp, scale, normalize, score_func,
+                         cfg.get("route"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Ops
+
+
+@torch.library.custom_op("dsv4::route_topk", mutates_args=())
+def route_topk(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    hashed_ids: torch.Tensor | None,
+    topk: int,
+    temp: float,
+    scale: float,
+    normalize: bool,
+    score_func: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: logits [N, E] -> weights [N, k] fp32, ids [N, k] int64 (by descending biased score)."""
+    if use_triton(logits) and _supported(logits.shape[-1], topk, score_func):
+        return route_topk_triton(logits, bias, hashed_ids, topk, temp, scale, normalize, score_func)
+    w, idx = route_topk_twin(logits, bias, hashed_ids, topk, temp, scale, normalize, score_func)
+    return w.contiguous(), idx.clone()  # the hashed path's ids are the input itself: an op output must not alias
+
+
+@route_topk.register_fake
+def _(logits, bias, hashed_ids, topk, temp, scale, normalize, score_func):
+    N = logits.shape[0]
+    return logits.new_empty(N, topk, dtype=torch.float32), logits.new_empty(N, topk, dtype=torch.int64)
+
+
+@torch.library.custom_op("dsv4::gate_route", mutates_args=())
+def gate_route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    hashed_ids: torch.Tensor | None,
+    topk: int,
+    temp: float,
+    scale: float,
+    normalize: bool,
+    score_func: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate GEMM + router: x [N, D], weight [E, D] -> weights [N, k] fp32, ids [N, k] int64."""
+    if use_triton(x) and _supported(weight.shape[0], topk, score_func):
+        return gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func)
+    w, idx = gate_route_twin(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func)
+    return w.contiguous(), idx.clone()
+
+
+@gate_route.register_fake
+def _(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func):
+    N = x.shape[0]
+    return x.new_empty(N, topk, dtype=torch.float32), x.new_empty(N, topk, dtype=torch.int64)

@@ -1,0 +1,104 @@
+"""Shared test set-up: tiny checkpoints built once per session, checkpoint editing, the tools as modules,
+a CI hypothesis profile, one torch thread.
+
+`CI=1` (or `--hypothesis-profile=ci`) selects the "ci" profile: no deadline (shared CI machines stall),
+derandomized (a failure reproduces on every run), few examples.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import settings
+from safetensors.torch import load_file, save_file
+
+from dsv4.tiny import make_tiny_checkpoint
+
+settings.register_profile("ci", deadline=None, derandomize=True, max_examples=10)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
+
+
+def pytest_configure(config):
+    # The test models are tiny: intra-op threads buy nothing, and on a shared machine OpenMP workers
+    # spinning for a busy core slow every op by an order of magnitude. An explicit OMP_NUM_THREADS wins.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
+def _require_engram() -> None:
+    if importlib.util.find_spec("dsv4.reference.engram") is None:
+        pytest.skip("dsv4/reference/engram.py is not there yet: the V4.1 tiny checkpoint needs its Engram layout")
+
+
+@pytest.fixture(scope="session")
+def tiny_v4_dir(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint("v4-flash", tmp_path_factory.mktemp("tiny-v4"))
+
+
+@pytest.fixture(scope="session")
+def tiny_v4_dequantized_dir(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint("v4-flash", tmp_path_factory.mktemp("tiny-v4-dequantized"), dequantized=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_v41_dir(tmp_path_factory) -> Path:
+    _require_engram()
+    return make_tiny_checkpoint("v41-flash", tmp_path_factory.mktemp("tiny-v41"))
+
+
+@pytest.fixture(scope="session")
+def tiny_v41_dequantized_dir(tmp_path_factory) -> Path:
+    _require_engram()
+    return make_tiny_checkpoint("v41-flash", tmp_path_factory.mktemp("tiny-v41-dequantized"), dequantized=True)
+
+
+@pytest.fixture(scope="session")
+def tool():
+    """tool(name) -> tools/<name>.py as a module (tools/ is not a package)."""
+
+    def load(name: str):
+        module_name = f"dsv4_tools_{name}"
+        if module_name not in sys.modules:  # dataclasses look their module up in sys.modules
+            path = Path(__file__).parents[1] / "tools" / f"{name}.py"
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            sys.modules[module_name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(sys.modules[module_name])
+        return sys.modules[module_name]
+
+    return load
+
+
+@pytest.fixture
+def edited_checkpoint(tmp_path):
+    """edit(src, changes) -> a copy of checkpoint `src` with tensors replaced, added (name -> tensor)
+    or removed (name -> None); the index follows, and new tensors go into the first shard."""
+
+    def edit(src: Path, changes: dict[str, torch.Tensor | None]) -> Path:
+        dst = tmp_path / f"edited-{sum(1 for _ in tmp_path.iterdir())}"
+        shutil.copytree(src, dst)
+        index_path = dst / "model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        weight_map = index["weight_map"]
+        first_shard = min(weight_map.values())
+        for shard in sorted({weight_map.get(name, first_shard) for name in changes}):
+            tensors = {k: v.clone() for k, v in load_file(dst / shard).items()}
+            for name, value in changes.items():
+                if weight_map.get(name, first_shard) != shard:
+                    continue
+                if value is None:
+                    del tensors[name], weight_map[name]
+                else:
+                    tensors[name], weight_map[name] = value.contiguous(), shard
+            save_file(tensors, dst / shard)
+        index_path.write_text(json.dumps(index))
+        return dst
+
+    return edit

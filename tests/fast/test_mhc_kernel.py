@@ -1,0 +1,253 @@
+"""dsv4::mhc_pre and dsv4::mhc_post against their twins (dsv4.reference.mhc).
+
+Without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set before the kernel
+module is imported); the `gpu` tests run them compiled, at the real width too.
+
+Tolerances:
+- fp32 outputs (x for fp32 h; pre, post and comb always, since their math is fp32 from either h dtype):
+  |out - ref| <= 1e-5 |ref| + 1e-5 max|ref| (relative 1e-5, with an absolute floor at 1e-5 of the
+  tensor's scale for entries near zero).
+- bf16 outputs (x for bf16 h, mhc_post for bf16 f): at most 1 bf16 ulp of the reference value, plus
+  1e-5 max|ref| (both sides round fp32 sums that agree to ~1e-7 of their terms; the rounding can land on
+  either neighbour, and where the terms cancel to near zero the fp32 difference is many small ulps).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+if os.environ.get("TRITON_INTERPRET") == "1" and not isinstance(tl.zeros, InterpretedFunction):
+    # triton.language was imported (torch._dynamo imports it) before the variable was set, so its own
+    # @jit helpers (tl.zeros, tl.sum, ...) are compiled-mode functions the interpreter cannot call
+    pytest.skip("TRITON_INTERPRET=1 was set after triton.language was imported; set it first, at the top "
+                "of tests/conftest.py", allow_module_level=True)
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsv4.fast.kernels import mhc as K
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def examples(n: int) -> int:
+    """n hypothesis examples, fewer when the loaded profile (CI's) asks for fewer."""
+    return min(n, settings.default.max_examples)
+
+
+def make_inputs(N, hc, D, dtype, with_collapse, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    M = (2 + hc) * hc
+    h = torch.randn(N, hc, D, generator=g).to(dtype)
+    fn = torch.randn(M, hc * D, generator=g) / (hc * D) ** 0.5 * 4
+    scale = torch.rand(3, generator=g) + 0.5
+    base = torch.randn(M, generator=g) * 0.5
+    pre_prev = torch.rand(N, hc, generator=g) + 1e-6 if with_collapse else None
+    out = (h, fn, scale, base, pre_prev)
+    return tuple(t.to(device) if t is not None else None for t in out)
+
+
+def assert_fp32_close(out, ref, what=""):
+    out, ref = out.double(), ref.double()
+    tol = 1e-5 * ref.abs() + 1e-5 * ref.abs().max().clamp_min(1e-30)
+    err = (out - ref).abs()
+    assert not torch.isnan(out).any(), what
+    assert (err <= tol).all(), f"{what}: max err {err.max().item():.3g}, worst ratio {(err / tol).max().item():.3g}"
+
+
+def bf16_ulp(ref: torch.Tensor) -> torch.Tensor:
+    mag = ref.float().abs().clamp_min(2.0**-126)
+    return torch.exp2(torch.floor(torch.log2(mag)) - 7)
+
+
+def assert_bf16_within_ulp(out, ref, what=""):
+    assert out.dtype == torch.bfloat16 and ref.dtype == torch.bfloat16
+    err = (out.float() - ref.float()).abs()
+    tol = bf16_ulp(ref) + 1e-5 * ref.float().abs().max()
+    assert (err <= tol).all(), f"{what}: {(err / bf16_ulp(ref)).max().item():.3g} ulp"
+
+
+def check_pre(out, ref, dtype):
+    x, pre, post, comb = out
+    rx, rpre, rpost, rcomb = ref
+    assert x.dtype == dtype and x.shape == rx.shape
+    if dtype == torch.bfloat16:
+        assert_bf16_within_ulp(x, rx, "x")
+    else:
+        assert_fp32_close(x, rx, "x")
+    for name, a, b in (("pre", pre, rpre), ("post", post, rpost), ("comb", comb, rcomb)):
+        assert a.dtype == torch.float32 and a.shape == b.shape, name
+        assert_fp32_close(a, b, name)
+
+
+@settings(deadline=None, max_examples=examples(30))
+@given(
+    N=st.integers(1, 40),
+    hc=st.sampled_from([2, 4]),
+    D=st.sampled_from([32, 64, 96]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    with_collapse=st.booleans(),
+    iters=st.sampled_from([1, 2, 7, 20]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_mhc_pre_matches_twin(N, hc, D, dtype, with_collapse, iters, seed):
+    h, fn, scale, base, pre_prev = make_inputs(N, hc, D, dtype, with_collapse, seed)
+    norm_eps = 1e-20 if with_collapse else 1e-6  # V4.1's and V4's
+    out = K.mhc_pre(h, fn, scale, base, pre_prev, norm_eps, 1e-6, iters)
+    ref = K.mhc_pre_twin(h, fn, scale, base, pre_prev, norm_eps, 1e-6, iters)
+    check_pre(out, ref, dtype)
+    # the last step divides each column by (its sum + hc_eps): sums land in (0, 1]
+    col = out[3].double().sum(dim=-2)
+    assert ((col > 0) & (col <= 1 + 1e-6)).all()
+    assert (out[3] >= 0).all() and (out[1] > 0).all() and ((out[2] >= 0) & (out[2] <= 2)).all()
+
+
+@pytest.mark.parametrize("hc", [2, 4])
+def test_sinkhorn_columns_sum_to_one(hc):
+    """With moderate logits (no column starved below ~1e-2) the columns sum to 1 - O(hc_eps)."""
+    h, fn, scale, base, _ = make_inputs(37, hc, 64, torch.float32, False, 5)
+    comb = K.mhc_pre(h, fn * 0.25, scale, base, None, 1e-6, 1e-6, 20)[3]
+    col = comb.double().sum(dim=-2)
+    assert (col - 1).abs().max() < 1e-4
+    row = comb.double().sum(dim=-1)  # rows only approximately: the last step is a column one
+    assert (row - 1).abs().max() < 0.1
+
+
+@settings(deadline=None, max_examples=examples(30))
+@given(
+    N=st.integers(1, 40),
+    hc=st.sampled_from([2, 4]),
+    D=st.sampled_from([32, 64, 96, 48]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_mhc_post_matches_twin(N, hc, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    f = torch.randn(N, D, generator=g).to(dtype)
+    res = torch.randn(N, hc, D, generator=g).to(dtype)
+    post = 2 * torch.rand(N, hc, generator=g)
+    comb = torch.rand(N, hc, hc, generator=g)
+    comb = comb / comb.sum(dim=-2, keepdim=True)
+    out = K.mhc_post(f, res, post, comb)
+    ref = K.mhc_post_twin(f, res, post, comb)
+    assert out.shape == (N, hc, D) and out.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert_bf16_within_ulp(out, ref, "h'")
+    else:
+        assert_fp32_close(out, ref, "h'")
+
+
+def test_mhc_pre_split_configs_agree():
+    """Every split of D gives the same answer (the workspace reduction covers each d exactly once)."""
+    h, fn, scale, base, pre_prev = make_inputs(19, 4, 96, torch.float32, True, 3)
+    ref = K.mhc_pre_twin(h, fn, scale, base, pre_prev, 1e-6, 1e-6, 20)
+    for cfg in ({"BD": 16, "split": 1}, {"BD": 16, "split": 6}, {"BD": 32, "split": 2}, {"BN": 32, "BN2": 32}):
+        check_pre(K.mhc_pre_triton(h, fn, scale, base, pre_prev, 1e-6, 1e-6, 20, cfg=cfg), ref, torch.float32)
+        check_pre(K.mhc_pre_triton(h, fn, scale, base, None, 1e-6, 1e-6, 20, cfg=cfg),
+                  K.mhc_pre_twin(h, fn, scale, base, None, 1e-6, 1e-6, 20), torch.float32)
+
+
+def test_fallback_is_the_twin(monkeypatch):
+    monkeypatch.setattr(K, "use_triton", lambda t: False)
+    h, fn, scale, base, pre_prev = make_inputs(3, 4, 32, torch.bfloat16, True, 1)
+    for a, b in zip(K.mhc_pre(h, fn, scale, base, pre_prev, 1e-6, 1e-6, 20),
+                    K.mhc_pre_twin(h, fn, scale, base, pre_prev, 1e-6, 1e-6, 20)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    f, post, comb = torch.randn(3, 32).bfloat16(), torch.rand(3, 4), torch.rand(3, 4, 4)
+    torch.testing.assert_close(K.mhc_post(f, h, post, comb), K.mhc_post_twin(f, h, post, comb), rtol=0, atol=0)
+
+
+def test_opcheck():
+    h, fn, scale, base, pre_prev = make_inputs(5, 4, 32, torch.bfloat16, True, 2)
+    tests = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.dsv4.mhc_pre, (h, fn, scale, base, pre_prev, 1e-6, 1e-6, 20), test_utils=tests)
+    torch.library.opcheck(torch.ops.dsv4.mhc_pre, (h, fn, scale, base, None, 1e-6, 1e-6, 20), test_utils=tests)
+    f, post, comb = torch.randn(5, 32).bfloat16(), torch.rand(5, 4), torch.rand(5, 4, 4)
+    torch.library.opcheck(torch.ops.dsv4.mhc_post, (f, h, post, comb), test_utils=tests)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the compiled kernels (bf16 three-piece MMA split, tf32x3, libdevice exp), at the real width too
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_collapse", [False, True])
+@pytest.mark.parametrize("N,hc,D", [(1, 4, 5120), (7, 4, 5120), (64, 4, 4096), (300, 4, 5120), (33, 2, 96)])
+def test_mhc_pre_gpu(N, hc, D, dtype, with_collapse):
+    h, fn, scale, base, pre_prev = make_inputs(N, hc, D, dtype, with_collapse, N * 31 + D, "cuda")
+    norm_eps = 1e-20 if with_collapse else 1e-6
+    out = K.mhc_pre(h, fn, scale, base, pre_prev, norm_eps, 1e-6, 20)
+    ref = K.mhc_pre_twin(h.cpu(), fn.cpu(), scale.cpu(), base.cpu(), pre_prev.cpu() if with_collapse else None,
+                         norm_eps, 1e-6, 20)
+    torch.cuda.synchronize()
+    check_pre(tuple(t.cpu() for t in out), ref, dtype)
+
+
+@gpu
+@needs_cuda
+@settings(deadline=None, max_examples=examples(25))
+@given(
+    N=st.integers(1, 40),
+    hc=st.sampled_from([2, 4]),
+    D=st.sampled_from([32, 64, 96]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    with_collapse=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_mhc_pre_gpu_small(N, hc, D, dtype, with_collapse, seed):
+    h, fn, scale, base, pre_prev = make_inputs(N, hc, D, dtype, with_collapse, seed)
+    ref = K.mhc_pre_twin(h, fn, scale, base, pre_prev, 1e-6, 1e-6, 20)
+    cuda = [t.cuda() if t is not None else None for t in (h, fn, scale, base, pre_prev)]
+    out = K.mhc_pre(*cuda, 1e-6, 1e-6, 20)
+    check_pre(tuple(t.cpu() for t in out), ref, dtype)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N,D", [(1, 5120), (9, 5120), (513, 4096)])
+def test_mhc_post_gpu(N, D, dtype):
+    g = torch.Generator().manual_seed(N)
+    f = torch.randn(N, D, generator=g).to(dtype)
+    res = torch.randn(N, 4, D, generator=g).to(dtype)
+    post, comb = 2 * torch.rand(N, 4, generator=g), torch.rand(N, 4, 4, generator=g)
+    out = K.mhc_post(f.cuda(), res.cuda(), post.cuda(), comb.cuda()).cpu()
+    ref = K.mhc_post_twin(f, res, post, comb)
+    if dtype == torch.bfloat16:
+        assert_bf16_within_ulp(out, ref, "h'")
+    else:
+        assert_fp32_close(out, ref, "h'")
+
+
+@gpu
+@needs_cuda
+def test_mhc_compiles_and_captures():
+    """torch.compile(fullgraph=True) traces through the ops, and a CUDA graph replays them."""
+    h, fn, scale, base, pre_prev = make_inputs(8, 4, 5120, torch.bfloat16, True, 0, "cuda")
+
+    def site(h):
+        x, _, post, comb = torch.ops.dsv4.mhc_pre(h, fn, scale, base, pre_prev, 1e-20, 1e-6, 20)
+        return torch.ops.dsv4.mhc_post(x, h, post, comb)
+
+    want = site(h)
+    torch.testing.assert_close(torch.compile(site, fullgraph=True)(h), want, rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        got = site(h)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -1,0 +1,260 @@
+"""dsv4::route_topk and dsv4::gate_route against their twins (dsv4.reference.moe route / router_scores).
+
+Without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set before the kernel
+module is imported); the `gpu` tests run them compiled, at V4.1's E = 384 too.
+
+Comparison: the chosen expert sets are equal exactly; weights, matched per expert id, agree within 1e-6
+relative (5e-6 for gate_route, whose logits are summed in another order). The fused op returns ids by
+descending biased score; that order is checked against a stable sort of the twin's biased scores.
+Inputs keep a gap between consecutive biased scores (no near-ties), so the selection is well defined.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+if os.environ.get("TRITON_INTERPRET") == "1" and not isinstance(tl.zeros, InterpretedFunction):
+    # triton.language was imported (torch._dynamo imports it) before the variable was set, so its own
+    # @jit helpers (tl.zeros, tl.sum, ...) are compiled-mode functions the interpreter cannot call
+    pytest.skip("TRITON_INTERPRET=1 was set after triton.language was imported; set it first, at the top "
+                "of tests/conftest.py", allow_module_level=True)
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsv4.fast.kernels import moe_routing as R
+from dsv4.reference.moe import router_scores
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def examples(n: int) -> int:
+    """n hypothesis examples, fewer when the loaded profile (CI's) asks for fewer."""
+    return min(n, settings.default.max_examples)
+
+
+def separated(scores, sel, topk, floor=0.0):
+    """Rows whose top-(k + 1) biased scores are apart by more than 1e-5 of the scores involved, plus
+    `floor` (the two sides compute a score to ~1e-7 relative, so no choice can flip; gate_route's logits
+    are summed in another order, hence a floor there)."""
+    top, order = sel.topk(min(topk + 1, sel.shape[-1]), dim=-1)
+    mag = scores.gather(-1, order).abs()
+    return ((top[:, :-1] - top[:, 1:]) > 1e-5 * torch.maximum(mag[:, :-1], mag[:, 1:]) + floor).all(dim=-1)
+
+
+def separated_logits(N, E, temp, score_func, bias, seed, topk=6):
+    """Logits with no near-ties among any row's top-(k + 1) biased scores."""
+    g = torch.Generator().manual_seed(seed)
+    spread = 1.0 if score_func == "sigmoid" else 3.0  # sigmoid saturates: wide logits crowd its top at 1
+    for _ in range(50):
+        logits = torch.randn(N, E, generator=g) * spread
+        scores = router_scores(logits / temp, score_func)
+        if separated(scores, scores + (bias if bias is not None else 0), topk).all():
+            return logits
+    raise AssertionError("could not draw separated logits")
+
+
+def check_route(out, ref, sel, topk, rel=1e-6, hashed=False):
+    w, ids = out
+    rw, rids = ref
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64
+    assert w.shape == rw.shape and ids.shape == rids.shape
+    if hashed:
+        assert torch.equal(ids, rids)
+    else:
+        assert torch.equal(ids.sort(dim=-1).values, rids.sort(dim=-1).values)
+        order = sel.gather(-1, ids)
+        assert (order[:, :-1] > order[:, 1:]).all(), "ids are not by descending biased score"
+    # weights matched per id: sort both by id
+    w_by_id = w.gather(-1, ids.sort(dim=-1).indices)
+    rw_by_id = rw.gather(-1, rids.sort(dim=-1).indices)
+    err = (w_by_id.double() - rw_by_id.double()).abs()
+    assert (err <= rel * rw_by_id.double().abs() + 1e-30).all(), f"max rel {(err / rw_by_id.abs()).max():.3g}"
+
+
+@settings(deadline=None, max_examples=examples(40))
+@given(
+    N=st.integers(1, 40),
+    E=st.sampled_from([8, 24, 64, 256, 384]),
+    topk=st.sampled_from([1, 2, 6]),
+    score_func=st.sampled_from(["sqrtsoftplus", "sqrtsoftplus", "sigmoid", "softmax"]),
+    with_bias=st.booleans(),
+    normalize=st.booleans(),
+    temp=st.sampled_from([1.0, 0.7, 1.5]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_route_topk_matches_twin(N, E, topk, score_func, with_bias, normalize, temp, seed):
+    g = torch.Generator().manual_seed(seed + 1)
+    bias = torch.randn(E, generator=g) * 0.05 if with_bias else None
+    logits = separated_logits(N, E, temp, score_func, bias, seed, topk)
+    out = R.route_topk(logits, bias, None, topk, temp, 1.5, normalize, score_func)
+    ref = R.route_topk_twin(logits, bias, None, topk, temp, 1.5, normalize, score_func)
+    sel = router_scores(logits / temp, score_func) + (bias if bias is not None else 0)
+    check_route(out, ref, sel, topk)
+
+
+@settings(deadline=None, max_examples=examples(20))
+@given(
+    N=st.integers(1, 40),
+    E=st.sampled_from([24, 256, 384]),
+    score_func=st.sampled_from(["sqrtsoftplus", "sigmoid", "softmax"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_route_topk_hashed_matches_twin(N, E, score_func, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(N, E, generator=g) * 3
+    hashed = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(N)])  # V4 tid2eid rows
+    out = R.route_topk(logits, None, hashed, 6, 1.0, 1.5, True, score_func)
+    ref = R.route_topk_twin(logits, None, hashed, 6, 1.0, 1.5, True, score_func)
+    check_route(out, ref, None, 6, hashed=True)
+
+
+def test_route_topk_edges():
+    # N = 1; E not a power of two; big logits through softplus's threshold (x > 20 is x itself)
+    logits = torch.tensor([[30.0, -25.0, 21.0, 19.5, 0.3, -3.0, 5.0, 40.0, -60.0, 2.0, 1.0, 0.0]])
+    for k in (1, 6, 12):
+        out = R.route_topk(logits, None, None, k, 1.0, 2.5, True, "sqrtsoftplus")
+        ref = R.route_topk_twin(logits, None, None, k, 1.0, 2.5, True, "sqrtsoftplus")
+        check_route(out, ref, router_scores(logits, "sqrtsoftplus"), k)
+    # N = 0
+    w, ids = R.route_topk(torch.empty(0, 24), None, None, 6, 1.0, 1.5, True, "sqrtsoftplus")
+    assert w.shape == (0, 6) and ids.shape == (0, 6)
+    # bias steers the choice but not the weights
+    logits = torch.linspace(-2, 2, 24)[None]
+    bias = torch.zeros(24)
+    bias[:6] = 10.0
+    w, ids = R.route_topk(logits, bias, None, 6, 1.0, 1.0, False, "sqrtsoftplus")
+    assert torch.equal(ids.sort().values, torch.arange(6)[None])
+    torch.testing.assert_close(w, router_scores(logits, "sqrtsoftplus")[:, :6].flip(-1), rtol=1e-6, atol=0)
+
+
+@settings(deadline=None, max_examples=examples(15))
+@given(
+    N=st.integers(1, 40),
+    E=st.sampled_from([24, 384]),
+    D=st.sampled_from([64, 96, 200]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    hashed=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_gate_route_matches_twin(N, E, D, dtype, hashed, seed):
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(E, D, generator=g) / D**0.5).to(dtype)
+    x = (torch.randn(N, D, generator=g) * 3).to(dtype)
+    bias = None if hashed else torch.randn(E, generator=g) * 0.05
+    ids_in = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(N)]) if hashed else None
+    logits = torch.nn.functional.linear(x.float(), weight.float())
+    scores = router_scores(logits / 0.8, "sqrtsoftplus")
+    sel = scores + (bias if bias is not None else 0)
+    if not hashed and not separated(scores, sel, 6, floor=1e-5).all():
+        return  # a near-tie: either choice is right
+    out = R.gate_route(x, weight, bias, ids_in, 6, 0.8, 1.5, True, "sqrtsoftplus")
+    ref = R.gate_route_twin(x, weight, bias, ids_in, 6, 0.8, 1.5, True, "sqrtsoftplus")
+    check_route(out, ref, sel, 6, rel=5e-6, hashed=hashed)
+
+
+def test_gate_route_split_configs_agree():
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(21, 256, generator=g).bfloat16(), (torch.randn(40, 256, generator=g) / 16).bfloat16()
+    bias = torch.randn(40, generator=g) * 0.05
+    ref = R.gate_route_twin(x, weight, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus")
+    sel = router_scores(torch.nn.functional.linear(x.float(), weight.float()), "sqrtsoftplus") + bias
+    for cfg in ({"BK": 32, "split": 1}, {"BK": 32, "split": 8}, {"BE": 16, "BK": 64, "split": 3}, {"BM": 16}):
+        out = R.gate_route_triton(x, weight, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus", cfg=cfg)
+        check_route(out, ref, sel, 6, rel=5e-6)
+
+
+def test_fallback_is_the_twin(monkeypatch):
+    monkeypatch.setattr(R, "use_triton", lambda t: False)
+    logits, bias = torch.randn(4, 24), torch.randn(24)
+    hashed = torch.randint(0, 24, (4, 6))
+    for bias_, hashed_ in ((bias, None), (None, hashed)):
+        for a, b in zip(R.route_topk(logits, bias_, hashed_, 6, 1.0, 1.5, True, "sqrtsoftplus"),
+                        R.route_topk_twin(logits, bias_, hashed_, 6, 1.0, 1.5, True, "sqrtsoftplus")):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    x, weight = torch.randn(4, 64).bfloat16(), torch.randn(24, 64).bfloat16()
+    for a, b in zip(R.gate_route(x, weight, None, hashed, 6, 1.0, 1.5, True, "sqrtsoftplus"),
+                    R.gate_route_twin(x, weight, None, hashed, 6, 1.0, 1.5, True, "sqrtsoftplus")):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_opcheck():
+    logits, bias = torch.randn(5, 24), torch.randn(24)
+    hashed = torch.randint(0, 24, (5, 6))
+    tests = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.dsv4.route_topk, (logits, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus"),
+                          test_utils=tests)
+    torch.library.opcheck(torch.ops.dsv4.route_topk, (logits, None, hashed, 6, 1.0, 1.5, True, "sigmoid"),
+                          test_utils=tests)
+    x, weight = torch.randn(5, 64).bfloat16(), torch.randn(24, 64).bfloat16()
+    torch.library.opcheck(torch.ops.dsv4.gate_route, (x, weight, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus"),
+                          test_utils=tests)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the compiled kernels (libdevice expf/log1pf, as torch's CUDA softplus calls them)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("score_func", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("N,E", [(1, 384), (16, 384), (256, 384), (1000, 256), (7, 24)])
+def test_route_topk_gpu(N, E, score_func):
+    bias = torch.randn(E, generator=torch.Generator().manual_seed(1)) * 0.05
+    logits = separated_logits(N, E, 1.0, score_func, bias, N + E)
+    out = R.route_topk(logits.cuda(), bias.cuda(), None, 6, 1.0, 1.5, True, score_func)
+    ref = R.route_topk_twin(logits, bias, None, 6, 1.0, 1.5, True, score_func)
+    sel = router_scores(logits, score_func) + bias
+    check_route(tuple(t.cpu() for t in out), ref, sel, 6)
+    # against torch's CUDA ops too (same libdevice calls): the same ids
+    ref_cuda = R.route_topk_twin(logits.cuda(), bias.cuda(), None, 6, 1.0, 1.5, True, score_func)
+    check_route(tuple(t.cpu() for t in out), tuple(t.cpu() for t in ref_cuda), sel, 6)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("N", [1, 16, 128, 300])
+def test_gate_route_gpu(N):
+    g = torch.Generator().manual_seed(N)
+    D, E = 5120, 384
+    x = (torch.randn(N, D, generator=g)).bfloat16()
+    weight = (torch.randn(E, D, generator=g) / D**0.5).bfloat16()
+    bias = torch.randn(E, generator=g) * 0.05
+    logits = torch.nn.functional.linear(x.float(), weight.float())
+    scores = router_scores(logits, "sqrtsoftplus")
+    sel = scores + bias
+    keep = separated(scores, sel, 6, floor=1e-5)  # drop rows with near-ties
+    out = R.gate_route(x.cuda(), weight.cuda(), bias.cuda(), None, 6, 1.0, 1.5, True, "sqrtsoftplus")
+    ref = R.gate_route_twin(x, weight, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus")
+    check_route(tuple(t.cpu()[keep] for t in out), tuple(t[keep] for t in ref), sel[keep], 6, rel=5e-6)
+
+
+@gpu
+@needs_cuda
+def test_routing_compiles_and_captures():
+    logits, bias = torch.randn(64, 384, device="cuda"), torch.randn(384, device="cuda") * 0.05
+
+    def fn(logits):
+        return torch.ops.dsv4.route_topk(logits, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus")
+
+    want = fn(logits)
+    got = torch.compile(fn, fullgraph=True)(logits)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        got = fn(logits)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
