@@ -7,19 +7,26 @@ derandomized (a failure reproduces on every run), few examples.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
+
+import torch
+
+# Kernel tests run under Triton's interpreter without a GPU. The choice is made when triton.language
+# is first imported (dsv4.hf pulls it in through torch._dynamo), so it must come before any dsv4 import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib.util  # noqa: E402
+import json  # noqa: E402
 import shutil
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-from hypothesis import settings
-from safetensors.torch import load_file, save_file
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
-from dsv4.tiny import make_tiny_checkpoint
+from dsv4.tiny import make_tiny_checkpoint  # noqa: E402
 
 settings.register_profile("ci", deadline=None, derandomize=True, max_examples=10)
 if os.environ.get("CI"):

@@ -17,7 +17,13 @@ from safetensors import safe_open
 from dsv4.checkpoint import CheckpointError, load_into
 from dsv4.config import ConfigError, Dsv4Config
 from dsv4.reference.model import Dsv4Model, load_model
-from dsv4.tiny import SPECIAL_TOKENS, byte_level_tokenizer, embedded_default_dir, make_tiny_checkpoint
+from dsv4.tiny import (
+    EMBEDDED_DEFAULT_NAME,
+    SPECIAL_TOKENS,
+    byte_level_tokenizer,
+    embedded_default_dir,
+    make_tiny_checkpoint,
+)
 
 TINY_DIRS = ("tiny_v4_dir", "tiny_v4_dequantized_dir", "tiny_v41_dir", "tiny_v41_dequantized_dir")
 
@@ -169,7 +175,7 @@ def test_byte_level_tokenizer():
 def test_embedded_default_is_built_once(tmp_path, monkeypatch):
     monkeypatch.setenv("DSV4_CACHE", str(tmp_path))
     first = embedded_default_dir()
-    assert first == tmp_path / "tiny-v41-flash-seed0" and Dsv4Config.from_json(first).is_v41
+    assert first == tmp_path / EMBEDDED_DEFAULT_NAME and Dsv4Config.from_json(first).is_v41
     stamp = (first / "config.json").stat().st_mtime_ns
     assert embedded_default_dir() == first and (first / "config.json").stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary directory left behind

@@ -21,16 +21,20 @@ Ops:
                                     equals `top_entries(masked twin score, k)`
 
 Precision: the dot products are exact-product, fp32-accumulated, i.e. the kernel matches the twin evaluated
-in fp32 (`index_scores(q.float(), dequantized keys, w)`). With bf16 q the dequantized keys are exact in bf16,
-so the tensor cores see exact operands. (The reference Indexer run in bf16 rounds each dot to bf16 first;
-the kernel does not.) Scales up to 2^113 are supported; index keys sit near 2^0.
+in fp32 (`index_scores(q.float(), dequantized keys, w)`) up to fp32 summation order. With bf16 q the
+dequantized keys are exact in bf16, so the tensor cores see exact operands. (The reference Indexer run in
+bf16 rounds each dot to bf16 first; the kernel does not.) Scales up to 2^113 are supported (index keys sit
+near 2^0; dsv4.quant writes scales >= 2^-126).
 
-Kernel shape: keys are the MMA's M side (a key tile of BLOCK_T entries, dequantized in registers), the
-queries' heads are its N side (BLOCK_S queries x HP padded heads), K = d split into even and odd elements
-(the low and high nibbles of each byte), so no interleave is needed: q is loaded with stride 2 to match.
-Dense: one program per key tile (plus a split over query tiles when there are few key tiles); it dequantizes
-its keys once and loops over its query tiles. Pool: one program per (query, run of pool tiles); it loads
-the query once and loops over its tiles, gathering key rows through the block ids.
+Kernel shape: keys are the MMA's M side (a key tile of BT entries, 64 rows = one Hopper warpgroup MMA), the
+queries' heads its N side (BS queries x HP padded heads), K = d. How the FP4 keys reach the MMA is a mode
+(see MODE below): Triton's own MXFP4 upcast (tl.dot_scaled, the default for bf16 q on a GPU), or an
+in-kernel dequantization that splits d into even and odd elements (the low and high nibbles) and loads q
+to match, so no interleave is needed. Dense: a program takes a run of key tiles (a few waves of programs
+in all), dequantizes each tile once and scores it against all its query tiles (queries split over
+programs only when the key tiles alone cannot fill the GPU); for decode the query loads once. Pool: a
+program takes one query and a run of pool tiles, gathers key rows through the block ids, and skips tiles
+with nothing visible. No host syncs anywhere: the ops can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -153,51 +157,53 @@ if triton is not None:
                       MODE: tl.constexpr, ONE_S: tl.constexpr):
         """Program (i, j): key tiles i*t_tiles_per_prog + [0, t_tiles_per_prog) against query tiles
         j*s_tiles_per_prog + [0, s_tiles_per_prog). Each key tile is dequantized once and scored against
-        all the program's query tiles; with a single query tile (ONE_S, decode) the queries load once."""
+        all the program's query tiles; with a single query tile (ONE_S, decode) the queries load once.
+        Key tiles no query of the program can see only get -inf (no key reads); the main loop has no
+        branches, so Triton's pipeliner may prefetch the next tile's keys."""
         pid_t = tl.program_id(0)
         pid_s = tl.program_id(1)
         first_s = pid_s * s_tiles_per_prog
-        # the farthest entry any of this program's queries sees: tiles past it only get -inf
+        n_s = tl.minimum(s_tiles_per_prog, (S + BS - 1) // BS - first_s)
+        # the farthest entry any of this program's queries sees
         vmax = tl.zeros((BS,), dtype=tl.int32)
-        for i in range(s_tiles_per_prog):
+        for i in range(n_s):
             s_idx = (first_s + i) * BS + tl.arange(0, BS)
             vmax = tl.maximum(vmax, tl.load(vis_ptr + s_idx, mask=s_idx < S, other=0))
         vmax = tl.minimum(tl.max(vmax, axis=0), T)
+        first_t = pid_t * t_tiles_per_prog
+        n_t = tl.minimum(t_tiles_per_prog, (T + BT - 1) // BT - first_t)
+        n_live = tl.minimum(tl.maximum((vmax - first_t * BT + BT - 1) // BT, 0), n_t)
         if ONE_S:
             s_idx = first_s * BS + tl.arange(0, BS)
             s_ok = s_idx < S
             vis = tl.load(vis_ptr + s_idx, mask=s_ok, other=0)
-            q_even, q_odd, w = _load_queries(q_ptr, w_ptr, first_s * BS, S, H, stride_qs, stride_qh, stride_ws,
-                                             BS, HP, D, MODE)
-        for j in range(t_tiles_per_prog):
-            t0 = (pid_t * t_tiles_per_prog + j) * BT
-            t = t0 + tl.arange(0, BT)
-            t_ok = t < T
-            if t0 < vmax:
-                k_even, k_odd = _fp4_key_tile(kp_ptr, ks_ptr, t, t < vmax, BT, D, MODE)
-                if ONE_S:
-                    score = _head_reduce(k_even, k_odd, q_even, q_odd, w, BT, BS, HP, MODE)
-                    score = tl.where(t[:, None] < vis[None, :], score, float("-inf"))
-                    ptrs = out_ptr + s_idx[None, :].to(tl.int64) * stride_os + t[:, None]
-                    tl.store(ptrs, score, mask=t_ok[:, None] & s_ok[None, :])
-                else:
-                    for i in range(s_tiles_per_prog):
-                        s0 = (first_s + i) * BS
-                        if s0 < S:
-                            qe, qo, wi = _load_queries(q_ptr, w_ptr, s0, S, H, stride_qs, stride_qh, stride_ws,
-                                                       BS, HP, D, MODE)
-                            score = _head_reduce(k_even, k_odd, qe, qo, wi, BT, BS, HP, MODE)
-                            si = s0 + tl.arange(0, BS)
-                            vi = tl.load(vis_ptr + si, mask=si < S, other=0)
-                            score = tl.where(t[:, None] < vi[None, :], score, float("-inf"))
-                            ptrs = out_ptr + si[None, :].to(tl.int64) * stride_os + t[:, None]
-                            tl.store(ptrs, score, mask=t_ok[:, None] & (si < S)[None, :])
+            q_a, q_b, w = _load_queries(q_ptr, w_ptr, first_s * BS, S, H, stride_qs, stride_qh, stride_ws,
+                                        BS, HP, D, MODE)
+        for j in range(n_live):
+            t = (first_t + j) * BT + tl.arange(0, BT)
+            k_a, k_b = _fp4_key_tile(kp_ptr, ks_ptr, t, t < vmax, BT, D, MODE)
+            if ONE_S:
+                score = _head_reduce(k_a, k_b, q_a, q_b, w, BT, BS, HP, MODE)
+                score = tl.where(t[:, None] < vis[None, :], score, float("-inf"))
+                ptrs = out_ptr + s_idx[None, :].to(tl.int64) * stride_os + t[:, None]
+                tl.store(ptrs, score, mask=(t < T)[:, None] & s_ok[None, :])
             else:
-                for i in range(s_tiles_per_prog):
-                    si = (first_s + i) * BS + tl.arange(0, BS)
+                for i in range(n_s):
+                    s0 = (first_s + i) * BS
+                    qa, qb, wi = _load_queries(q_ptr, w_ptr, s0, S, H, stride_qs, stride_qh, stride_ws,
+                                               BS, HP, D, MODE)
+                    score = _head_reduce(k_a, k_b, qa, qb, wi, BT, BS, HP, MODE)
+                    si = s0 + tl.arange(0, BS)
+                    vi = tl.load(vis_ptr + si, mask=si < S, other=0)
+                    score = tl.where(t[:, None] < vi[None, :], score, float("-inf"))
                     ptrs = out_ptr + si[None, :].to(tl.int64) * stride_os + t[:, None]
-                    tl.store(ptrs, tl.full((BT, BS), float("-inf"), tl.float32),
-                             mask=t_ok[:, None] & (si < S)[None, :])
+                    tl.store(ptrs, score, mask=(t < T)[:, None] & (si < S)[None, :])
+        for j in range(n_live, n_t):
+            t = (first_t + j) * BT + tl.arange(0, BT)
+            for i in range(n_s):
+                si = (first_s + i) * BS + tl.arange(0, BS)
+                ptrs = out_ptr + si[None, :].to(tl.int64) * stride_os + t[:, None]
+                tl.store(ptrs, tl.full((BT, BS), float("-inf"), tl.float32), mask=(t < T)[:, None] & (si < S)[None, :])
 
     @triton.jit
     def _pool_kernel(q_ptr, kp_ptr, ks_ptr, w_ptr, vis_ptr, blk_ptr, out_ptr,
