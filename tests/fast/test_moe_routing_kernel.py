@@ -54,14 +54,17 @@ def separated(scores, sel, topk, floor=0.0):
 
 
 def separated_logits(N, E, temp, score_func, bias, seed, topk=6):
-    """Logits with no near-ties among any row's top-(k + 1) biased scores."""
+    """Logits with no near-ties among any row's top-(k + 1) biased scores: rows with a near-tie are
+    redrawn on their own (softmax scores couple a row's entries, so rows are checked whole)."""
     g = torch.Generator().manual_seed(seed)
     spread = 1.0 if score_func == "sigmoid" else 3.0  # sigmoid saturates: wide logits crowd its top at 1
+    logits = torch.randn(N, E, generator=g) * spread
     for _ in range(50):
-        logits = torch.randn(N, E, generator=g) * spread
         scores = router_scores(logits / temp, score_func)
-        if separated(scores, scores + (bias if bias is not None else 0), topk).all():
+        bad = ~separated(scores, scores + (bias if bias is not None else 0), topk)
+        if not bad.any():
             return logits
+        logits[bad] = torch.randn(int(bad.sum()), E, generator=g) * spread
     raise AssertionError("could not draw separated logits")
 
 
