@@ -38,7 +38,7 @@ SPECIAL_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 # Small enough that every tiny checkpoint spans several shards, so sharded loading is always exercised.
 MAX_SHARD_BYTES = 1 << 20
 # bump when the tiny model's shape or contents change, so a stale cached copy is not reused
-TINY_FORMAT_VERSION = 2
+TINY_FORMAT_VERSION = 3
 EMBEDDED_DEFAULT_NAME = f"tiny-v41-flash-v{TINY_FORMAT_VERSION}-seed0"
 
 # Fields both tiny models share (V4.1 nests them under text_config).
@@ -73,7 +73,7 @@ _TEXT_FIELDS = {
     "hc_mult": 4,
     "hc_sinkhorn_iters": 20,
     "hc_eps": 1e-6,
-    "num_nextn_predict_layers": 0,  # no drafter tensors (yet)
+    "num_nextn_predict_layers": 0,  # V4: no drafter tensors; V4.1 overrides it with a DSpark drafter
     "bos_token_id": 0,
     "eos_token_id": 1,
     "tie_word_embeddings": False,
@@ -175,8 +175,8 @@ def _v41_config(tokenizer) -> dict:
     text = {
         **_TEXT_FIELDS,
         "num_hidden_layers": 8,
-        # two window layers, a ratio-2 encoder group, a ratio-1 decoder group, then the drafter's entry
-        "compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1, 0],
+        # two window layers, a ratio-2 encoder group, a ratio-1 decoder group, then the drafter's entries
+        "compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1, 0, 0],
         "kv_source_layer_ids": [2, 5],
         "index_source_layer_ids": [2, 5, 7],
         "candidate_source_layer_id": 5,
@@ -187,6 +187,14 @@ def _v41_config(tokenizer) -> dict:
         "rope_scaling": {"rope_type": "yarn", **_YARN},
         "rms_norm_eps": 1e-20,
         **engram,
+        # a two-stage DSpark drafter (mtp.0, mtp.1) reading the inputs of the last two layers
+        "num_nextn_predict_layers": 2,
+        "dspark_block_size": 3,
+        "dspark_noise_token_id": 511,
+        "dspark_target_layer_ids": [6, 7],
+        "dspark_markov_rank": 16,
+        "dspark_n_routed_experts": 4,
+        "dspark_num_experts_per_tok": 2,
     }
     return {
         "architectures": ["DeepseekV41ForCausalLM"],

@@ -65,3 +65,18 @@ def test_impossible_comparison_is_one_line(tool, tiny_v41_dir, capsys):
     assert tool("compare").main(["--model", str(tiny_v41_dir), "--b", "transformers"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "V4.1" in err and err.count("\n") == 1
+
+
+def test_decoder_replay_on_vs_off_is_reported(tool, tiny_v41_dir):
+    """V4.1 decoder replay: the encoder layers agree exactly, the divergence starts at the first
+    decoder layer, and it is measured over the positions the replay computes (the last window)."""
+    from dsv4.config import Dsv4Config
+
+    config = Dsv4Config.from_json(tiny_v41_dir)
+    report = tool("compare").compare(tiny_v41_dir, "reference", "reference-replay", seq_len=3 * config.sliding_window)
+    start = config.decoder_start
+    assert all(row["max_abs"] == 0 for row in report["layers"][:start])
+    assert report["first_divergence"]["layer"] == start
+    assert report["logits"]["max_abs"] > 0 and not report["ok"]
+    short = tool("compare").compare(tiny_v41_dir, "reference", "reference-replay", seq_len=config.sliding_window)
+    assert short["ok"] and short["logits"]["max_abs"] == 0  # a prompt within one window replays everything

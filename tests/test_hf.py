@@ -78,3 +78,17 @@ def test_unknown_impl_and_path_fail_clearly(hf_dir):
         Dsv4ForCausalLM.from_pretrained(hf_dir, impl="nope")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Dsv4ForCausalLM.from_pretrained("/no/such/dir")
+
+
+def test_tiny_v41_checkpoint_loads_runs_and_generates(tiny_v41_dir):
+    """The V4.1 architecture in the real on-disk layout (FP8/FP4, Engram, DSpark drafter) through the
+    transformers entry point: forward, generate, and the drafter's tensors loaded, not skipped."""
+    model = Dsv4ForCausalLM.from_pretrained(tiny_v41_dir, torch_dtype=torch.float32, progress=False)
+    assert not [n for n in model.model.load_report.skipped if n.startswith("mtp.")]
+    ids = torch.randint(3, 500, (1, 21), generator=torch.Generator().manual_seed(5))
+    logits = model(ids).logits
+    assert logits.shape == (1, 21, model.config.vocab_size) and torch.isfinite(logits).all()
+    out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert int(out[0, 21]) == int(logits[0, -1].argmax())
+    tokens, draft_logits, confidence = model.model.draft(ids, out[:, 21])
+    assert tokens.shape == (1, model.config.dspark_block_size + 1) and torch.isfinite(confidence).all()

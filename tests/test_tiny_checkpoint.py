@@ -140,7 +140,8 @@ def test_config_json_has_the_release_layout(tiny_v4_dir, tiny_v41_dir):
     v41 = json.loads((tiny_v41_dir / "config.json").read_text())
     assert v41["model_type"] == "deepseek_v41" and "text_config" in v41 and "image_token_id" in v41
     assert v41["quantization_config"]["weight_block_size"] == [32, 32]
-    assert len(v41["text_config"]["compress_ratios"]) == v41["text_config"]["num_hidden_layers"] + 1
+    text = v41["text_config"]
+    assert len(text["compress_ratios"]) == text["num_hidden_layers"] + text["num_nextn_predict_layers"]  # + drafter
     assert (tiny_v41_dir / "engram_layout.json").exists() and (tiny_v41_dir / "tokenizer.json").exists()
 
 

@@ -18,6 +18,7 @@ quant_sim) and returns a function from input ids to a `Trace`. `compare(...)` is
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -77,11 +78,12 @@ def _recording(blocks: list[dict[str, nn.Module]]) -> Iterator[list[dict[str, to
 
 
 # ----------------------------------------------------------------------------- implementations
-def load_reference(model_dir: Path, dtype: torch.dtype, quant_sim: bool) -> Runner:
-    """dsv4's reference model; layer states through `hidden_states`' layer hook."""
+def load_reference(model_dir: Path, dtype: torch.dtype, quant_sim: bool, decoder_replay: bool = False) -> Runner:
+    """dsv4's reference model; layer states through `hidden_states`' layer hook. With decoder_replay
+    (V4.1), the decoder layers and the logits cover only the prompt's last window."""
     from dsv4.reference.model import load_model
 
-    model = load_model(str(model_dir), dtype, quant_sim, progress=False)
+    model = load_model(str(model_dir), dtype, quant_sim, progress=False, decoder_replay=decoder_replay)
     sublayers = [
         {label: getattr(block, label) for label in ("engram", "attn", "ffn") if hasattr(block, label)}
         for block in model.layers
@@ -125,13 +127,23 @@ def load_transformers(model_dir: Path, dtype: torch.dtype, quant_sim: bool) -> R
 
 IMPLEMENTATIONS: dict[str, Callable[[Path, torch.dtype, bool], Runner]] = {
     "reference": load_reference,
+    "reference-replay": functools.partial(load_reference, decoder_replay=True),
     "transformers": load_transformers,
 }
 
 
 # ----------------------------------------------------------------------------- metrics
+def _common_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Align [B, S, ...] tensors on their last positions: decoder replay computes only the prompt's
+    last window, so the positions both sides have are the trailing ones."""
+    n = min(a.shape[1], b.shape[1])
+    return a[:, a.shape[1] - n :], b[:, b.shape[1] - n :]
+
+
 def tensor_metrics(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
-    """max abs error, relative error (max abs error / max |a|) and cosine, in float64."""
+    """max abs error, relative error (max abs error / max |a|) and cosine, in float64, over the
+    positions both sides computed."""
+    a, b = _common_rows(a, b)
     a, b = a.double().flatten(), b.double().flatten()
     err, peak = (a - b).abs().max().item(), a.abs().max().item()
     norms = a.norm() * b.norm()
@@ -142,6 +154,7 @@ def tensor_metrics(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
 
 def logit_metrics(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     """tensor_metrics plus top-1 agreement and mean KL(softmax a || softmax b) over positions."""
+    a, b = _common_rows(a, b)
     la, lb = a.double().log_softmax(-1), b.double().log_softmax(-1)
     kl = (la.exp() * (la - lb)).sum(-1).mean().item()
     top1 = (a.argmax(-1) == b.argmax(-1)).double().mean().item()
