@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -32,8 +33,9 @@ class LLM:
         enable_prefix_caching: reuse cached prefixes across requests and turns.
         dtype: compute dtype; quant_sim: the official FP8/FP4 precision steps (the packed KV formats
             store exactly what they produce).
-        kv_cache_memory: bytes of paged KV blocks; block_size: tokens per block (default: one window,
-            rounded up to the compression ratios).
+        kv_cache_memory: bytes of paged KV blocks; None takes `kv_cache_fraction` of the memory
+            available after loading (device memory on a GPU, host memory otherwise).
+        block_size: tokens per block (default: one window, rounded up to the compression ratios).
         max_num_batched_tokens / max_num_seqs: the scheduler's budget per step.
     """
 
@@ -45,7 +47,8 @@ class LLM:
         enable_prefix_caching: bool = True,
         dtype: torch.dtype = torch.float32,
         quant_sim: bool = True,
-        kv_cache_memory: int = 1 << 30,
+        kv_cache_memory: int | None = None,
+        kv_cache_fraction: float = 0.5,
         block_size: int | None = None,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
@@ -69,7 +72,7 @@ class LLM:
         self.eos = [] if eos is None else (eos if isinstance(eos, list) else [eos])
         self.kv = KVManager(
             self.model,
-            memory_bytes=kv_cache_memory,
+            memory_bytes=kv_cache_memory or int(kv_cache_fraction * available_memory(self.model.embed.weight.device)),
             block_size=block_size or default_block_size(self.config),
             swa_bounded_replay=swa_bounded_replay,
             enable_prefix_caching=enable_prefix_caching,
@@ -181,6 +184,16 @@ class LLM:
 
     def _text(self, req: Request) -> str | None:
         return self.decode(req.output_ids)
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the KV pool: free device memory on CUDA, available host memory otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # platforms without these sysconf names
+        return 1 << 30
 
 
 def default_block_size(config) -> int:
