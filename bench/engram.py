@@ -1,0 +1,272 @@
+"""Engram row lookup from host memory: a naive synchronous gather against the side-stream UVA prefetch.
+
+    python bench/engram.py          # H200: < 3 minutes, ~8.5 GB of pinned host memory per table mode
+    python bench/engram.py --smoke  # tiny table on the CPU (Triton interpreter), checks the plumbing
+
+Two synthetic tables of --rows rows x 264 B (default 16M rows = 4.2 GB each; the real ones are 384M,
+98 GB) stand for V4.1's Engram layers 1 and 14; each token reads 24 random rows per layer. Token counts:
+decode steps of 1..64 tokens and a 2048-token prefill chunk. Per table memory mode (--modes: "auto"
+takes THP + cudaHostRegister where the OS allows, "pinned" is cudaHostAlloc with 4 KB pages):
+  sync_us:      the naive lookup: ids to the host, index_select of fp8 rows and scales, dequantize on the
+                CPU, blocking copy of the bf16 rows to the GPU (EngramEmbedding.forward on a host table);
+  sync_raw_us:  the same without the CPU dequant: index_select of the 264 B records, blocking copy;
+  lookup_us:    EngramPrefetcher.start + wait for both layers, nothing else on the GPU (CUDA events on
+                the main stream: the side stream's gather kernels, which read pinned host memory over
+                PCIe and dequantize, plus the cross-stream waits);
+  compute_us:   the stand-in for embedding + layers 0-1 on the main stream (a bf16 matmul chain sized to
+                --compute-us, default 150 us for decode, 2000 us for the prefill chunk);
+  overlap_us:   start(); compute; wait(0); wait(1); on the main stream;
+  hidden:       1 - (overlap_us - compute_us) / lookup_us (1.0: the lookup costs nothing);
+  start_host_us: host time spent in start() (it must not wait for the GPU).
+Medians over --reps samples, rotating 8 id sets. Rows are checked against the twin first.
+JSON goes to $OUT/engram.json if OUT is set, else bench/results/engram.json (engram-smoke.json with
+--smoke). The table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny table on CPU under TRITON_INTERPRET=1")
+    p.add_argument("--rows", type=int, default=16 << 20, help="rows per synthetic table")
+    p.add_argument("--tokens", type=int, nargs="*", default=None, help="token counts per step")
+    p.add_argument("--modes", nargs="*", default=["auto", "pinned"], help="table memory modes")
+    p.add_argument("--compute-us", type=float, default=150.0, help="stand-in compute for decode steps")
+    p.add_argument("--prefill-compute-us", type=float, default=2000.0, help="stand-in compute, >= 512 tokens")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--programs", type=int, default=None, help="gather grid cap (default: one per SM)")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+if ARGS.smoke:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import warnings
+
+import torch
+
+from dsv4.fast.engram_prefetch import EngramPrefetcher, HostEngramTable, thp_setting
+from dsv4.fast.kernels.engram import engram_gather_twin
+
+L, C = 2, 24
+warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning)  # interpreter int64 wrap
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def fill(table: HostEngramTable, seed: int) -> None:
+    """Random e4m3 bytes without NaN codes, scales around 2^0; a 64 MB block repeated (fast)."""
+    g = torch.Generator().manual_seed(seed)
+    block_rows = min(table.rows, 1 << 18)
+    block = torch.randint(0, 256, (block_rows, 264), generator=g, dtype=torch.uint8)
+    block[:, :256][(block[:, :256] & 0x7F) == 0x7F] = 0
+    block[:, 256:] = torch.randint(117, 137, (block_rows, 8), generator=g, dtype=torch.uint8)
+    for lo in range(0, table.rows, block_rows):
+        hi = min(lo + block_rows, table.rows)
+        table.data[lo:hi].copy_(block[: hi - lo])
+
+
+def naive_sync(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return engram_gather_twin(table, ids)  # ids.cpu() -> index_select -> CPU dequant -> .to(device)
+
+
+def raw_sync(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return table.index_select(0, ids.reshape(-1).cpu()).to(ids.device)
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def time_host(fn, reps, cuda):
+    fn()
+    out = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        out.append((time.perf_counter() - t) * 1e6)
+    return median(out)
+
+
+def time_events(fn, reps):
+    """Median device time of fn() on the current stream (events around it), and host time of fn()."""
+    fn()
+    torch.cuda.synchronize()
+    dev, host = [], []
+    for i in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t = time.perf_counter()
+        fn(i)
+        host.append((time.perf_counter() - t) * 1e6)
+        b.record()
+        b.synchronize()
+        dev.append(a.elapsed_time(b) * 1e3)
+    return median(dev), median(host)
+
+
+class StandIn:
+    """A bf16 matmul chain on the current stream, calibrated to about `target_us`."""
+
+    def __init__(self, tokens, target_us):
+        m = max(16, min(tokens, 2048))
+        self.x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        self.w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+        self.n = 1
+        one, _ = time_events(lambda i=0: self.run(), 10)
+        self.n = max(1, round(target_us / one))
+
+    def run(self):
+        y = self.x
+        for _ in range(self.n):
+            y = y @ self.w
+        return y
+
+
+def bench_mode(mode, tokens_list, reps, device):
+    cuda = device == "cuda"
+    t0 = time.time()
+    tables = [HostEngramTable(ARGS.rows if cuda else 4096, mode=mode if cuda else "pageable") for _ in range(L)]
+    alloc_s = time.time() - t0
+    for i, t in enumerate(tables):
+        fill(t, i)
+    info = {"mode_requested": mode, "mode": tables[0].mode, "thp_anon_huge_kb": tables[0].thp_kb,
+            "notes": tables[0].notes, "rows": tables[0].rows, "alloc_s": round(alloc_s, 2),
+            "fill_s": round(time.time() - t0 - alloc_s, 2), "table_gb": round(tables[0].nbytes / 1e9, 3)}
+    pre = EngramPrefetcher(tables, device, max_tokens=max(tokens_list), programs=ARGS.programs)
+    gen = torch.Generator(device=device).manual_seed(0)
+    results = []
+    for n in tokens_list:
+        sets = [torch.randint(0, tables[0].rows, (n, 1, L, C), device=device, generator=gen) for _ in range(8)]
+        # correctness
+        pre.start(sets[0])
+        ok = all(torch.equal(pre.wait(l).cpu(), engram_gather_twin(tables[l].data, sets[0][:, :, l]).cpu())
+                 for l in range(L))
+        row = {"tokens": n, "rows_per_step": n * L * C, "bytes_per_step": n * L * C * 264, "ok": ok}
+
+        def sync(i=0, f=naive_sync, sets=sets):
+            ids = sets[i % 8]
+            return [f(tables[l].data, ids[:, :, l]) for l in range(L)]
+
+        r = min(reps, 5) if n >= 512 else reps
+        row["sync_us"] = time_host(sync, r, cuda)
+        row["sync_raw_us"] = time_host(lambda: sync(0, raw_sync), r, cuda)
+        if not cuda:
+            row["lookup_us"] = time_host(lambda ids=sets[1]: pre.start(ids), r, cuda)
+            results.append(row)
+            continue
+
+        def lookup(i=0, sets=sets):
+            pre.start(sets[i % 8])
+            for l in range(L):
+                pre.wait(l)
+
+        row["lookup_us"], row["start_host_us"] = time_events(lookup, reps)
+        target = ARGS.prefill_compute_us if n >= 512 else ARGS.compute_us
+        comp = StandIn(n, target)
+        row["compute_us"], _ = time_events(lambda i=0, comp=comp: comp.run(), reps)
+
+        def overlapped(i=0, sets=sets, comp=comp):
+            pre.start(sets[i % 8])
+            comp.run()
+            for l in range(L):
+                pre.wait(l)
+
+        row["overlap_us"], _ = time_events(overlapped, reps)
+        row["hidden"] = 1 - (row["overlap_us"] - row["compute_us"]) / row["lookup_us"]
+        row["speedup_vs_sync"] = row["sync_us"] / row["lookup_us"]
+        row["lookup_GBps"] = row["bytes_per_step"] / row["lookup_us"] / 1e3
+        results.append(row)
+    pre.buffers = []
+    for t in tables:
+        t.close()  # unregisters a THP mapping; the memory goes when the tables do (on return)
+    return info, results
+
+
+def main():
+    device = "cpu" if ARGS.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/engram.py needs CUDA (or --smoke)")
+    tokens = ARGS.tokens or ([1, 4] if ARGS.smoke else [1, 4, 16, 64, 2048])
+    reps = 3 if ARGS.smoke else ARGS.reps
+    modes = ["pageable"] if ARGS.smoke else ARGS.modes
+    t_start = time.time()
+    runs = []
+    for mode in modes:
+        info, results = bench_mode(mode, tokens, reps, device)
+        runs.append({**info, "results": results})
+        gc.collect()
+        if info["mode"] == "pinned" and mode == "auto" and "pinned" in modes:
+            break  # auto fell back to pinned already: nothing new to measure
+    meta = {
+        "bench": "engram",
+        "git_commit": git_commit(),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "thp_setting": thp_setting(),
+        "layers": L, "rows_per_token_per_layer": C, "row_bytes": 264,
+        "compute_us_target": {"decode": ARGS.compute_us, "prefill": ARGS.prefill_compute_us},
+        "timing": "median of reps; sync_*: host wall clock incl. sync; lookup/compute/overlap: CUDA events",
+        "reps": reps,
+        "gather_programs": ARGS.programs or ("per SM" if device == "cuda" else 4),
+        "goals": {"speedup_vs_sync_fastest": 10, "hidden": 0.9},
+        "runs": runs,
+    }
+    meta["wall_s"] = round(time.time() - t_start, 1)
+    name = "engram-smoke" if ARGS.smoke else "engram"
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(meta, indent=1))
+
+    print(f"\nresults: {out_dir / (name + '.json')}  ({meta['wall_s']} s), THP setting {meta['thp_setting']}")
+    ok = True
+    for run in runs:
+        print(f"\ntable mode {run['mode']} (asked {run['mode_requested']}), AnonHugePages {run['thp_anon_huge_kb']} kB, "
+              f"{run['rows']} rows = {run['table_gb']} GB, alloc {run['alloc_s']} s")
+        print(f"{'tokens':>6s} {'ok':>3s} {'sync us':>9s} {'raw us':>9s} {'lookup us':>9s}" + ("" if device == "cpu" else
+              f" {'speedup':>8s} {'GB/s':>6s} {'compute':>8s} {'overlap':>8s} {'hidden':>7s} {'start host us':>13s}"))
+        for r in run["results"]:
+            ok &= r["ok"]
+            if device == "cpu":
+                print(f"{r['tokens']:6d} {'y' if r['ok'] else 'N':>3s} {r['sync_us']:9.1f} {r['sync_raw_us']:9.1f} "
+                      f"{r['lookup_us']:9.1f}")
+                continue
+            print(f"{r['tokens']:6d} {'y' if r['ok'] else 'N':>3s} {r['sync_us']:9.1f} {r['sync_raw_us']:9.1f} "
+                  f"{r['lookup_us']:9.1f} {r['speedup_vs_sync']:7.1f}x {r['lookup_GBps']:6.1f} "
+                  f"{r['compute_us']:8.1f} {r['overlap_us']:8.1f} {r['hidden']:7.1%} {r['start_host_us']:13.1f}")
+    if not ok:
+        print("CORRECTNESS FAILED")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""Block-scaled FP8 GEMM (dsv4::fp8_block_gemm, fp8_linear) against torch baselines, DeepSeek-V4/V4.1 shapes.
+
+    python bench/fp8_gemm.py          # H200: correctness against the twin, a small config sweep, timings; < 3 min
+    python bench/fp8_gemm.py --smoke  # tiny sizes on the CPU under the Triton interpreter
+
+Shapes (N x K, weight blocks): V4.1 wq_a 1280x5120, wkv 512x5120, wo_b 5120x8192, shared-expert w1 2304x5120 with
+32x32 blocks; V4 1024x4096 with 128x128 blocks; activation rows M in {1, 8, 64, 512}. Variants, bf16 activations
+and output:
+- naive:      dequantize the FP8 weight to bf16 on every call, then a bf16 matmul
+- bf16:       the weight pre-dequantized to bf16, one bf16 matmul (the bf16 roofline: 2 bytes per weight)
+- scaled_mm:  torch._scaled_mm on the same e4m3 bytes with a row-wise (else per-tensor) scale; informational only,
+              its numerics differ (no per-block scales)
+- gemm:       dsv4::fp8_block_gemm on pre-quantized activations (1 byte per weight + scales)
+- linear:     fp8_linear = dsv4::fp8_quant of the bf16 activations + dsv4::fp8_block_gemm
+Each case is first checked against the twin (dequantize with dsv4.quant, fp32 matmul): |y - twin| <= 2^-10 *
+sum|a||w| + 2^-8 |twin|. Timing: every call gets its own copy of the weight (enough copies to pass --rotate-mb,
+far beyond L2, so the weight streams from HBM as in a model), a CUDA graph of one call per copy, replayed after
+warm-up; CUDA events; the median of --reps replays, divided by the copies. GB/s counts weight + scale bytes plus
+activation and output bytes; TFLOP/s = 2 M N K / t. Before the cases a short sweep of kernel configs (tile, split-K,
+stages) runs on two shapes (in the JSON; --no-sweep skips it).
+JSON goes to $OUT/fp8_gemm.json if OUT is set, else bench/results/fp8_gemm.json (fp8_gemm-smoke.json with --smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
+    p.add_argument("--ms", type=int, nargs="*", default=None, help="activation rows M")
+    p.add_argument("--reps", type=int, default=20, help="timed graph replays (median)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed replays first")
+    p.add_argument("--rotate-mb", type=float, default=256.0, help="weight copies per graph until this many MB")
+    p.add_argument("--max-copies", type=int, default=64)
+    p.add_argument("--no-sweep", action="store_true", help="skip the kernel config sweep")
+    p.add_argument("--peak-gbs", type=float, default=4300.0, help="copy bandwidth to compare with (GB/s)")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+if ARGS.smoke:
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from dsv4.fast.kernels import fp8_gemm as G  # noqa: E402
+from dsv4.quant import dequantize_fp8, quantize_fp8  # noqa: E402
+
+SHAPES = [  # (name, N, K, block)
+    ("v41_wq_a", 1280, 5120, (32, 32)),
+    ("v41_wkv", 512, 5120, (32, 32)),
+    ("v41_wo_b", 5120, 8192, (32, 32)),
+    ("v41_shared_w1", 2304, 5120, (32, 32)),
+    ("v4_1024x4096", 1024, 4096, (128, 128)),
+]
+SMOKE_SHAPES = [("smoke_32", 160, 256, (32, 32)), ("smoke_128", 160, 256, (128, 128))]
+VARIANTS = ("naive", "bf16", "scaled_mm", "gemm", "linear")
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, check=False,
+                               capture_output=True, text=True).stdout.strip()
+        return sha.stdout.strip() + ("-dirty" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
+class Problem:
+    """One weight (copies of it) and one activation batch."""
+
+    def __init__(self, name, N, K, block, M, device, copies, seed=0):
+        self.name, self.N, self.K, self.block, self.M = name, N, K, tuple(block), M
+        gen = torch.Generator(device=device).manual_seed(seed)
+        w = torch.randn(N, K, device=device, generator=gen) * 0.02
+        self.w_q, self.w_s = quantize_fp8(w, self.block)
+        del w
+        self.x = torch.randn(M, K, device=device, generator=gen).to(torch.bfloat16)
+        self.a_q, self.a_s = quantize_fp8(self.x, (self.block[1],))
+        self.copies = copies
+        self.wq_copies = [self.w_q] + [self.w_q.clone() for _ in range(copies - 1)]
+        self.ws_copies = [self.w_s] + [self.w_s.clone() for _ in range(copies - 1)]
+        self._bf16 = None
+        self._rowwise = None
+
+    def fp8_weight_bytes(self) -> int:
+        return self.w_q.numel() + self.w_s.numel()
+
+    def io_bytes(self, variant: str) -> int:
+        """Bytes a call must move at least: weight (+scales), activations (+scales), output."""
+        M, N, K = self.M, self.N, self.K
+        out = 2 * M * N
+        if variant == "bf16":
+            return 2 * N * K + 2 * M * K + out
+        if variant == "linear":
+            return self.fp8_weight_bytes() + 2 * M * K + out
+        return self.fp8_weight_bytes() + M * K + self.a_s.numel() + out
+
+    def bf16_copies(self):
+        if self._bf16 is None:
+            self._bf16 = [dequantize_fp8(q, s, self.block).to(torch.bfloat16) for q, s in zip(self.wq_copies, self.ws_copies)]
+        return self._bf16
+
+    def call(self, variant: str, i: int = 0, config=None):
+        wq, ws = self.wq_copies[i], self.ws_copies[i]
+        bn, bk = self.block
+        if variant == "naive":
+            return F.linear(self.x, dequantize_fp8(wq, ws, self.block).to(torch.bfloat16))
+        if variant == "bf16":
+            return F.linear(self.x, self.bf16_copies()[i])
+        if variant == "scaled_mm":
+            return self.scaled_mm(wq)
+        if variant == "gemm":
+            if config is not None:
+                return G.fp8_gemm(self.a_q, self.a_s, wq, ws, bn, bk, torch.bfloat16, config)
+            return G.fp8_block_gemm(self.a_q, self.a_s, wq, ws, bn, bk, torch.bfloat16)
+        if variant == "linear":
+            return G.fp8_linear(self.x, wq, ws, self.block, bk)
+        raise ValueError(variant)
+
+    def scaled_mm(self, wq):
+        """torch._scaled_mm on the raw e4m3 bytes: row-wise fp32 scales of 1 if supported, else per-tensor."""
+        one_a = torch.ones(self.M, 1, device=wq.device)
+        one_b = torch.ones(1, self.N, device=wq.device)
+        if self._rowwise is None:
+            try:
+                torch._scaled_mm(self.a_q, wq.t(), one_a, one_b, out_dtype=torch.bfloat16)
+                self._rowwise = True
+            except Exception:
+                self._rowwise = False
+        if self._rowwise:
+            return torch._scaled_mm(self.a_q, wq.t(), one_a, one_b, out_dtype=torch.bfloat16)
+        one = torch.ones((), device=wq.device)
+        return torch._scaled_mm(self.a_q, wq.t(), one, one, out_dtype=torch.bfloat16)
+
+
+def check(p: Problem) -> dict:
+    """gemm and linear against the twin, bound 2^-10 sum|a||w| + 2^-8 |twin|."""
+    twin = G.fp8_block_gemm_reference(p.a_q, p.a_s, p.w_q, p.w_s, *p.block, torch.float32).double()
+    a = dequantize_fp8(p.a_q, p.a_s, (p.block[1],)).abs().double()
+    w = dequantize_fp8(p.w_q, p.w_s, p.block).abs().double()
+    bound = a @ w.T
+    out = {}
+    for variant in ("gemm", "linear"):
+        y = p.call(variant).double()
+        err = (y - twin).abs()
+        tol = 2.0**-10 * bound + 2.0**-8 * twin.abs() + 1e-30
+        out[variant] = {"ok": bool((err <= tol).all()), "max_err_over_tol": float((err / tol).max()),
+                        "max_abs_err": float(err.max()), "max_abs_twin": float(twin.abs().max())}
+    return out
+
+
+def time_variant(p: Problem, variant: str, reps: int, warmup: int, config=None) -> float | None:
+    """Median microseconds per call; None when the variant does not run."""
+    calls = [lambda i=i: p.call(variant, i, config) for i in range(p.copies)]
+    try:
+        for c in calls[:2]:
+            c()
+    except Exception as e:  # e.g. _scaled_mm not supported for this shape
+        print(f"  {p.name} M={p.M} {variant}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        return None
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for c in calls:
+                c()
+            times.append((time.perf_counter() - t0) / len(calls) * 1e6)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    replay = None
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for c in calls:  # warm allocator and autotuning off the graph
+                c()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for c in calls:
+                c()
+        replay = graph.replay
+    except Exception as e:
+        print(f"  {p.name} M={p.M} {variant}: no CUDA graph ({type(e).__name__}); timing eager launches")
+
+        def replay():
+            for c in calls:
+                c()
+    for _ in range(warmup):
+        replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+SWEEP_CASES = [("v41_wkv", 1), ("v41_wkv", 64), ("v41_wo_b", 1), ("v41_wo_b", 512), ("v4_1024x4096", 1)]
+
+
+def sweep_configs(M: int):
+    """Tiles x pipeline depth x split-K around the defaults (the split is a run-time argument: no recompiles)."""
+    bm = 128 if M > 64 else max(16, 1 << max(0, (M - 1).bit_length()))
+    out = []
+    for bn in (64, 128):
+        for stages in ((4, 8) if M <= 64 else (3, 4)):
+            for split in ((1, 4, 16) if M <= 64 else (1, 2)):
+                warps = 4 if bn * bm <= 64 * 64 else 8
+                out.append(G.GemmConfig(bn=bn, bm=bm, split=split, num_warps=warps, num_stages=stages))
+    return out
+
+
+def main() -> int:
+    t_start = time.time()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not ARGS.smoke and device == "cpu":
+        print("no CUDA device: run with --smoke for the interpreter sizes")
+        return 2
+    shapes = SMOKE_SHAPES if ARGS.smoke else SHAPES
+    ms = ARGS.ms or ([1, 8] if ARGS.smoke else [1, 8, 64, 512])
+    reps = 2 if ARGS.smoke else ARGS.reps
+    warmup = 0 if ARGS.smoke else ARGS.warmup
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
+    import triton
+
+    result = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "commit": git_commit(),
+        "peak_gbs": ARGS.peak_gbs,
+        "smoke": ARGS.smoke,
+        "sweep": [],
+        "cases": [],
+    }
+    variants = [v for v in VARIANTS if not (ARGS.smoke and v == "scaled_mm")]
+
+    def copies_for(N, K):
+        if ARGS.smoke:
+            return 1
+        return max(2, min(ARGS.max_copies, int(ARGS.rotate_mb * 2**20 // (2 * N * K)) + 1))
+
+    if not ARGS.no_sweep and not ARGS.smoke:
+        by_name = {s[0]: s for s in SHAPES}
+        for shape_name, M in SWEEP_CASES:
+            name, N, K, block = by_name[shape_name]
+            p = Problem(name, N, K, block, M, device, copies_for(N, K))
+            kb = min(block[1], 128)
+            default = G.pick_config(M, N, K, kb, torch.device(device))
+            rows = []
+            for cfg in [default, *sweep_configs(M)]:
+                us = time_variant(p, "gemm", max(5, reps // 4), 1, cfg)
+                rows.append({"config": vars(cfg), "us": us, "default": cfg is default})
+            best = min((r for r in rows if r["us"] is not None), key=lambda r: r["us"])
+            print(f"sweep {name} M={M}: default {rows[0]['us']:.2f} us, best {best['us']:.2f} us {best['config']}")
+            result["sweep"].append({"shape": name, "M": M, "rows": rows, "best": best})
+            del p
+            torch.cuda.empty_cache()
+
+    for name, N, K, block in shapes:
+        for M in ms:
+            p = Problem(name, N, K, block, M, device, copies_for(N, K))
+            chk = check(p)
+            case = {"shape": name, "N": N, "K": K, "block": list(block), "M": M, "copies": p.copies,
+                    "fp8_weight_bytes": p.fp8_weight_bytes(), "bf16_weight_bytes": 2 * N * K, "check": chk,
+                    "config": vars(G.pick_config(M, N, K, min(block[1], 128), torch.device(device))), "variants": {}}
+            for v in variants:
+                us = time_variant(p, v, reps, warmup)
+                if us is None:
+                    case["variants"][v] = None
+                    continue
+                gbs = p.io_bytes(v) / (us * 1e-6) / 1e9
+                case["variants"][v] = {"us": us, "bytes": p.io_bytes(v), "gbs": gbs,
+                                       "frac_peak": gbs / ARGS.peak_gbs, "tflops": 2 * M * N * K / (us * 1e-6) / 1e12}
+            result["cases"].append(case)
+            del p
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "fp8_gemm-smoke" if ARGS.smoke else "fp8_gemm"
+    result["wall_s"] = time.time() - t_start
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+
+    print(f"\n{gpu}; torch {torch.__version__}, triton {triton.__version__}; us per call (GB/s, % of {ARGS.peak_gbs:.0f})")
+    head = f"{'shape':<15}{'M':>5}  {'check':<6}" + "".join(f"{v:>22}" for v in variants)
+    print(head)
+    for c in result["cases"]:
+        ok = "ok" if all(x["ok"] for x in c["check"].values()) else "FAIL"
+        cells = []
+        for v in variants:
+            r = c["variants"][v]
+            cells.append(f"{'-':>22}" if r is None else f"{r['us']:>9.2f} ({r['gbs']:>5.0f},{100 * r['frac_peak']:>3.0f}%)")
+        print(f"{c['shape']:<15}{c['M']:>5}  {ok:<6}" + "".join(cells))
+    print(f"{time.time() - t_start:.0f} s; json: {out_dir / (stem + '.json')}")
+    return 0 if all(all(x["ok"] for x in c["check"].values()) for c in result["cases"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Routed MXFP4 experts + shared expert (dsv4::moe_mxfp4_with_shared) against a naive torch MoE, V4.1 shapes.
+
+    python bench/moe_experts.py          # H200: correctness on CUDA, then timings; < 3 minutes, ~8 GB
+    python bench/moe_experts.py --smoke  # tiny sizes on the CPU under the Triton interpreter
+
+V4.1: E = 384 experts, top-6, D = 5120, I = 2304, swiglu limit 10, one shared expert (dense bf16);
+N = 1, 8, 16, 64, 256 tokens. Weights random (uint8 codes, e8m0 scales 2^-9 .. 2^-5), one layer's worth.
+- naive:   for each selected expert: dequantize its w1/w3/w2 (dsv4.quant) to bf16, bf16 matmuls, SwiGLU,
+           index_add in fp32; plus the shared expert (what a straightforward implementation does; host syncs).
+- gather:  the kernel's gather path (forced); grouped: its grouped path (forced).
+Bytes: the expert weights the call must touch at least: each distinct selected expert's w13 + w2 at 4.25
+bits/weight (e2m1 + one e8m0 per 32) and the shared expert's bf16 weights (3 * I * D * 2 bytes); GB/s is
+those bytes over the time, and `roofline` their fraction of 4.3 TB/s (the batch-1 memory ceiling).
+Timing: CUDA events; each sample runs the calls on R rotating id/x sets (different experts each: cold
+weights), reported per call; median of --reps samples after warmup. "graph": the calls captured in one CUDA
+graph and replayed (how decode runs); "eager": plain Python calls (naive: eager only).
+JSON goes to $OUT/moe_experts.json if OUT is set, else bench/results/moe_experts.json (moe_experts-smoke.json
+with --smoke). The table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
+    p.add_argument("--sizes", type=int, nargs="*", default=None, help="token counts N")
+    p.add_argument("--reps", type=int, default=30, help="timed samples per case (median)")
+    p.add_argument("--sets", type=int, default=8, help="rotating id/x sets per sample")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+if ARGS.smoke:
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
+
+import torch
+import torch.nn.functional as F
+
+from dsv4.fast.kernels import moe_experts as M
+from dsv4.quant import dequantize_mxfp4
+
+PEAK_BPS = 4.3e12
+LIMIT = 10.0
+
+
+# ------------------------------------------------------------------------------------------------ utilities
+# (bench-local for now; the lead consolidates shared bench helpers later)
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def time_calls(fns, reps: int, graph: bool, device: str) -> float:
+    """Median over `reps` samples of (time to run every fn once) / len(fns), in microseconds."""
+    for f in fns:
+        f()
+    if device != "cuda":
+        samples = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            for f in fns:
+                f()
+            samples.append((time.perf_counter() - t) * 1e6 / len(fns))
+        return statistics.median(samples)
+    torch.cuda.synchronize()
+    run = lambda: [f() for f in fns]
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+        run = g.replay
+    for _ in range(2):
+        run()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) * 1e3 / len(fns))
+    return statistics.median(samples)
+
+
+# ------------------------------------------------------------------------------------------------ cases
+
+
+def make_weights(E, D, I, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    u8 = {"generator": g, "device": device, "dtype": torch.uint8}
+    return {
+        "w13": torch.randint(0, 256, (E, 2 * I, D // 2), **u8),
+        "s13": torch.randint(118, 123, (E, 2 * I, D // 32), **u8),
+        "w2": torch.randint(0, 256, (E, D, I // 2), **u8),
+        "s2": torch.randint(118, 123, (E, D, I // 32), **u8),
+        "sh13": (torch.randn(2 * I, D, generator=g, device=device) / D**0.5).bfloat16(),
+        "sh2": (torch.randn(D, I, generator=g, device=device) / I**0.5).bfloat16(),
+    }
+
+
+def make_set(N, E, D, k, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(N, D, generator=g, device=device).bfloat16()
+    ids = torch.rand(N, E, generator=g, device=device).topk(k, dim=-1).indices
+    wts = torch.rand(N, k, generator=g, device=device)
+    wts = wts / wts.sum(-1, keepdim=True) * 1.5
+    return {"x": x, "ids": ids, "wts": wts}
+
+
+def naive(W, s, limit=LIMIT):
+    """The straightforward implementation: per selected expert, dequantize to bf16, bf16 matmuls."""
+    x, ids, wts = s["x"], s["ids"], s["wts"]
+    I = W["w2"].shape[-1] * 2
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+
+    def expert(xs, w13, w2, rw):
+        gu = F.linear(xs, w13).float()
+        g, u = gu[:, :I].clamp(max=limit), gu[:, I:].clamp(-limit, limit)
+        h = F.silu(g) * u
+        if rw is not None:
+            h = h * rw
+        return F.linear(h.to(xs.dtype), w2).float()
+
+    for e in ids.unique().tolist():
+        tok, slot = torch.where(ids == e)
+        w13 = dequantize_mxfp4(W["w13"][e], W["s13"][e].view(torch.float8_e8m0fnu)).bfloat16()
+        w2 = dequantize_mxfp4(W["w2"][e], W["s2"][e].view(torch.float8_e8m0fnu)).bfloat16()
+        y.index_add_(0, tok, expert(x[tok], w13, w2, wts[tok, slot, None]))
+    return y + expert(x, W["sh13"], W["sh2"], None)
+
+
+def kernel(W, s, path):
+    return M.moe_mxfp4_with_shared(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"], W["s2"],
+                                   W["sh13"], W["sh2"], LIMIT, path)
+
+
+def check(W, s) -> dict:
+    ref = M.moe_experts_twin(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"], W["s2"], LIMIT,
+                             W["sh13"], W["sh2"])
+    scale = ref.abs().max().clamp(min=1e-30)
+    out = {}
+    ok = True
+    for name, y in (("gather", kernel(W, s, "gather")), ("grouped", kernel(W, s, "grouped")), ("naive", naive(W, s))):
+        err = (y - ref).abs() / scale
+        out[f"{name}_max_rel"] = err.max().item()
+        out[f"{name}_median_rel"] = err.median().item()
+        if name != "naive":  # naive's shared expert is a bf16 GEMM (different rounding): informational
+            ok = ok and out[f"{name}_max_rel"] <= 2**-7 and out[f"{name}_median_rel"] <= 1e-4
+    out["ok"] = ok
+    return out
+
+
+def main():
+    device = "cpu" if ARGS.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/moe_experts.py needs CUDA (or --smoke)")
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    E, D, I, k = (8, 64, 64, 2) if ARGS.smoke else (384, 5120, 2304, 6)
+    sizes = ARGS.sizes or ([1, 4] if ARGS.smoke else [1, 8, 16, 64, 256])
+    reps = 2 if ARGS.smoke else ARGS.reps
+    nsets = 2 if ARGS.smoke else ARGS.sets
+    t_start = time.time()
+
+    W = make_weights(E, D, I, device)
+    expert_bytes = 3 * I * D * 4.25 / 8
+    shared_bytes = 3 * I * D * 2
+    results, checks = [], {}
+    for N in sizes:
+        sets = [make_set(N, E, D, k, device, 7919 * N + i) for i in range(nsets)]
+        checks[N] = check(W, sets[0])
+        uniq = statistics.mean(s["ids"].unique().numel() for s in sets)
+        nbytes = uniq * expert_bytes + shared_bytes
+        row = {"N": N, "E": E, "D": D, "I": I, "topk": k, "rotating_sets": nsets, "distinct_experts": uniq,
+               "weight_bytes": nbytes, "routed_weight_bytes": uniq * expert_bytes, "shared_weight_bytes": shared_bytes}
+        naive_sets = sets[: max(1, min(nsets, 2 if N >= 64 else nsets))]
+        row["eager_naive_us"] = time_calls([lambda s=s: naive(W, s) for s in naive_sets],
+                                           max(3, reps // 5) if N >= 64 else reps, False, device)
+        for path in ("gather", "grouped"):
+            calls = [lambda s=s, p=path: kernel(W, s, p) for s in sets]
+            for mode in (["eager"] if device == "cpu" else ["graph", "eager"]):
+                t = time_calls(calls, reps, mode == "graph", device)
+                row[f"{mode}_{path}_us"] = t
+                row[f"{mode}_{path}_GBps"] = nbytes / t / 1e3
+                row[f"{mode}_{path}_roofline"] = nbytes / t / 1e-6 / PEAK_BPS
+                row[f"{mode}_{path}_speedup_vs_naive"] = row["eager_naive_us"] / t
+        if device == "cuda" and N <= 16:  # tile sweep of the gather path (graph mode), for tuning
+            row["gather_sweep"] = {}
+            for BI, BD, BK in [(8, 8, 256), (16, 16, 256), (32, 32, 128), (16, 8, 512), (8, 16, 256)]:
+                cfg = {"BI": BI, "BD": BD, "BK": BK}
+                calls = [lambda s=s, c=cfg: M.moe_triton(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"],
+                                                         W["s2"], LIMIT, W["sh13"], W["sh2"], "gather", c) for s in sets]
+                row["gather_sweep"][f"BI{BI}_BD{BD}_BK{BK}"] = time_calls(calls, reps, True, device)
+        if device == "cuda" and N >= 64:  # tile sweep of the grouped path
+            row["grouped_sweep"] = {}
+            for BM, BN, BKG, warps in [(16, 64, 64, 4), (32, 64, 64, 4), (64, 128, 64, 8), (16, 128, 128, 4)]:
+                cfg = {"BM": BM, "BN": BN, "BKG": BKG, "warps": warps}
+                calls = [lambda s=s, c=cfg: M.moe_triton(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"],
+                                                         W["s2"], LIMIT, W["sh13"], W["sh2"], "grouped", c) for s in sets]
+                row["grouped_sweep"][f"BM{BM}_BN{BN}_BK{BKG}_w{warps}"] = time_calls(calls, reps, True, device)
+        results.append(row)
+        print(f"N={N}: " + ", ".join(f"{kk}={v:.4g}" if isinstance(v, float) else f"{kk}={v}"
+                                     for kk, v in row.items() if kk.endswith(("_us", "roofline", "sweep"))),
+              flush=True)
+
+    meta = {
+        "bench": "moe_experts",
+        "git_commit": git_commit(),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "shape": {"E": E, "D": D, "I": I, "topk": k, "limit": LIMIT, "shared": "dense bf16",
+                  "expert_bits_per_weight": 4.25},
+        "peak_bytes_per_s": PEAK_BPS,
+        "timing": "CUDA events, median of reps samples; each sample = calls on rotating sets, per call",
+        "reps": reps,
+        "wall_s": round(time.time() - t_start, 1),
+        "checks": checks,
+        "results": results,
+    }
+    name = "moe_experts-smoke" if ARGS.smoke else "moe_experts"
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(meta, indent=1))
+
+    print(f"\ncorrectness on {meta['gpu']}: " + ", ".join(f"N={N} {'ok' if c['ok'] else 'FAIL'}" for N, c in checks.items()))
+    print(f"results: {out_dir / (name + '.json')}  ({meta['wall_s']} s)")
+    mode = "eager" if device == "cpu" else "graph"
+    print(f"\n{'N':>5} {'experts':>7} {'MB':>8} {'naive us':>10} {'gather us':>10} {'GB/s':>7} {'roof':>5}"
+          f" {'grouped us':>10} {'GB/s':>7} {'roof':>5}   ({mode})")
+    for r in results:
+        print(f"{r['N']:>5} {r['distinct_experts']:>7.1f} {r['weight_bytes'] / 1e6:>8.1f} {r['eager_naive_us']:>10.1f}"
+              f" {r[f'{mode}_gather_us']:>10.1f} {r[f'{mode}_gather_GBps']:>7.0f} {r[f'{mode}_gather_roofline']:>5.2f}"
+              f" {r[f'{mode}_grouped_us']:>10.1f} {r[f'{mode}_grouped_GBps']:>7.0f} {r[f'{mode}_grouped_roofline']:>5.2f}")
+
+
+if __name__ == "__main__":
+    main()

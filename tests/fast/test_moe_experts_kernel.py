@@ -1,0 +1,296 @@
+"""dsv4::moe_experts_mxfp4 / dsv4::moe_mxfp4_with_shared against their twin and the reference MoE module.
+
+Without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set before dsv4 imports by
+tests/conftest.py); the `gpu` tests run them compiled at V4.1 shapes (D 5120, I 2304, E 384, k 6).
+
+Tolerances:
+- twin vs reference `MoE` (quant_sim=False, fp32): 1e-6 relative to the output's max (only the summation
+  order of the stacked w1/w3 GEMM and of the expert sum can differ).
+- kernel vs twin, fp32 activations: 1e-5 relative to the output's max (fp32 summation order only).
+- kernel vs twin, bf16 activations: g, u, h and each expert's output are rounded to bf16 on both sides, so a
+  different fp32 summation order can move one rounding across a bf16 tie: allowed 2^-7 relative to the
+  output's max in any element (one bf16 ulp of a term), while the median error must stay below 1e-6.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+if os.environ.get("TRITON_INTERPRET") == "1" and not isinstance(tl.zeros, InterpretedFunction):
+    pytest.skip("TRITON_INTERPRET=1 was set after triton.language was imported; set it first, at the top "
+                "of tests/conftest.py", allow_module_level=True)
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dsv4.config import Dsv4Config
+from dsv4.fast.kernels import moe_experts as M
+from dsv4.quant import dequantize_fp8, quantize_fp8, quantize_mxfp4
+from dsv4.reference.linear import Linear
+from dsv4.reference.moe import MoE
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+_QCFG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
+         "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
+_TINY = {
+    "model_family": "deepseek_v41", "vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 8,
+    "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 32, "q_lora_rank": 64, "o_groups": 2,
+    "o_lora_rank": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+    "sliding_window": 8, "compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1], "kv_source_layer_ids": [2, 5],
+    "index_source_layer_ids": [2, 5, 7], "candidate_source_layer_id": 5, "candidate_topk_blocks": 2,
+    "candidate_block_size": 4, "index_n_heads": 2, "index_head_dim": 64, "index_topk": 4, "engram_layer_ids": [],
+    "engram_num_embeddings": [], "quantization_config": _QCFG, "dspark_target_layer_ids": [],
+    "num_nextn_predict_layers": 0,
+}
+
+
+def examples(n: int) -> int:
+    return min(n, settings.default.max_examples)
+
+
+def rand_experts(E, D, I, seed, device="cpu", wscale=0.5):
+    """Stacked MXFP4 experts (quantized from Gaussian weights) and a dense shared expert (fp32 values that are
+    FP8 x 2^k, exact in bf16 too)."""
+    g = torch.Generator().manual_seed(seed)
+    w13, s13 = quantize_mxfp4(torch.randn(E, 2 * I, D, generator=g) * wscale / D**0.5)
+    w2, s2 = quantize_mxfp4(torch.randn(E, D, I, generator=g) * wscale / I**0.5)
+    sh13 = quantize_fp8(torch.randn(2 * I, D, generator=g) * wscale / D**0.5, (32, 32))
+    sh2 = quantize_fp8(torch.randn(D, I, generator=g) * wscale / I**0.5, (32, 32))
+    sh13 = dequantize_fp8(*sh13, (32, 32))
+    sh2 = dequantize_fp8(*sh2, (32, 32))
+    to = lambda t: t.to(device)
+    return to(w13), to(s13), to(w2), to(s2), to(sh13), to(sh2)
+
+
+def rel_err(y, ref):
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30)).item()
+
+
+def check_close(y, ref, dtype):
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    assert torch.isfinite(y).all()
+    if dtype == torch.float32:
+        assert rel_err(y, ref) <= 1e-5
+    else:
+        scale = ref.abs().max().clamp(min=1e-30)
+        err = (y - ref).abs() / scale
+        assert err.max().item() <= 2**-7
+        assert err.median().item() <= 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ twin
+
+
+def _tiny_moe(E, k, D, I, limit, seed):
+    c = Dsv4Config(**{**_TINY, "hidden_size": D, "moe_intermediate_size": I, "n_routed_experts": E,
+                      "num_experts_per_tok": k, "swiglu_limit": limit})
+    m = MoE(c, c.layer_roles[0], torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, Linear):
+                mod.quant_sim = False
+                w = torch.randn(mod.out_features, mod.in_features, generator=g) * 2 / mod.in_features**0.5
+                if mod.fmt == "fp4":
+                    q, s = quantize_mxfp4(w)
+                    mod.weight.copy_(q.view(torch.int8))
+                    mod.scale.copy_(s)
+                elif mod.fmt == "fp8":
+                    q, s = quantize_fp8(w, mod.block)
+                    mod.weight.copy_(q)
+                    mod.scale.copy_(s)
+                else:
+                    mod.weight.copy_(w)
+        m.gate.weight.copy_(torch.randn(E, D, generator=g))
+        m.gate.bias.copy_(torch.randn(E, generator=g) * 0.1)
+    return m
+
+
+@pytest.mark.parametrize("limit", [0.0, 1.5])
+def test_twin_and_kernel_match_reference_moe(limit):
+    """The twin (stacked tensors, dsv4.quant dequantization) equals MoE.forward (quant_sim=False, fp32); the
+    fused op with the shared expert equals it too, on both paths."""
+    E, k, D, I, N = 6, 3, 96, 64, 9
+    m = _tiny_moe(E, k, D, I, limit, seed=11)
+    st_ = M.stack_expert_weights(m, shared_dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, N, D, generator=g) * 3
+    input_ids = torch.randint(0, 64, (1, N), generator=g)
+    with torch.no_grad():
+        ref = m(x, input_ids)[0]
+        weights, ids = m.gate(x[0], input_ids[0])
+    if limit > 0:  # the clamp is active
+        h = torch.nn.functional.linear(x[0], m.experts[0].w3.dequantized_weight())
+        assert (h.abs() > limit).any()
+    args = (x[0], ids, weights, st_["w13"], st_["s13"], st_["w2"], st_["s2"])
+    twin = M.moe_experts_twin(*args, st_["limit"], st_["shared13"], st_["shared2"])
+    assert rel_err(twin, ref) <= 1e-6
+    for path in ("gather", "grouped"):
+        y = M.moe_mxfp4_with_shared(*args, st_["shared13"], st_["shared2"], st_["limit"], path)
+        assert rel_err(y, ref) <= 1e-5, path
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+
+
+@settings(max_examples=examples(14), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    E=st.integers(4, 8),
+    k=st.integers(1, 3),
+    D=st.sampled_from([64, 96, 128]),
+    I=st.sampled_from([64, 96, 128]),
+    N=st.integers(1, 40),
+    path=st.sampled_from(["gather", "grouped"]),
+    shared=st.booleans(),
+    bf16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_kernel_matches_twin(E, k, D, I, N, path, shared, bf16, seed):
+    """Random small shapes, both paths forced. Expert E-1 never gets a token; ids repeat across tokens;
+    activations are large enough that the clamp (limit 1) bites."""
+    if path == "gather":
+        N = min(N, 12)  # the interpreter runs a program per (token, slot, tile): keep it short
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    w13, s13, w2, s2, sh13, sh2 = rand_experts(E, D, I, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = (torch.randn(N, D, generator=g) * 4).to(dtype)
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(N)])
+    weights = torch.rand(N, k, generator=g) + 0.1
+    limit = 1.0
+    if shared:
+        sh13, sh2 = sh13.to(dtype), sh2.to(dtype)
+        ref = M.moe_experts_twin(x, ids, weights, w13, s13.view(torch.uint8), w2, s2.view(torch.uint8), limit, sh13, sh2)
+        y = M.moe_mxfp4_with_shared(x, ids, weights, w13, s13, w2, s2, sh13, sh2, limit, path)
+    else:
+        ref = M.moe_experts_twin(x, ids, weights, w13, s13.view(torch.uint8), w2, s2.view(torch.uint8), limit)
+        y = M.moe_experts_mxfp4(x, ids, weights, w13, s13, w2, s2, limit, path)
+    check_close(y, ref, dtype)
+
+
+def test_clamp_active_and_paths_agree():
+    """Large activations: the clamp changes the result (against limit 0), and gather == grouped == twin."""
+    E, k, D, I, N = 5, 2, 64, 64, 11
+    w13, s13, w2, s2, sh13, sh2 = rand_experts(E, D, I, 5, wscale=2.0)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(N, D, generator=g) * 8
+    ids = torch.randint(0, E - 1, (N, k), generator=g)
+    ids[:, 0] = 2  # every token shares expert 2
+    weights = torch.rand(N, k, generator=g)
+    ys = [M.moe_mxfp4_with_shared(x, ids, weights, w13, s13, w2, s2, sh13, sh2, 1.0, p) for p in ("gather", "grouped")]
+    ref = M.moe_experts_twin(x, ids, weights, w13, s13, w2, s2, 1.0, sh13, sh2)
+    unclamped = M.moe_experts_twin(x, ids, weights, w13, s13, w2, s2, 0.0, sh13, sh2)
+    assert rel_err(unclamped, ref) > 1e-2
+    for y in ys:
+        assert rel_err(y, ref) <= 1e-5
+    assert rel_err(ys[0], ys[1]) <= 1e-5
+
+
+def test_tile_table():
+    """Tiles cover each expert's sorted rows exactly once, never straddle experts; padding tiles are -1."""
+    g = torch.Generator().manual_seed(0)
+    E, BM = 7, 4
+    ids = torch.randint(0, E, (13, 3), generator=g)
+    ids[ids == 5] = 6  # expert 5 empty
+    order, te, r0, r1 = M.tile_table(ids, E, BM)
+    flat = ids.flatten()[order]
+    assert torch.equal(flat, flat.sort().values)
+    seen = torch.zeros(flat.numel(), dtype=torch.int64)
+    for e, a, b in zip(te.tolist(), r0.tolist(), r1.tolist()):
+        if e < 0:
+            continue
+        rows = torch.arange(a, min(a + BM, b))
+        assert len(rows) > 0 and (flat[rows] == e).all()
+        seen[rows] += 1
+    assert (seen == 1).all()
+    assert te.numel() == -(-flat.numel() // BM) + min(E + 1, flat.numel())
+
+
+def test_fake_and_auto():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    E, D, I, N, k = 4, 64, 64, 3, 2
+    w13, s13, w2, s2, sh13, sh2 = rand_experts(E, D, I, 1)
+    x = torch.randn(N, D).bfloat16()
+    ids = torch.tensor([[0, 1], [1, 2], [0, 2]])
+    wts = torch.rand(N, k)
+    y = M.moe_experts_mxfp4(x, ids, wts, w13, s13, w2, s2, 10.0)
+    check_close(y, M.moe_experts_twin(x, ids, wts, w13, s13, w2, s2, 10.0), torch.bfloat16)
+    real = (ids, wts, w13, s13, w2, s2, sh13.bfloat16(), sh2.bfloat16())
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(x)
+        fargs = [mode.from_tensor(t) for t in real]
+        out = torch.ops.dsv4.moe_mxfp4_with_shared(fx, *fargs, 10.0)
+        assert out.shape == (N, D) and out.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+V41 = {"D": 5120, "I": 2304, "E": 384, "k": 6}
+
+
+def _v41_inputs(N, seed=0):
+    E, D, I, k = V41["E"], V41["D"], V41["I"], V41["k"]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = torch.randint(0, 256, (E, 2 * I, D // 2), generator=g, device="cuda", dtype=torch.uint8)
+    s13 = torch.randint(118, 123, (E, 2 * I, D // 32), generator=g, device="cuda", dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (E, D, I // 2), generator=g, device="cuda", dtype=torch.uint8)
+    s2 = torch.randint(118, 123, (E, D, I // 32), generator=g, device="cuda", dtype=torch.uint8)
+    sh13 = (torch.randn(2 * I, D, generator=g, device="cuda") / D**0.5).bfloat16()
+    sh2 = (torch.randn(D, I, generator=g, device="cuda") / I**0.5).bfloat16()
+    x = torch.randn(N, D, generator=g, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:k] for _ in range(N)])
+    ids[:, 0] = 7  # a shared hot expert
+    wts = torch.rand(N, k, generator=g, device="cuda")
+    return x, ids, wts, w13, s13, w2, s2, sh13, sh2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("N", [1, 8, 64])
+@pytest.mark.parametrize("path", ["gather", "grouped"])
+def test_gpu_v41_shapes(N, path):
+    """bf16 on the GPU; tolerance as for bf16 above (2^-7 of the max in any element, median <= 1e-6 would be
+    too tight for tensor-core summation order over K = 5120: median <= 1e-4)."""
+    x, ids, wts, w13, s13, w2, s2, sh13, sh2 = _v41_inputs(N)
+    y = M.moe_mxfp4_with_shared(x, ids, wts, w13, s13, w2, s2, sh13, sh2, 10.0, path)
+    ref = M.moe_experts_twin(x, ids, wts, w13, s13, w2, s2, 10.0, sh13, sh2)
+    scale = ref.abs().max()
+    err = (y - ref).abs() / scale
+    assert err.max().item() <= 2**-7 and err.median().item() <= 1e-4
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("path", ["gather", "grouped"])
+def test_gpu_cuda_graph(path):
+    """Both paths capture in a CUDA graph (no host syncs) and replay with new ids in place."""
+    N = 8 if path == "gather" else 64
+    x, ids, wts, w13, s13, w2, s2, sh13, sh2 = _v41_inputs(N, seed=1)
+    run = lambda: M.moe_mxfp4_with_shared(x, ids, wts, w13, s13, w2, s2, sh13, sh2, 10.0, path)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = run()
+    x2, ids2, wts2 = _v41_inputs(N, seed=2)[:3]
+    x.copy_(x2), ids.copy_(ids2), wts.copy_(wts2)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = M.moe_experts_twin(x, ids, wts, w13, s13, w2, s2, 10.0, sh13, sh2)
+    assert ((y - ref).abs().max() / ref.abs().max()).item() <= 2**-7
