@@ -380,6 +380,13 @@ class Dsv4Config:
                        f"layer {i} must be a backbone layer after layer 0 without Engram")
             _check(len(self.dspark_target_layer_ids) > 0, "dspark_target_layer_ids", "the drafter needs target layers")
 
+    def _check_source_list(self, name: str) -> None:
+        """A sorted, duplicate-free list of layers that have compressed KV."""
+        ids = getattr(self, name)
+        _check(ids == sorted(set(ids)), name, "must be sorted and unique")
+        for i in ids:
+            _check(0 <= i < self.num_hidden_layers and self.compress_ratios[i] > 0, name, f"layer {i} has no compress ratio")
+
     def _validate_types(self) -> None:
         """Every field holds the kind of value its annotation names (JSON gives no such promise)."""
         kinds = {
@@ -394,36 +401,28 @@ class Dsv4Config:
                 raise ConfigError(f"config field {f.name}: must be {f.type}, got {getattr(self, f.name)!r}")
 
     def _validate_v41(self) -> None:
-        n = self.num_hidden_layers
         ratios = self.compress_ratios
-        sources = self.kv_source_layer_ids
-        _check(sources == sorted(set(sources)), "kv_source_layer_ids", "must be sorted and unique")
-        for i in sources:
-            _check(0 <= i < n and ratios[i] > 0, "kv_source_layer_ids", f"layer {i} has no compress ratio")
-        for i in range(n):
-            if ratios[i]:
-                src = _last_at_or_before(sources, i)
-                _check(src is not None, "kv_source_layer_ids", f"compressed layer {i} has no KV source before it")
-                _check(
-                    ratios[src] == ratios[i],
-                    "compress_ratios",
-                    f"layer {i} (ratio {ratios[i]}) reads source {src} (ratio {ratios[src]})",
-                )
-        index = self.index_source_layer_ids
+        sources, index = self.kv_source_layer_ids, self.index_source_layer_ids
+        self._check_source_list("kv_source_layer_ids")
+        self._check_source_list("index_source_layer_ids")
         for i in sources:
             _check(i in index, "index_source_layer_ids", f"KV source {i} must also be an index source (it owns the index keys)")
-        _check(index == sorted(set(index)), "index_source_layer_ids", "must be sorted and unique")
-        for i in index:
-            _check(0 <= i < n and ratios[i] > 0, "index_source_layer_ids", f"layer {i} has no compress ratio")
-        for i in range(n):
-            if ratios[i]:
-                src = _last_at_or_before(index, i)
-                _check(src is not None, "index_source_layer_ids", f"compressed layer {i} has no index source")
-                _check(
-                    _last_at_or_before(sources, src) == _last_at_or_before(sources, i),
-                    "index_source_layer_ids",
-                    f"layer {i} reuses the top-k of layer {src}, which reads other compressed KV",
-                )
+        for i in range(self.num_hidden_layers):
+            if not ratios[i]:
+                continue
+            src, idx = _last_at_or_before(sources, i), _last_at_or_before(index, i)
+            _check(src is not None, "kv_source_layer_ids", f"compressed layer {i} has no KV source before it")
+            _check(idx is not None, "index_source_layer_ids", f"compressed layer {i} has no index source")
+            _check(
+                ratios[src] == ratios[i],
+                "compress_ratios",
+                f"layer {i} (ratio {ratios[i]}) reads source {src} (ratio {ratios[src]})",
+            )
+            _check(
+                _last_at_or_before(sources, idx) == src,
+                "index_source_layer_ids",
+                f"layer {i} reuses the top-k of layer {idx}, which reads other compressed KV",
+            )
         cand = self.candidate_source_layer_id
         if cand >= 0:
             _check(cand in index, "candidate_source_layer_id", f"layer {cand} is not an index source")
@@ -441,7 +440,7 @@ class Dsv4Config:
             f"needs one entry per engram layer {self.engram_layer_ids}",
         )
         for i in self.engram_layer_ids:
-            _check(0 <= i < n, "engram_layer_ids", f"layer {i} is outside the model")
+            _check(0 <= i < self.num_hidden_layers, "engram_layer_ids", f"layer {i} is outside the model")
         if self.engram_layer_ids:
             _check(self.engram_max_ngram_size >= 2, "engram_max_ngram_size", "must be >= 2")
             for name in ("engram_n_heads", "engram_head_dim", "engram_vocab_size", "engram_compressed_vocab_size"):
