@@ -101,19 +101,76 @@ def stream(llm, ids: list[int], args: argparse.Namespace, session: str | None = 
     return out
 
 
+class ChatFormat:
+    """Turns of a conversation as token ids that only ever grow, so every turn extends the previous
+    prompt exactly and hits the prefix cache.
+
+    With the checkpoint's chat template (tokenizer_config.json `chat_template`, rendered with jinja2
+    as transformers does) each turn encodes just the text the template adds for it; without one, a
+    DeepSeek-style `<｜User｜>...<｜Assistant｜>` turn format is used.
+    """
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.template = _chat_template(llm.model_dir)
+        self.messages: list[dict] = []
+        self.rendered = ""
+        bos = llm.config.bos_token_id
+        self.ids: list[int] = [] if bos is None or self.template is not None else [bos]
+
+    def _token(self, token_id: int | None) -> str:
+        return "" if token_id is None else self.llm.tokenizer.id_to_token(token_id)
+
+    def _render(self, generation_prompt: bool) -> str:
+        eos = self.llm.eos[0] if self.llm.eos else None
+        return self.template.render(messages=self.messages, add_generation_prompt=generation_prompt,
+                                    bos_token=self._token(self.llm.config.bos_token_id), eos_token=self._token(eos))
+
+    def add_user(self, text: str) -> list[int]:
+        self.messages.append({"role": "user", "content": text})
+        if self.template is None:
+            self.ids += prompt_ids(self.llm, f"{USER}{text}{ASSISTANT}")
+            return self.ids
+        rendered = self._render(generation_prompt=True)
+        if not rendered.startswith(self.rendered):
+            raise UsageError("the chat template re-renders earlier turns differently; cannot extend the prompt")
+        self.ids += self.llm.tokenizer.encode(rendered[len(self.rendered):], add_special_tokens=False).ids
+        self.rendered = rendered
+        return self.ids
+
+    def add_reply(self, reply: list[int]) -> None:
+        self.ids += reply
+        text = self.llm.decode([t for t in reply if t not in self.llm.eos]) or ""
+        self.messages.append({"role": "assistant", "content": text})
+        if self.template is not None:
+            self.rendered = self._render(generation_prompt=False)
+
+
+def _chat_template(model_dir):
+    """The checkpoint's jinja chat template, or None."""
+    import json
+
+    config = model_dir / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.exists() else None
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if not template:
+        return None
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+
+
 def chat(llm, args: argparse.Namespace) -> None:
-    """Each turn appends to the conversation as token ids, so the next turn's prompt extends the last
-    one exactly and hits the prefix cache."""
-    bos = llm.config.bos_token_id
-    conversation: list[int] = [] if bos is None else [bos]
+    """One user turn per line of standard input; each reply streams, then a prefix-cache report."""
+    conversation = ChatFormat(llm)
     for turn, line in enumerate(sys.stdin, start=1):
         if not line.strip():
             continue
-        conversation += prompt_ids(llm, f"{USER}{line.strip()}{ASSISTANT}")
-        reply = stream(llm, conversation, args, session="chat")
-        conversation += reply
-        cached = llm.last_num_cached_tokens
-        print(f"[turn {turn}: {cached} of {len(conversation) - len(reply)} prompt tokens from the prefix cache]",
+        ids = conversation.add_user(line.strip())
+        reply = stream(llm, ids, args, session="chat")
+        conversation.add_reply(reply)
+        print(f"[turn {turn}: {llm.last_num_cached_tokens} of {len(ids)} prompt tokens from the prefix cache]",
               file=sys.stderr)
 
 

@@ -67,3 +67,27 @@ def test_twenty_turn_chat_hits_the_prefix_cache_from_turn_two():
 
 def test_no_swa_bounded_replay_flag(capsys):
     assert main(["--prompt", "Hello", "--max-new-tokens", "3", "--no-swa-bounded-replay", "--quiet"]) == 0
+
+
+def test_chat_uses_the_checkpoints_chat_template(tiny_v41_dir, tmp_path):
+    """A checkpoint's jinja chat template formats the turns; the ids still only grow, so turn 2 on
+    hits the prefix cache."""
+    import json
+    import shutil
+
+    model = tmp_path / "templated"
+    shutil.copytree(tiny_v41_dir, model)
+    config_file = model / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]: {% endif %}"
+    )
+    config_file.write_text(json.dumps(config))
+    run = subprocess.run(
+        [sys.executable, "-m", "dsv4.generate", "--model", str(model), "--chat", "--max-new-tokens", "4", "--quiet"],
+        input="first question here\nsecond one\nthird\n", capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    cached = [int(line.split(":")[1].split()[0]) for line in run.stderr.splitlines() if line.startswith("[turn ")]
+    assert len(cached) == 3 and cached[0] == 0 and all(c > 0 for c in cached[1:]), run.stderr
