@@ -107,6 +107,10 @@ class LLM:
             yield index[id(req)], token
         self.last_num_cached_tokens = requests[-1].num_cached_tokens
 
+    def end_session(self, session_id: str) -> None:
+        """The session is over: its cached blocks become ordinary LRU candidates."""
+        self.kv.unpin(session_id)
+
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer.json: pass prompts as token ids")
@@ -125,6 +129,8 @@ class LLM:
         for prompt, sp, session in zip(prompts, params, sessions):
             ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
             self._check_prompt(ids, sp)
+            if session is not None:
+                self.kv.pin(session)  # a session's latest blocks stay warm for its next turn
             req = Request(str(next(self._ids)), ids, sp, self.eos, prompt if isinstance(prompt, str) else None, session)
             self.scheduler.add(req)
             requests.append(req)

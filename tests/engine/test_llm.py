@@ -139,3 +139,22 @@ def test_replicas_route_a_session_to_the_replica_holding_its_prefix(llm):
         for session in set(engine.seen):
             assert replicas.replica_for(session) == name
             assert engine.seen.count(session) == 5
+
+
+def test_a_session_stays_warm_under_memory_pressure(tiny_v41_dir):
+    """Other traffic evicts cached blocks, but not the latest blocks of a live session."""
+    probe = LLM(tiny_v41_dir, quant_sim=False)
+    block = probe.kv.layout.bytes_per_block(probe.kv.block_size)
+    engine = LLM(tiny_v41_dir, quant_sim=False, kv_cache_memory=block * 12)
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    turn1 = prompt(20, 60)
+    out1 = engine.generate(turn1, sp, session_ids="keep")[0]
+    for i in range(6):  # unrelated requests that need the whole pool in turn
+        engine.generate(prompt(30 + i, 90), sp)
+    turn2 = turn1 + out1.outputs[0].token_ids + prompt(21, 5)
+    assert engine.generate(turn2, sp, session_ids="keep")[0].num_cached_tokens >= engine.config.sliding_window
+    # without the session, the same history is evicted by the same traffic
+    engine.end_session("keep")
+    for i in range(6):
+        engine.generate(prompt(40 + i, 90), sp)
+    assert engine.generate(turn2 + prompt(22, 3), sp)[0].num_cached_tokens == 0
