@@ -56,3 +56,12 @@ def test_seeded_draws_repeat():
     a = sample(rows, 1.0, 10, 0.9, torch.Generator().manual_seed(8))
     b = sample(rows, 1.0, 10, 0.9, torch.Generator().manual_seed(8))
     assert torch.equal(a, b)
+
+
+def test_sampling_traces_without_host_synchronization():
+    """fullgraph compilation fails on any data-dependent Python (an .item(), a multinomial's host
+    round trip), so the sampler can sit inside a captured decode step."""
+    compiled = torch.compile(sample, fullgraph=True)
+    rows = logits_row(50, seed=9).expand(4, -1)
+    assert compiled(rows, 0.0).shape == (4,)
+    assert compiled(rows, 1.0, 10, 0.9).shape == (4,)
