@@ -23,23 +23,14 @@ JSON goes to $OUT/attention.json if OUT is set, else bench/results/attention.jso
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
-import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import common
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
+def add_arguments(p):
     p.add_argument("--batches", type=int, nargs="*", default=None, help="sequences per decode step")
     p.add_argument("--contexts", type=int, nargs="*", default=None, help="contexts C of the all-entries case")
     p.add_argument("--ratio", type=int, default=2, help="compression ratio of the all-entries case (V4.1 encoder: 2)")
@@ -52,17 +43,14 @@ def parse_args():
     p.add_argument("--peak-gbs", type=float, default=4300.0, help="copy bandwidth to compare with (GB/s)")
     p.add_argument("--shard-heads", type=int, nargs="*", default=None,
                    help="extra head counts (a tensor-parallel shard of the 64) for the largest all-C case; [] for none")
-    return p.parse_args()
 
 
-ARGS = parse_args()
-if ARGS.smoke:
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
+ARGS = common.parse_args(__doc__, add_arguments)
 
-import torch  # noqa: E402
+import torch
 
-from dsv4.fast.kernels import attention as A  # noqa: E402
-from dsv4.fast.kernels.quant import fp8_quant, nvfp4_quant  # noqa: E402
+from dsv4.fast.kernels import attention as A
+from dsv4.fast.kernels.quant import fp8_quant, nvfp4_quant
 
 FORMATS = ("fp4", "fp8", "bf16")
 SWEEP = [  # (block_h, block_n, num_warps, num_stages); the first is the default
@@ -75,16 +63,6 @@ SWEEP = [  # (block_h, block_n, num_warps, num_stages); the first is the default
 
 def ctx(c: int) -> str:
     return f"{c // 1024}K" if c % 1024 == 0 else str(c)
-
-
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, check=False,
-                               capture_output=True, text=True).stdout.strip()
-        return sha.stdout.strip() + ("-dirty" if dirty else "")
-    except Exception:
-        return "unknown"
 
 
 class Problem:
@@ -154,39 +132,7 @@ def time_call(p: Problem, fmt: str, cfg: A.Config, reps: int) -> float:
     """Microseconds per call: a CUDA graph of one call per index set, replayed; median over reps."""
     n = len(p.glob_idx) if p.glob_idx else 1
     fns = [lambda i=i: A.sparse_attn(*p.args(fmt, i), config=cfg) for i in range(n)]
-    for f in fns:  # compile, warm the allocator
-        f()
-    if not torch.cuda.is_available():
-        samples = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            for f in fns:
-                f()
-            samples.append((time.perf_counter() - t) * 1e6 / n)
-        return statistics.median(samples)
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / n)
-    del graph
-    return statistics.median(samples)
+    return common.time_calls(fns, reps, cuda=p.q.is_cuda, warmup=1)
 
 
 def main() -> int:
@@ -205,7 +151,8 @@ def main() -> int:
         batches, contexts, ratio = ARGS.batches or [1, 8], ARGS.contexts or [8192, 65536, 524288], ARGS.ratio
         reps, rotate = ARGS.reps, ARGS.rotate
         sweep = SWEEP[:1] if ARGS.no_sweep else SWEEP
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)"
+    meta = common.metadata(device)
+    gpu = meta["gpu"]
     print(f"device: {gpu}; H={H} D={D} RoPE={R} window={W} top-k={topk} ratio={ratio}", flush=True)
 
     # ---- config sweep on the largest all-entries case, batch 1
@@ -219,7 +166,7 @@ def main() -> int:
                 t = time_call(p, fmt, cfg, max(3, reps // 4))
                 times[cfg] = t
                 sweep_rows.append({"format": fmt, "config": vars(cfg), "us": t})
-            except Exception as e:  # a config that does not compile or fit
+            except Exception as e:  # noqa: BLE001 -- a config that does not compile or fit
                 sweep_rows.append({"format": fmt, "config": vars(cfg), "error": f"{type(e).__name__}: {str(e)[:200]}"})
         best[fmt] = min(times, key=times.get) if times else sweep[0]
         shown = ", ".join(f"({c.block_h},{c.block_n},{c.num_warps},{c.num_stages}) {t:.0f}us" for c, t in times.items())
@@ -258,46 +205,35 @@ def main() -> int:
             torch.cuda.empty_cache()
 
     # ---- outputs
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "attention-smoke" if smoke else "attention"
     result = {
-        "commit": git_commit(), "gpu": gpu, "command": " ".join([sys.executable, *sys.argv]),
-        "torch": torch.__version__, "triton": __import__("triton").__version__,
+        **meta,
         "shape": {"H": H, "D": D, "rope": R, "window": W, "topk": topk, "csa_store": store, "ratio": ratio},
         "peak_gbs": ARGS.peak_gbs, "sweep": sweep_rows, "cases": cases, "all_correct": all_ok,
         "wall_s": time.time() - t_start,
         "goals": {"fp4_speedup_over_fp8": 1.45, "fp4_bytes_saved_vs_fp8": 0.44},
     }
-    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    try:
-        plot(cases, out_dir / f"{stem}.png", gpu)
-    except ImportError:
-        pass
+    path = common.write_result("attention", smoke, result)
+    common.save_figure(path.with_suffix(".png"), lambda fig, axes: plot(cases, fig, axes, gpu))
 
-    print(f"\n{'case':>8} {'H':>2} {'B':>2} {'rows/seq':>8} | " + " | ".join(f"{f:>4} us   GB/s  %pk" for f in FORMATS)
-          + " | fp4/fp8 speed  bytes saved  ok")
-    for c in cases:
-        cells = " | ".join(f"{c['formats'][f]['us']:7.1f} {c['formats'][f]['gbs']:6.0f} {c['formats'][f]['pct_peak']:4.0f}"
-                           for f in FORMATS)
-        ok = all(c["formats"][f]["ok"] for f in FORMATS)
-        print(f"{c['case']:>8} {c['heads']:>2} {c['batch']:>2} {W + c['selected_per_seq']:>8} | {cells} | "
-              f"{c['fp4_speedup_over_fp8']:13.2f}x {c['fp4_bytes_saved_vs_fp8']:11.0%}  {'yes' if ok else 'NO'}")
+    print(f"\nus per decode step, KV GB/s, % of {ARGS.peak_gbs:.0f} GB/s; rows/seq: window + selected global rows")
+    columns = [("case", "case", ""), ("H", "heads", "d"), ("B", "batch", "d"),
+               ("rows/seq", lambda c: W + c["selected_per_seq"], "d")]
+    for f in FORMATS:
+        columns += [(f"{f} us", lambda c, f=f: c["formats"][f]["us"], ".1f"),
+                    ("GB/s", lambda c, f=f: c["formats"][f]["gbs"], ".0f"),
+                    ("%pk", lambda c, f=f: c["formats"][f]["pct_peak"], ".0f")]
+    columns += [("fp4/fp8 speed", "fp4_speedup_over_fp8", ".2f"), ("bytes saved", "fp4_bytes_saved_vs_fp8", ".0%"),
+                ("ok", lambda c: "yes" if all(c["formats"][f]["ok"] for f in FORMATS) else "NO", "")]
+    common.print_table(columns, cases)
     g = cases[0]["global_row_bytes"]
     print(f"bytes per global entry: fp4 {g['fp4']}, fp8 {g['fp8']}, bf16 {g['bf16']} ({1 - g['fp4'] / g['fp8']:.1%} fewer "
           f"for fp4; 'bytes saved' above includes the FP8 window)")
     print(f"goals: fp4/fp8 speed >= 1.45x, bytes saved >= 44%; all correct: {all_ok}; "
-          f"{time.time() - t_start:.0f} s; json: {out_dir / (stem + '.json')}")
+          f"{time.time() - t_start:.0f} s; json: {path}")
     return 0 if all_ok else 1
 
 
-def plot(cases, path: Path, gpu: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+def plot(cases, fig, axes, gpu: str) -> None:
     for B in sorted({c["batch"] for c in cases}):
         rows = [c for c in cases if c["case"].startswith("all-") and c["batch"] == B and c["heads"] == cases[0]["heads"]]
         xs = [c["global_entries_per_seq"] for c in rows]
@@ -313,8 +249,6 @@ def plot(cases, path: Path, gpu: str) -> None:
     axes[1].axhline(ARGS.peak_gbs, color="gray", lw=0.8)
     axes[1].legend(fontsize=7)
     fig.suptitle(f"dsv4 sparse attention decode, H=64 D=512: FP4 vs FP8 vs bf16 global KV ({gpu})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

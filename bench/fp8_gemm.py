@@ -23,22 +23,13 @@ JSON goes to $OUT/fp8_gemm.json if OUT is set, else bench/results/fp8_gemm.json 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import common
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
+def add_arguments(p):
     p.add_argument("--ms", type=int, nargs="*", default=None, help="activation rows M")
     p.add_argument("--reps", type=int, default=20, help="timed graph replays (median)")
     p.add_argument("--warmup", type=int, default=3, help="untimed replays first")
@@ -46,18 +37,15 @@ def parse_args():
     p.add_argument("--max-copies", type=int, default=64)
     p.add_argument("--no-sweep", action="store_true", help="skip the kernel config sweep")
     p.add_argument("--peak-gbs", type=float, default=4300.0, help="copy bandwidth to compare with (GB/s)")
-    return p.parse_args()
 
 
-ARGS = parse_args()
-if ARGS.smoke:
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
+ARGS = common.parse_args(__doc__, add_arguments)
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from dsv4.fast.kernels import fp8_gemm as G  # noqa: E402
-from dsv4.quant import dequantize_fp8, quantize_fp8  # noqa: E402
+from dsv4.fast.kernels import fp8_gemm as G
+from dsv4.quant import dequantize_fp8, quantize_fp8
 
 SHAPES = [  # (name, N, K, block)
     ("v41_wq_a", 1280, 5120, (32, 32)),
@@ -68,16 +56,6 @@ SHAPES = [  # (name, N, K, block)
 ]
 SMOKE_SHAPES = [("smoke_32", 160, 256, (32, 32)), ("smoke_128", 160, 256, (128, 128))]
 VARIANTS = ("naive", "bf16", "scaled_mm", "gemm", "linear")
-
-
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, check=False,
-                               capture_output=True, text=True).stdout.strip()
-        return sha.stdout.strip() + ("-dirty" if dirty else "")
-    except Exception:
-        return "unknown"
 
 
 class Problem:
@@ -140,7 +118,7 @@ class Problem:
             try:
                 torch._scaled_mm(self.a_q, wq.t(), one_a, one_b, out_dtype=torch.bfloat16)
                 self._rowwise = True
-            except Exception:
+            except Exception:  # noqa: BLE001 -- row-wise scales unsupported
                 self._rowwise = False
         if self._rowwise:
             return torch._scaled_mm(self.a_q, wq.t(), one_a, one_b, out_dtype=torch.bfloat16)
@@ -165,54 +143,22 @@ def check(p: Problem) -> dict:
 
 
 def time_variant(p: Problem, variant: str, reps: int, warmup: int, config=None) -> float | None:
-    """Median microseconds per call; None when the variant does not run."""
+    """Median microseconds per call; None when the variant does not run. Eager launches if the graph fails."""
     calls = [lambda i=i: p.call(variant, i, config) for i in range(p.copies)]
     try:
         for c in calls[:2]:
             c()
-    except Exception as e:  # e.g. _scaled_mm not supported for this shape
+    except Exception as e:  # noqa: BLE001 -- e.g. _scaled_mm not supported for this shape
         print(f"  {p.name} M={p.M} {variant}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         return None
-    if not torch.cuda.is_available():
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for c in calls:
-                c()
-            times.append((time.perf_counter() - t0) / len(calls) * 1e6)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    replay = None
+    cuda = p.x.is_cuda
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for c in calls:  # warm allocator and autotuning off the graph
-                c()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for c in calls:
-                c()
-        replay = graph.replay
+        return common.time_calls(calls, reps, cuda=cuda, warmup=warmup)
     except Exception as e:
+        if not cuda:
+            raise
         print(f"  {p.name} M={p.M} {variant}: no CUDA graph ({type(e).__name__}); timing eager launches")
-
-        def replay():
-            for c in calls:
-                c()
-    for _ in range(warmup):
-        replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
+        return common.time_calls(calls, reps, graph=False, cuda=cuda, warmup=warmup)
 
 
 SWEEP_CASES = [("v41_wkv", 1), ("v41_wkv", 64), ("v41_wo_b", 1), ("v41_wo_b", 512), ("v4_1024x4096", 1)]
@@ -240,16 +186,12 @@ def main() -> int:
     ms = ARGS.ms or ([1, 8] if ARGS.smoke else [1, 8, 64, 512])
     reps = 2 if ARGS.smoke else ARGS.reps
     warmup = 0 if ARGS.smoke else ARGS.warmup
-    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
-    import triton
+    meta = common.metadata(device)
+    gpu = meta["gpu"]
 
     result = {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "gpu": gpu,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        **meta,
         "cuda": torch.version.cuda,
-        "commit": git_commit(),
         "peak_gbs": ARGS.peak_gbs,
         "smoke": ARGS.smoke,
         "sweep": [],
@@ -299,23 +241,21 @@ def main() -> int:
             if device == "cuda":
                 torch.cuda.empty_cache()
 
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "fp8_gemm-smoke" if ARGS.smoke else "fp8_gemm"
     result["wall_s"] = time.time() - t_start
-    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    path = common.write_result("fp8_gemm", ARGS.smoke, result)
 
-    print(f"\n{gpu}; torch {torch.__version__}, triton {triton.__version__}; us per call (GB/s, % of {ARGS.peak_gbs:.0f})")
-    head = f"{'shape':<15}{'M':>5}  {'check':<6}" + "".join(f"{v:>22}" for v in variants)
-    print(head)
-    for c in result["cases"]:
-        ok = "ok" if all(x["ok"] for x in c["check"].values()) else "FAIL"
-        cells = []
-        for v in variants:
+    print(f"\n{gpu}; torch {meta['torch']}, triton {meta['triton']}; us per call (GB/s, % of {ARGS.peak_gbs:.0f})")
+
+    def cell(v):
+        def get(c):
             r = c["variants"][v]
-            cells.append(f"{'-':>22}" if r is None else f"{r['us']:>9.2f} ({r['gbs']:>5.0f},{100 * r['frac_peak']:>3.0f}%)")
-        print(f"{c['shape']:<15}{c['M']:>5}  {ok:<6}" + "".join(cells))
-    print(f"{time.time() - t_start:.0f} s; json: {out_dir / (stem + '.json')}")
+            return None if r is None else f"{r['us']:.2f} ({r['gbs']:.0f},{100 * r['frac_peak']:.0f}%)"
+        return (v, get, "")
+
+    common.print_table([("shape", "shape", ""), ("M", "M", "d"),
+                        ("check", lambda c: "ok" if all(x["ok"] for x in c["check"].values()) else "FAIL", ""),
+                        *(cell(v) for v in variants)], result["cases"])
+    print(f"{time.time() - t_start:.0f} s; json: {path}")
     return 0 if all(all(x["ok"] for x in c["check"].values()) for c in result["cases"]) else 1
 
 

@@ -19,88 +19,23 @@ a PNG beside it when matplotlib imports. The table is printed last.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import common
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
+def add_arguments(p):
     p.add_argument("--sizes", type=int, nargs="*", default=None, help="token counts N")
     p.add_argument("--reps", type=int, default=60, help="timed samples per case (median)")
     p.add_argument("--sweep", action="store_true", help="also time a few mhc_pre tile configs")
-    return p.parse_args()
 
 
-ARGS = parse_args()
-if ARGS.smoke:
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
+ARGS = common.parse_args(__doc__, add_arguments)
 
 import torch
 
 from dsv4.fast.kernels import mhc as K
-
-
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-# ------------------------------------------------------------------------------------------------
-# Timing
-
-
-def time_calls(fns, reps: int, graph: bool, device: str) -> float:
-    """Median over `reps` samples of (time to run every fn in `fns` once) / len(fns), in microseconds."""
-    for f in fns:  # warmup (compiles, allocator)
-        f()
-    if device != "cuda":
-        samples = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            for f in fns:
-                f()
-            samples.append((time.perf_counter() - t) * 1e6 / len(fns))
-        return statistics.median(samples)
-    torch.cuda.synchronize()
-    run = lambda: [f() for f in fns]
-    if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()  # warm the graph pool's allocations
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run()
-        run = g.replay
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / len(fns))
-    return statistics.median(samples)
-
 
 # ------------------------------------------------------------------------------------------------
 # Inputs and checks
@@ -194,15 +129,7 @@ def main():
         for case, (calls, fused_bytes, eager_bytes) in cases.items():
             row = {"case": case, "N": N, "D": D, "hc": hc, "rotating_sets": R,
                    "bytes_fused": fused_bytes, "bytes_eager": eager_bytes}
-            for mode in (["eager"] if device == "cpu" else ["graph", "eager"]):
-                # eager: launch overhead dominates and L2 hardly matters; 4 sets keep the host time short
-                n_sets = R if mode == "graph" else min(R, 4)
-                tf = time_calls(calls(True)[:n_sets], reps, mode == "graph", device)
-                te = time_calls(calls(False)[:n_sets], reps, mode == "graph", device)
-                row[f"{mode}_fused_us"], row[f"{mode}_twin_us"] = tf, te
-                row[f"{mode}_speedup"] = te / tf
-                row[f"{mode}_fused_GBps"] = fused_bytes / tf / 1e3
-                row[f"{mode}_twin_GBps"] = eager_bytes / te / 1e3
+            common.time_fused_vs_baseline(row, calls, reps, device, "twin", fused_bytes, eager_bytes)
             results.append(row)
 
         if ARGS.sweep:
@@ -218,7 +145,7 @@ def main():
                         calls.append(lambda s=s, cp=cp, eps=eps, cfg=cfg: K.mhc_pre_triton(
                             s["h"], s["fn"], s["scale"], s["base"], cp, eps, 1e-6, 20, cfg=cfg))
                     try:
-                        t = time_calls(calls, max(10, reps // 3), device == "cuda", device)
+                        t = common.time_calls(calls, max(10, reps // 3), cuda=device == "cuda")
                     except Exception as e:  # noqa: BLE001 -- a tile that does not compile or fit: record it, go on
                         t = float("nan")
                         print(f"sweep N={N} {cfg}: {type(e).__name__}", file=sys.stderr)
@@ -226,11 +153,7 @@ def main():
 
     meta = {
         "bench": "mhc",
-        "git_commit": git_commit(),
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
+        **common.metadata(device),
         "shape": {"D": D, "hc": hc, "M": M, "dtype": "bfloat16", "sinkhorn_iters": 20},
         "timing": "CUDA events, median of reps samples; each sample = R calls on rotating inputs, per call",
         "reps": reps,
@@ -239,11 +162,10 @@ def main():
         "results": results,
         "sweep": sweep,
     }
-    name = "mhc-smoke" if ARGS.smoke else "mhc"
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(meta, indent=1))
-    plot(results, out_dir / f"{name}.png", device)
+    path = common.write_result("mhc", ARGS.smoke, meta)
+    shape = f"D={D} hc={hc}"
+    common.save_figure(path.with_suffix(".png"), lambda fig, axes: common.plot_fused_vs_baseline(
+        axes, results, device, "twin", ("pre_v41", "pre_v4", "post"), f"mHC, {shape}", 1.5))
 
     if sweep:
         print("\nsweep (mhc_pre tiles, us per call; best per N and case marked *)")
@@ -251,51 +173,13 @@ def main():
             for case in ("pre_v41", "pre_v4"):
                 rows = [r for r in sweep if r["N"] == N and r["case"] == case and r["us"] == r["us"]]
                 best = min(rows, key=lambda r: r["us"]) if rows else None
-                for r in rows:
-                    mark = "*" if r is best else " "
-                    print(f"{mark} N={N:5d} {case:8s} BN={r['BN']:3d} BD={r['BD']:3d} target={r['target']:4d} "
-                          f"warps={r['num_warps']} stages={r['num_stages']}  {r['us']:9.2f}")
-    print(f"\ncorrectness on {meta['gpu']}: " + ", ".join(f"N={N} {'ok' if c['ok'] else 'FAIL'}" for N, c in checks.items()))
-    mode = "eager" if device == "cpu" else "graph"
-    print(f"results: {out_dir / (name + '.json')}  ({meta['wall_s']} s)")
-    print(f"\n{'case':8s} {'N':>5s} | {mode} fused us  twin us  speedup  fused GB/s  twin GB/s" +
-          ("" if device == "cpu" else " | eager fused us  twin us  speedup"))
-    for r in results:
-        line = (f"{r['case']:8s} {r['N']:5d} | {r[mode + '_fused_us']:14.2f} {r[mode + '_twin_us']:8.2f} "
-                f"{r[mode + '_speedup']:7.2f}x {r[mode + '_fused_GBps']:10.1f} {r[mode + '_twin_GBps']:10.1f}")
-        if device == "cuda":
-            line += f" | {r['eager_fused_us']:14.2f} {r['eager_twin_us']:8.2f} {r['eager_speedup']:7.2f}x"
-        print(line)
-    if not all(c["ok"] for c in checks.values()):
-        print("CORRECTNESS FAILED: " + json.dumps(checks))
-        sys.exit(1)
-
-
-def plot(results, path, device):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    mode = "eager" if device == "cpu" else "graph"
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for case in ("pre_v41", "pre_v4", "post"):
-        rows = [r for r in results if r["case"] == case]
-        Ns = [r["N"] for r in rows]
-        (line,) = axes[0].plot(Ns, [r[f"{mode}_fused_us"] for r in rows], "o-", label=f"{case} fused")
-        axes[0].plot(Ns, [r[f"{mode}_twin_us"] for r in rows], "x--", color=line.get_color(), label=f"{case} twin")
-        axes[1].plot(Ns, [r[f"{mode}_speedup"] for r in rows], "o-", label=case)
-    shape = f"D={results[0]['D']} hc={results[0]['hc']}" if results else ""
-    axes[0].set(xscale="log", yscale="log", xlabel="tokens N", ylabel=f"us per call ({mode})", title=f"mHC, {shape}")
-    axes[1].set(xscale="log", xlabel="tokens N", ylabel="speedup over eager twin", title="fused / twin")
-    axes[1].axhline(1.5, color="gray", ls=":")
-    for ax in axes:
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+                common.print_table([("", lambda r, best=best: "*" if r is best else "", ""), ("N", "N", "d"),
+                                    ("case", "case", ""), ("BN", "BN", "d"), ("BD", "BD", "d"),
+                                    ("target", "target", "d"), ("warps", "num_warps", "d"),
+                                    ("stages", "num_stages", "d"), ("us", "us", ".2f")], rows)
+    common.print_summary(meta["gpu"], checks, path, meta["wall_s"])
+    common.print_fused_vs_baseline(results, device, "twin")
+    common.exit_if_failed(checks)
 
 
 if __name__ == "__main__":

@@ -20,31 +20,20 @@ with --smoke). The table is printed last.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import common
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
+def add_arguments(p):
     p.add_argument("--sizes", type=int, nargs="*", default=None, help="token counts N")
     p.add_argument("--reps", type=int, default=30, help="timed samples per case (median)")
     p.add_argument("--sets", type=int, default=8, help="rotating id/x sets per sample")
-    return p.parse_args()
 
 
-ARGS = parse_args()
-if ARGS.smoke:
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
+ARGS = common.parse_args(__doc__, add_arguments)
 
 import torch
 import torch.nn.functional as F
@@ -56,56 +45,9 @@ PEAK_BPS = 4.3e12
 LIMIT = 10.0
 
 
-# ------------------------------------------------------------------------------------------------ utilities
-# (bench-local for now; the lead consolidates shared bench helpers later)
-
-
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def time_calls(fns, reps: int, graph: bool, device: str) -> float:
-    """Median over `reps` samples of (time to run every fn once) / len(fns), in microseconds."""
-    for f in fns:
-        f()
-    if device != "cuda":
-        samples = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            for f in fns:
-                f()
-            samples.append((time.perf_counter() - t) * 1e6 / len(fns))
-        return statistics.median(samples)
-    torch.cuda.synchronize()
-    run = lambda: [f() for f in fns]
-    if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run()
-        run = g.replay
-    for _ in range(2):
-        run()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / len(fns))
-    return statistics.median(samples)
+    """common.time_calls with this bench's two warm-up runs."""
+    return common.time_calls(fns, reps, graph=graph, cuda=device == "cuda", warmup=2)
 
 
 # ------------------------------------------------------------------------------------------------ cases
@@ -204,7 +146,7 @@ def main():
                                            max(3, reps // 5) if N >= 64 else reps, False, device)
         for path in ("gather", "grouped"):
             calls = [lambda s=s, p=path: kernel(W, s, p) for s in sets]
-            for mode in (["eager"] if device == "cpu" else ["graph", "eager"]):
+            for mode in common.modes(device):
                 t = time_calls(calls, reps, mode == "graph", device)
                 row[f"{mode}_{path}_us"] = t
                 row[f"{mode}_{path}_GBps"] = nbytes / t / 1e3
@@ -231,11 +173,7 @@ def main():
 
     meta = {
         "bench": "moe_experts",
-        "git_commit": git_commit(),
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
+        **common.metadata(device),
         "shape": {"E": E, "D": D, "I": I, "topk": k, "limit": LIMIT, "shared": "dense bf16",
                   "expert_bits_per_weight": 4.25},
         "peak_bytes_per_s": PEAK_BPS,
@@ -245,20 +183,18 @@ def main():
         "checks": checks,
         "results": results,
     }
-    name = "moe_experts-smoke" if ARGS.smoke else "moe_experts"
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(meta, indent=1))
+    path = common.write_result("moe_experts", ARGS.smoke, meta)
 
-    print(f"\ncorrectness on {meta['gpu']}: " + ", ".join(f"N={N} {'ok' if c['ok'] else 'FAIL'}" for N, c in checks.items()))
-    print(f"results: {out_dir / (name + '.json')}  ({meta['wall_s']} s)")
-    mode = "eager" if device == "cpu" else "graph"
-    print(f"\n{'N':>5} {'experts':>7} {'MB':>8} {'naive us':>10} {'gather us':>10} {'GB/s':>7} {'roof':>5}"
-          f" {'grouped us':>10} {'GB/s':>7} {'roof':>5}   ({mode})")
-    for r in results:
-        print(f"{r['N']:>5} {r['distinct_experts']:>7.1f} {r['weight_bytes'] / 1e6:>8.1f} {r['eager_naive_us']:>10.1f}"
-              f" {r[f'{mode}_gather_us']:>10.1f} {r[f'{mode}_gather_GBps']:>7.0f} {r[f'{mode}_gather_roofline']:>5.2f}"
-              f" {r[f'{mode}_grouped_us']:>10.1f} {r[f'{mode}_grouped_GBps']:>7.0f} {r[f'{mode}_grouped_roofline']:>5.2f}")
+    common.print_summary(meta["gpu"], checks, path, meta["wall_s"])
+    mode = common.modes(device)[0]
+    print(f"\ntimes: {mode} (naive: eager); MB: weight bytes the call must touch; roof: fraction of "
+          f"{PEAK_BPS / 1e12} TB/s")
+    common.print_table([("N", "N", "d"), ("experts", "distinct_experts", ".1f"),
+                        ("MB", lambda r: r["weight_bytes"] / 1e6, ".1f"), ("naive us", "eager_naive_us", ".1f"),
+                        ("gather us", f"{mode}_gather_us", ".1f"), ("GB/s", f"{mode}_gather_GBps", ".0f"),
+                        ("roof", f"{mode}_gather_roofline", ".2f"), ("grouped us", f"{mode}_grouped_us", ".1f"),
+                        ("GB/s", f"{mode}_grouped_GBps", ".0f"), ("roof", f"{mode}_grouped_roofline", ".2f")],
+                       results)
 
 
 if __name__ == "__main__":

@@ -17,30 +17,18 @@ JSON goes to $OUT/moe_routing.json if OUT is set, else bench/results/moe_routing
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import common
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
+def add_arguments(p):
     p.add_argument("--sizes", type=int, nargs="*", default=None, help="token counts N")
     p.add_argument("--reps", type=int, default=60, help="timed samples per case (median)")
-    return p.parse_args()
 
 
-ARGS = parse_args()
-if ARGS.smoke:
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
+ARGS = common.parse_args(__doc__, add_arguments)
 
 import torch
 
@@ -48,54 +36,6 @@ from dsv4.fast.kernels import moe_routing as R
 from dsv4.reference.moe import router_scores
 
 TOPK, TEMP, SCALE, FUNC = 6, 1.0, 1.5, "sqrtsoftplus"
-
-
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def time_calls(fns, reps: int, graph: bool, device: str) -> float:
-    """Median over `reps` samples of (time to run every fn in `fns` once) / len(fns), in microseconds."""
-    for f in fns:  # warmup (compiles, allocator)
-        f()
-    if device != "cuda":
-        samples = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            for f in fns:
-                f()
-            samples.append((time.perf_counter() - t) * 1e6 / len(fns))
-        return statistics.median(samples)
-    torch.cuda.synchronize()
-    run = lambda: [f() for f in fns]
-    if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run()
-        run = g.replay
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / len(fns))
-    return statistics.median(samples)
 
 
 def make_set(N, E, D, device, seed):
@@ -166,22 +106,12 @@ def main():
         cases = {"route": (route_calls, l_bytes + E * 4 + o_bytes), "gate": (gate_calls, w_bytes + x_bytes + o_bytes)}
         for case, (calls, nbytes) in cases.items():
             row = {"case": case, "N": N, "E": E, "D": D, "topk": TOPK, "rotating_sets": nsets, "bytes": nbytes}
-            for mode in (["eager"] if device == "cpu" else ["graph", "eager"]):
-                n_sets = nsets if mode == "graph" else min(nsets, 4)
-                tf = time_calls(calls(True)[:n_sets], reps, mode == "graph", device)
-                tt = time_calls(calls(False)[:n_sets], reps, mode == "graph", device)
-                row[f"{mode}_fused_us"], row[f"{mode}_torch_us"] = tf, tt
-                row[f"{mode}_speedup"] = tt / tf
-                row[f"{mode}_fused_GBps"] = nbytes / tf / 1e3
+            common.time_fused_vs_baseline(row, calls, reps, device, "torch", nbytes)
             results.append(row)
 
     meta = {
         "bench": "moe_routing",
-        "git_commit": git_commit(),
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
+        **common.metadata(device),
         "shape": {"E": E, "D": D, "topk": TOPK, "score_func": FUNC, "temp": TEMP, "scale": SCALE, "bias": True},
         "timing": "CUDA events, median of reps samples; each sample = R calls on rotating inputs, per call",
         "reps": reps,
@@ -189,53 +119,13 @@ def main():
         "checks": checks,
         "results": results,
     }
-    name = "moe_routing-smoke" if ARGS.smoke else "moe_routing"
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(meta, indent=1))
-    plot(results, out_dir / f"{name}.png", device)
+    path = common.write_result("moe_routing", ARGS.smoke, meta)
+    common.save_figure(path.with_suffix(".png"), lambda fig, axes: common.plot_fused_vs_baseline(
+        axes, results, device, "torch", ("route", "gate"), f"MoE routing, E={E} k={TOPK}", 1.3))
 
-    print(f"\ncorrectness on {meta['gpu']}: " + ", ".join(f"N={N} {'ok' if c['ok'] else 'FAIL'}" for N, c in checks.items()))
-    print(f"results: {out_dir / (name + '.json')}  ({meta['wall_s']} s)")
-    mode = "eager" if device == "cpu" else "graph"
-    print(f"\n{'case':6s} {'N':>4s} | {mode} fused us  torch us  speedup  fused GB/s" +
-          ("" if device == "cpu" else " | eager fused us  torch us  speedup"))
-    for r in results:
-        line = (f"{r['case']:6s} {r['N']:4d} | {r[mode + '_fused_us']:14.2f} {r[mode + '_torch_us']:9.2f} "
-                f"{r[mode + '_speedup']:7.2f}x {r[mode + '_fused_GBps']:10.1f}")
-        if device == "cuda":
-            line += f" | {r['eager_fused_us']:14.2f} {r['eager_torch_us']:9.2f} {r['eager_speedup']:7.2f}x"
-        print(line)
-    if not all(c["ok"] for c in checks.values()):
-        print("CORRECTNESS FAILED: " + json.dumps(checks))
-        sys.exit(1)
-
-
-def plot(results, path, device):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    mode = "eager" if device == "cpu" else "graph"
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for case in ("route", "gate"):
-        rows = [r for r in results if r["case"] == case]
-        Ns = [r["N"] for r in rows]
-        (line,) = axes[0].plot(Ns, [r[f"{mode}_fused_us"] for r in rows], "o-", label=f"{case} fused")
-        axes[0].plot(Ns, [r[f"{mode}_torch_us"] for r in rows], "x--", color=line.get_color(), label=f"{case} torch")
-        axes[1].plot(Ns, [r[f"{mode}_speedup"] for r in rows], "o-", label=case)
-    axes[0].set(xscale="log", yscale="log", xlabel="tokens N", ylabel=f"us per call ({mode})",
-                title=f"MoE routing, E={results[0]['E'] if results else ''} k={TOPK}")
-    axes[1].set(xscale="log", xlabel="tokens N", ylabel="speedup over torch", title="fused / torch")
-    axes[1].axhline(1.3, color="gray", ls=":")
-    for ax in axes:
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    common.print_summary(meta["gpu"], checks, path, meta["wall_s"])
+    common.print_fused_vs_baseline(results, device, "torch")
+    common.exit_if_failed(checks)
 
 
 if __name__ == "__main__":
