@@ -11,8 +11,12 @@ each for decode (S = 1, every entry visible) and a prefill chunk (S = --prefill 
 Variants:
 - naive: dequantize every key to bf16, einsum, relu, weight, sum over heads, mask (visible; pool), top-512:
   the reference's computation on the FP4 cache.
-- dense / dense+topk: dsv4::mqa_index_scores over all T (then topk, -1 mapping, sort: mqa_index_topk).
-- pool / pool+topk: dsv4::mqa_index_scores_pool over the pool only (decoder).
+- dense: dsv4::mqa_index_scores over all T; pool: dsv4::mqa_index_scores_pool over the pool only (decoder).
+- *+topk(kernel): mqa_index_topk, i.e. the scores, then the radix select dsv4::topk_select(_pool)
+  (dsv4/fast/kernels/topk.py: exact twin ties, ascending ids, no sort or mapping pass after it).
+- *+topk(torch): the scores, then torch.topk, the pool -> entry mapping, -1 for -inf picks, sort (the
+  previous path, kept for comparison).
+- select(kernel) / select(torch): the selection alone on precomputed decode scores.
 - *+graph: the decode top-k path captured in a CUDA graph and replayed (no launch gaps, how decode runs).
 Before timing, every size is checked on CUDA against the fp32 twin: scores within 1e-5 of the sum's scale,
 -inf patterns identical, top-512 index sets identical up to ties (the naive bf16 path's overlap is info only).
@@ -61,6 +65,7 @@ if ARGS.smoke:
 import torch
 
 import dsv4.fast.kernels.indexer as ix
+import dsv4.fast.kernels.topk as tk
 from dsv4.quant import dequantize_mxfp4, quantize_mxfp4
 from dsv4.reference.indexer import index_scores, top_entries
 
@@ -404,24 +409,64 @@ def run_sweep(part, ctx, c, rows, failures):
             rows.append(row(part, ctx, c, name, None, check=f"ERROR {type(ex).__name__}: {str(ex)[:200]}", **cfg))
 
 
+SELECT_SWEEP = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)] if DEV == "cuda" else [(256, 4)]
+
+
+def torch_topk(score: torch.Tensor, k: int, blocks: torch.Tensor | None = None, bs: int = 8) -> torch.Tensor:
+    """The previous selection: torch.topk over the scores (pool layout or entries), then the pool -> entry
+    mapping, -1 for -inf picks, sort (ties by torch.topk's order: equal to the kernel as index sets only)."""
+    T = score.shape[-1]
+    top = score.topk(min(k, T), dim=-1)
+    ids = top.indices if blocks is None else ix.pool_positions_to_entries(top.indices, blocks, bs)
+    return torch.where(top.values > float("-inf"), ids, -1).sort(dim=-1).values
+
+
 def time_case(part: str, ctx: int, c: dict, mark: str, rows: list) -> None:
-    """The naive path, the dense and pool kernels, with and without top-k, and the decode graphs."""
+    """The naive path, the dense and pool kernels, with and without top-k, and the decode graphs.
+    "+topk(kernel)" is mqa_index_topk (scores, then dsv4::topk_select[_pool]); "+topk(torch)" the scores
+    followed by torch.topk + mapping + sort; "select(...)" the selection alone on precomputed scores."""
     bs, k = CFG["block_size"], CFG["topk"]
     a = (c["q"], c["kp"], c["ks"], c["w"], c["vis"])
     blk = c["blocks"]
+    decode = c["S"] == 1
     rows.append(row(part, ctx, c, "naive", time_us(lambda: naive_topk(c)), check="ref"))
     rows.append(row(part, ctx, c, "dense", time_us(lambda: ix.mqa_index_scores(*a)), bytes_dense(c), flops_dense(c),
                     mark))
-    rows.append(row(part, ctx, c, "dense+topk", time_us(lambda: ix.mqa_index_topk(*a, k)), check=mark))
-    if c["S"] == 1 and blk is None:
-        rows.append(row(part, ctx, c, "dense+topk+graph", graph_us(lambda: ix.mqa_index_topk(*a, k)), check=mark))
+    dense_torch = lambda: torch_topk(ix.mqa_index_scores(*a), k)
+    dense_kernel = lambda: ix.mqa_index_topk(*a, k)
+    rows.append(row(part, ctx, c, "dense+topk(torch)", time_us(dense_torch), check=mark))
+    rows.append(row(part, ctx, c, "dense+topk(kernel)", time_us(dense_kernel), check=mark))
+    if decode and blk is None:
+        rows.append(row(part, ctx, c, "dense+topk(torch)+graph", graph_us(dense_torch), check=mark))
+        rows.append(row(part, ctx, c, "dense+topk(kernel)+graph", graph_us(dense_kernel), check=mark))
+        score = ix.mqa_index_scores(*a)
+        rows.append(row(part, ctx, c, "select(torch)", time_us(lambda: torch_topk(score, k)), check=mark))
+        rows.append(row(part, ctx, c, "select(kernel)", time_us(lambda: tk.topk_select(score, k)), check=mark))
     if blk is not None:
         rows.append(row(part, ctx, c, "pool", time_us(lambda: ix.mqa_index_scores_pool(*a, blk, bs)), bytes_pool(c),
                         flops_pool(c), mark))
-        rows.append(row(part, ctx, c, "pool+topk", time_us(lambda: ix.mqa_index_topk(*a, k, blk, bs)), check=mark))
-        if c["S"] == 1:
-            rows.append(row(part, ctx, c, "pool+topk+graph", graph_us(lambda: ix.mqa_index_topk(*a, k, blk, bs)),
+        pool_torch = lambda: torch_topk(ix.mqa_index_scores_pool(*a, blk, bs), k, blk, bs)
+        pool_kernel = lambda: ix.mqa_index_topk(*a, k, blk, bs)
+        rows.append(row(part, ctx, c, "pool+topk(torch)", time_us(pool_torch), check=mark))
+        rows.append(row(part, ctx, c, "pool+topk(kernel)", time_us(pool_kernel), check=mark))
+        if decode:
+            rows.append(row(part, ctx, c, "pool+topk(torch)+graph", graph_us(pool_torch), check=mark))
+            rows.append(row(part, ctx, c, "pool+topk(kernel)+graph", graph_us(pool_kernel), check=mark))
+            score = ix.mqa_index_scores_pool(*a, blk, bs)
+            rows.append(row(part, ctx, c, "select(torch)", time_us(lambda: torch_topk(score, k, blk, bs)),
                             check=mark))
+            rows.append(row(part, ctx, c, "select(kernel)", time_us(lambda: tk.topk_select_pool(score, blk, bs, k)),
+                            check=mark))
+            want = tk.topk_select_pool(score, blk, bs, k)
+            for block, warps in SELECT_SWEEP:  # chunk size and warps of the select kernel
+                sel = functools.partial(tk._launch, score, blk, bs, min(k, score.shape[1]), block, warps)
+                try:
+                    same = torch.equal(sel(), want)
+                    rows.append(row(part, ctx, c, f"select(kernel) block={block} warps={warps}", time_us(sel),
+                                    check="ok" if same else "FAIL", block=block, num_warps=warps))
+                except Exception as ex:  # noqa: BLE001
+                    rows.append(row(part, ctx, c, f"select(kernel) block={block} warps={warps}", None,
+                                    check=f"ERROR {type(ex).__name__}: {str(ex)[:200]}"))
 
 
 def main():
@@ -515,7 +560,9 @@ def plot(rows, path: Path):
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
     panels = [("decoder", 1), ("decoder", CFG["prefill"]), ("encoder", 1), ("encoder", CFG["prefill"])]
     for ax, (part, S) in zip(axes, panels):
-        for variant in ("naive", "dense", "dense+topk", "pool", "pool+topk", "dense+topk+graph", "pool+topk+graph"):
+        for variant in ("naive", "dense", "dense+topk(torch)", "dense+topk(kernel)", "pool", "pool+topk(torch)",
+                        "pool+topk(kernel)", "dense+topk(torch)+graph", "dense+topk(kernel)+graph",
+                        "pool+topk(torch)+graph", "pool+topk(kernel)+graph"):
             pts = [(r["context"], r["us"]) for r in rows
                    if r["part"] == part and r["S"] == S and r["variant"] == variant and r["us"]]
             if pts:

@@ -18,7 +18,8 @@ Ops:
     dsv4::mqa_index_scores_pool  -> [S, nb * block_size] fp32, laid out per listed block (slot i of block
                                     j at column j * block_size + i); -inf for -1 blocks and invisible entries
     mqa_index_topk               -> [S, min(k, T)] int64 entry ids in position order, -1 for -inf picks;
-                                    equals `top_entries(masked twin score, k)`
+                                    equals `top_entries(masked twin score, k)`; the selection is
+                                    dsv4::topk_select(_pool) (dsv4.fast.kernels.topk, a radix select)
 
 Precision: the dot products are exact-product, fp32-accumulated, i.e. the kernel matches the twin evaluated
 in fp32 (`index_scores(q.float(), dequantized keys, w)`) up to fp32 summation order. With bf16 q the
@@ -45,6 +46,7 @@ import warnings
 import torch
 
 from dsv4.fast.kernels import use_triton
+from dsv4.fast.kernels.topk import topk_select, topk_select_pool
 from dsv4.quant import dequantize_mxfp4
 from dsv4.reference.indexer import index_scores
 
@@ -477,7 +479,8 @@ def mqa_index_topk(
 ) -> torch.Tensor:
     """The k best visible entries per query (inside its pool when `blocks` is given): [S, min(k, T)] int64
     entry ids in position order, -1 for picks that are not selectable. Equals the twin's
-    `top_entries(score masked to visible [and pool], k)` as index sets; a pool must list each block once.
+    `top_entries(score masked to visible [and pool], k)` exactly, ties to the lower entry id included (given
+    the same scores); a pool must list each block once. Selection: dsv4::topk_select / topk_select_pool.
 
     No host syncs: safe to capture in a CUDA graph.
     """
@@ -485,13 +488,9 @@ def mqa_index_topk(
     width = min(k, T)
     if blocks is None:
         score = mqa_index_scores(q, k_packed, k_scale, weights, visible)
-        top = score.topk(width, dim=-1)
-        ids = top.indices
-    else:
-        score = mqa_index_scores_pool(q, k_packed, k_scale, weights, visible, blocks, block_size)
-        top = score.topk(min(k, score.shape[-1]), dim=-1)
-        ids = pool_positions_to_entries(top.indices, blocks, block_size)
-    ids = torch.where(top.values > NEG_INF, ids, -1).sort(dim=-1).values
+        return topk_select(score, k)
+    score = mqa_index_scores_pool(q, k_packed, k_scale, weights, visible, blocks, block_size)
+    ids = topk_select_pool(score, blocks, block_size, k)
     extra = ids.shape[-1] - width
     if extra > 0:  # the pool is wider than T: the surplus picks are all -1 and sort first
         ids = ids[..., extra:]

@@ -1,0 +1,262 @@
+"""Exact top-k selection over fp32 score rows, as a Triton radix select.
+
+Twin: `dsv4.reference.indexer.top_entries` (stable_topk, then -1 for picks that are not > -inf, sorted).
+
+Ops:
+    dsv4::topk_select(scores [S, T] fp32, k)                     -> [S, min(k, T)] int64
+        the k best columns per row, ties to the lower column; picks whose score is -inf (or NaN) become -1;
+        each row sorted ascending (so the -1s come first). Equals `top_entries(scores, k)` exactly.
+    dsv4::topk_select_pool(scores [S, E] fp32, blocks [S, nb], block_size, k) -> [S, min(k, E)] int64
+        scores in the pool layout of dsv4.fast.kernels.indexer (column j * block_size + i holds entry
+        blocks[s, j] * block_size + i; columns of -1 blocks count as -inf). Returns entry ids, ties to the lower
+        ENTRY id, -1 for -inf/NaN picks, sorted ascending: `top_entries` of the scores scattered to entry ids
+        (entries outside the pool at -inf), provided a row lists each block once.
+
+Order semantics (those of torch.sort(descending=True, stable=True), which the twin uses): -0.0 == 0.0;
+NaN ranks above +inf, NaNs tie among themselves; ties go to the lower id.
+
+Algorithm, one program per row: each float maps to an order-preserving 32-bit key (the sign bit flips the
+magnitude bits of negatives; -0.0 and NaN are canonicalized first). Four passes of 8-bit digit histograms
+(tl.histogram over the row, chunk by chunk) narrow down the k-th largest key `thr` and `need`, the number
+of keys equal to `thr` that belong to the top k. A last pass compacts the row with prefix sums: keys > thr,
+plus the first `need` keys == thr. Dense: columns are visited in order, so the output comes out ascending
+and the tie rule is "first `need` in column order"; picks that are -inf/NaN are written as the leading
+-1s. Pool: when the tie at `thr` is actually cut, four more histogram passes find the need-th smallest
+entry id among the tied keys; the compacted entry ids (k of them) are then sorted in-kernel (tl.sort).
+No host syncs: capturable in CUDA graphs. Work per row: 5 reads of the row (pool with a cut tie: 9), which
+after the first come from L2 for rows up to a few MB.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.fast.kernels import use_triton
+from dsv4.reference.indexer import top_entries
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch twin still serves
+    triton = None
+
+__all__ = ["topk_select", "topk_select_pool", "twin_topk_select_pool"]
+
+# (BLOCK columns per chunk, num_warps) on a GPU; the interpreter takes bigger chunks (fewer numpy calls)
+GPU_BLOCK, GPU_WARPS = 4096, 8
+INTERP_BLOCK = 1024
+
+
+if triton is not None:
+
+    INT_MIN: tl.constexpr = -2147483648
+    # keys (signed int32, ordered like the floats) of -inf and of the canonical NaN 0x7FC00000
+    NEG_KEY: tl.constexpr = -2139095041  # 0xFF800000 ^ 0x7FFFFFFF = 0x807FFFFF
+    NAN_KEY: tl.constexpr = 2143289344  # 0x7FC00000
+
+    @triton.jit
+    def _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL: tl.constexpr):
+        """(key, ent, inb) for columns `cols`: order-preserving int32 keys (-inf past T and in -1 blocks), the
+        entry id of each column (the column itself when not POOL; -1 in -1 blocks), and cols < T."""
+        inb = cols < T
+        x = tl.load(s_ptr + row_off + cols, mask=inb, other=float("-inf"))
+        bits = x.to(tl.int32, bitcast=True)
+        bits = tl.where(bits == INT_MIN, 0, bits)  # -0.0 -> +0.0
+        bits = tl.where(x != x, 2143289344, bits)  # noqa: PLR0124 -- any NaN -> 0x7FC00000
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        if POOL:
+            slot = cols // block_size
+            blk = tl.load(blk_ptr + blk_off + slot, mask=inb, other=-1)
+            ent = tl.where(blk >= 0, blk * block_size + (cols - slot * block_size), -1)
+            key = tl.where(blk >= 0, key, NEG_KEY)
+        else:
+            ent = cols
+        return key, ent, inb
+
+    @triton.jit
+    def _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, k_rem, thr_key,
+                      ID_MODE: tl.constexpr, POOL: tl.constexpr, BLOCK: tl.constexpr):
+        """The k_rem-th largest value v over the row, by four 8-bit digit passes (most significant first).
+        Values: v = key ^ INT_MIN (keys as unsigned) or, ID_MODE, v = 0x7FFFFFFF - entry id over the columns
+        whose key == thr_key (the largest v = the smallest id). Returns (v as int32 bits, the rank left
+        within the values equal to it, how many values equal it, how many keys are NaN (not ID_MODE))."""
+        prefix = tl.zeros((), tl.int32)
+        cnt = tl.zeros((), tl.int32)
+        n_nan = tl.zeros((), tl.int32)
+        bins = tl.arange(0, 256)
+        for p in tl.static_range(4):
+            SH: tl.constexpr = 24 - 8 * p
+            hist = tl.zeros((256,), tl.int32)
+            for c in range(0, T, BLOCK):
+                cols = c + tl.arange(0, BLOCK)
+                key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL)
+                if ID_MODE:
+                    v = 0x7FFFFFFF - ent
+                    ok = inb & (key == thr_key)
+                else:
+                    v = key ^ INT_MIN
+                    ok = inb
+                    if p == 0:
+                        n_nan += tl.sum((inb & (key == NAN_KEY)).to(tl.int32), axis=0)
+                if p > 0:
+                    HM: tl.constexpr = -(1 << (SH + 8))
+                    ok = ok & ((v & HM) == prefix)
+                hist += tl.histogram((v >> SH) & 255, 256, mask=ok)
+            total = tl.sum(hist, axis=0)
+            ge = total - tl.cumsum(hist, axis=0) + hist  # values with digit >= bin
+            b = tl.sum((ge >= k_rem).to(tl.int32), axis=0) - 1  # ge is non-increasing
+            at = bins == b
+            k_rem -= tl.sum(tl.where(at, ge - hist, 0), axis=0)
+            cnt = tl.sum(tl.where(at, hist, 0), axis=0)
+            prefix = prefix | (b << SH)
+        return prefix, k_rem, cnt, n_nan
+
+    @triton.jit
+    def _topk_kernel(s_ptr, blk_ptr, out_ptr, T, K, block_size, stride_s, stride_b, stride_o,
+                     POOL: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr):
+        row = tl.program_id(0)
+        row_off = row.to(tl.int64) * stride_s
+        blk_off = row.to(tl.int64) * stride_b
+        out = out_ptr + row.to(tl.int64) * stride_o
+        u, need, cnt_eq, n_nan = _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, K, 0,
+                                        False, POOL, BLOCK)
+        thr = u ^ INT_MIN  # the k-th largest key; `need` of the keys equal to it are picks
+        thr_valid = (thr != NEG_KEY) & (thr != NAN_KEY)
+        ar = tl.arange(0, BLOCK)
+        if POOL:
+            # a cut tie at a selectable threshold goes to the lowest entry ids: find the need-th smallest
+            if thr_valid & (cnt_eq > need):
+                v_thr, _r, _c, _n = _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, need, thr,
+                                              True, POOL, BLOCK)
+                use_id = tl.full((), 1, tl.int32)
+            else:
+                v_thr = tl.zeros((), tl.int32)
+                use_id = tl.zeros((), tl.int32)
+            eq_carry = tl.zeros((), tl.int32)
+            carry = tl.zeros((), tl.int32)
+            for c in range(0, T, BLOCK):
+                cols = c + ar
+                key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL)
+                eq = (inb & (key == thr)).to(tl.int32)
+                rank = eq_carry + tl.cumsum(eq, axis=0) - eq
+                by_id = (0x7FFFFFFF - ent) >= v_thr
+                tie_ok = tl.where(use_id != 0, by_id, rank < need)
+                sel = (inb & (key > thr)) | ((eq != 0) & tie_ok)
+                si = sel.to(tl.int32)
+                pos = carry + tl.cumsum(si, axis=0) - si
+                valid = (key != NEG_KEY) & (key != NAN_KEY)
+                tl.store(out + pos, tl.where(valid, ent, -1).to(tl.int64), mask=sel)
+                eq_carry += tl.sum(eq, axis=0)
+                carry += tl.sum(si, axis=0)
+            tl.debug_barrier()  # the compaction's stores, made by other threads of this program
+            kk = tl.arange(0, KP)
+            ids = tl.load(out + kk, mask=kk < K, other=2147483647).to(tl.int32)
+            tl.store(out + kk, tl.sort(ids).to(tl.int64), mask=kk < K)
+        else:
+            # picks that are not selectable (-inf or NaN) lead as -1s; valid picks follow in column order
+            n_valid = (K - need) - tl.where(thr != NAN_KEY, n_nan, 0) + tl.where(thr_valid, need, 0)
+            m = K - n_valid
+            for c in range(0, K, BLOCK):
+                pos = c + ar
+                tl.store(out + pos, tl.full((BLOCK,), -1, tl.int64), mask=pos < m)
+            eq_carry = tl.zeros((), tl.int32)
+            carry = tl.zeros((), tl.int32)
+            for c in range(0, T, BLOCK):
+                cols = c + ar
+                key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL)
+                eq = (inb & (key == thr)).to(tl.int32)
+                rank = eq_carry + tl.cumsum(eq, axis=0) - eq
+                sel = (inb & (key > thr)) | ((eq != 0) & (rank < need))
+                vs = (sel & (key != NEG_KEY) & (key != NAN_KEY)).to(tl.int32)
+                pos = m + carry + tl.cumsum(vs, axis=0) - vs
+                tl.store(out + pos, cols.to(tl.int64), mask=vs != 0)
+                eq_carry += tl.sum(eq, axis=0)
+                carry += tl.sum(vs, axis=0)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _launch(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, K: int,
+            block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    S, T = scores.shape
+    out = torch.empty((S, K), dtype=torch.int64, device=scores.device)
+    if S == 0 or K == 0:
+        return out
+    s = scores.float()
+    if s.stride(-1) != 1:
+        s = s.contiguous()
+    if block is None:
+        block = GPU_BLOCK if s.is_cuda else INTERP_BLOCK
+    block = min(block, max(16, _pow2(T)))
+    if num_warps is None:
+        num_warps = GPU_WARPS if block >= 2048 else 4
+    pool = blocks is not None
+    blk = blocks.to(torch.int32).contiguous() if pool else out  # out: a dummy pointer when not pooled
+    _topk_kernel[(S,)](
+        s, blk, out, T, K, block_size, s.stride(0), blk.stride(0) if pool else 0, out.stride(0),
+        POOL=pool, BLOCK=block, KP=_pow2(K) if pool else 16, num_warps=num_warps,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# ops
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_scores(scores: torch.Tensor, k: int) -> None:
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be [S, T], got {tuple(scores.shape)}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if scores.shape[1] >= 2**31 - 1:
+        raise ValueError("rows of 2^31 columns or more are not supported")
+
+
+@torch.library.custom_op("dsv4::topk_select", mutates_args=())
+def topk_select(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[S, min(k, T)] int64: `top_entries(scores, k)` (see the module docstring)."""
+    _check_scores(scores, k)
+    if not use_triton(scores):
+        return top_entries(scores.float(), k)
+    return _launch(scores, None, 1, min(k, scores.shape[1]))
+
+
+@topk_select.register_fake
+def _(scores, k):
+    return scores.new_empty((scores.shape[0], min(k, scores.shape[1])), dtype=torch.int64)
+
+
+def twin_topk_select_pool(scores: torch.Tensor, blocks: torch.Tensor, block_size: int, k: int) -> torch.Tensor:
+    """Torch twin of topk_select_pool: stable order by (score descending, entry id ascending)."""
+    E = scores.shape[1]
+    b = blocks.long()
+    ent = b.unsqueeze(-1) * block_size + torch.arange(block_size, device=scores.device)
+    ent = torch.where(b.unsqueeze(-1) >= 0, ent, -1).flatten(-2)[:, :E]
+    s = scores.float().masked_fill(ent < 0, float("-inf"))
+    by_id = ent.sort(dim=-1, stable=True).indices  # entry ids ascending (-1 columns first: all -inf)
+    s_by_id = s.gather(-1, by_id)
+    values, order = s_by_id.sort(dim=-1, descending=True, stable=True)
+    K = min(k, E)
+    picks = ent.gather(-1, by_id.gather(-1, order[:, :K]))
+    return torch.where(values[:, :K] > float("-inf"), picks, -1).sort(dim=-1).values
+
+
+@torch.library.custom_op("dsv4::topk_select_pool", mutates_args=())
+def topk_select_pool(scores: torch.Tensor, blocks: torch.Tensor, block_size: int, k: int) -> torch.Tensor:
+    """[S, min(k, E)] int64 entry ids: the k best pool columns, ties to the lower entry id, -1 for -inf/NaN
+    picks, ascending (see the module docstring). A row must list each block once."""
+    _check_scores(scores, k)
+    S, E = scores.shape
+    if blocks.dim() != 2 or blocks.shape[0] != S or blocks.shape[1] * block_size < E or block_size < 1:
+        raise ValueError(f"blocks {tuple(blocks.shape)} x {block_size} do not cover scores {tuple(scores.shape)}")
+    if not use_triton(scores):
+        return twin_topk_select_pool(scores, blocks, block_size, k)
+    return _launch(scores, blocks, block_size, min(k, E))
+
+
+@topk_select_pool.register_fake
+def _(scores, blocks, block_size, k):
+    return scores.new_empty((scores.shape[0], min(k, scores.shape[1])), dtype=torch.int64)

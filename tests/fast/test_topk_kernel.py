@@ -1,0 +1,182 @@
+"""dsv4::topk_select / topk_select_pool (dsv4/fast/kernels/topk.py) against `top_entries`, exactly.
+
+The property tests run the kernel on CPU through the Triton interpreter (TRITON_INTERPRET=1 before
+triton.language is imported; tests/conftest.py sets it when there is no GPU). Scores are drawn to make ties
+common: small integer values (with -0.0 next to 0.0), relu zeros, duplicated threshold values, -inf
+entries and whole -inf rows, NaN. Equality is exact: same ids, same order, same -1s. The `gpu` tests run
+the same comparisons on CUDA at T = 16384 and 262144, k = 512.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dsv4.fast.kernels.topk as tk
+from dsv4.reference.indexer import top_entries
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+INTERP_OK = INTERP and tk.triton is not None and type(tk.tl.zeros).__name__ == "InterpretedFunction"
+needs_interp = pytest.mark.skipif(
+    not INTERP_OK, reason="CPU kernel tests need TRITON_INTERPRET=1 set before triton is imported"
+)
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+NEG_INF = float("-inf")
+
+
+def make_scores(S: int, T: int, kind: str, seed: int, *, neg_inf: float = 0.0, nan: float = 0.0,
+                device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "ints":  # few distinct values: ties everywhere, -0.0 beside 0.0
+        x = torch.randint(-3, 4, (S, T), generator=g).float()
+        x = torch.where(torch.rand(S, T, generator=g) < 0.3, torch.full_like(x, -0.0), x)
+    elif kind == "relu":  # zeros from relu
+        x = torch.randn(S, T, generator=g).relu()
+    elif kind == "dups":  # a handful of distinct reals, each repeated many times
+        vals = torch.randn(7, generator=g)
+        x = vals[torch.randint(0, 7, (S, T), generator=g)]
+    elif kind == "neg":  # negative scores only
+        x = -torch.rand(S, T, generator=g) - 0.5
+    else:  # "randn", incl. some +inf and tiny magnitudes
+        x = torch.randn(S, T, generator=g) * torch.exp2(torch.randint(-40, 40, (S, T), generator=g).float())
+        x[torch.rand(S, T, generator=g) < 0.01] = float("inf")
+    if neg_inf:
+        x[torch.rand(S, T, generator=g) < neg_inf] = NEG_INF
+    if nan:
+        x[torch.rand(S, T, generator=g) < nan] = float("nan")
+    if S > 1:
+        x[-1] = NEG_INF  # a whole -inf row
+    return x.to(device)
+
+
+KINDS = st.sampled_from(["ints", "relu", "dups", "neg", "randn"])
+
+
+@needs_interp
+@PROPERTY
+@given(S=st.integers(1, 3), T=st.integers(1, 700), k=st.integers(1, 800), kind=KINDS,
+       neg_inf=st.sampled_from([0.0, 0.3, 0.95]), seed=st.integers(0, 2**31 - 1))
+def test_topk_select_matches_top_entries(S, T, k, kind, neg_inf, seed):
+    x = make_scores(S, T, kind, seed, neg_inf=neg_inf)
+    got = tk.topk_select(x, k)
+    assert torch.equal(got, top_entries(x, k)), (got, top_entries(x, k))
+
+
+@needs_interp
+def test_topk_select_threshold_ties_and_chunks():
+    """T over several interpreter chunks, a threshold value duplicated across chunks, k cutting the tie."""
+    T = 3 * tk.INTERP_BLOCK + 77
+    x = torch.full((2, T), 1.0)
+    x[:, ::5] = 2.0
+    x[0, 7::97] = 3.0
+    x[1] = -0.0
+    x[1, 11::13] = 0.0
+    for k in (1, 200, 700, T // 5 + 1, T - 1, T, T + 5):
+        assert torch.equal(tk.topk_select(x, k), top_entries(x, k)), k
+
+
+@needs_interp
+def test_topk_select_nan_and_signed_zero():
+    x = torch.tensor([[0.0, -0.0, float("nan"), 1.0, -0.0, 0.0, NEG_INF, float("nan"), -1.0, float("inf")]])
+    for k in range(1, 12):
+        assert torch.equal(tk.topk_select(x, k), top_entries(x, k)), k
+    x = make_scores(3, 300, "randn", 5, neg_inf=0.2, nan=0.05)
+    for k in (1, 10, 200, 300):
+        assert torch.equal(tk.topk_select(x, k), top_entries(x, k)), k
+
+
+@needs_interp
+def test_topk_select_edges():
+    x = torch.randn(2, 5)
+    assert tk.topk_select(x, 0).shape == (2, 0)
+    assert tk.topk_select(torch.empty(0, 9), 3).shape == (0, 3)
+    assert tk.topk_select(torch.empty(2, 0), 3).shape == (2, 0)
+    assert torch.equal(tk.topk_select(x[:, ::2], 2), top_entries(x[:, ::2], 2))  # strided rows
+    assert tk.topk_select(x.double(), 2).dtype == torch.int64
+
+
+def scatter_pool(scores: torch.Tensor, blocks: torch.Tensor, bs: int, T: int) -> torch.Tensor:
+    """Pool-layout scores -> [S, T] entry scores, -inf outside the pool."""
+    ent = blocks.long().unsqueeze(-1) * bs + torch.arange(bs)
+    ent = torch.where(blocks.long().unsqueeze(-1) >= 0, ent, -1).flatten(-2)
+    full = torch.full((scores.shape[0], T + 1), NEG_INF)
+    full.scatter_(-1, torch.where(ent >= 0, ent, T), scores)
+    return full[:, :T]
+
+
+def make_pool(S, n_blocks, nb, bs, kind, seed, neg_inf=0.0, drop=0.2):
+    g = torch.Generator().manual_seed(seed + 1)
+    blocks = torch.stack([torch.randperm(n_blocks, generator=g)[:nb] for _ in range(S)])
+    blocks[torch.rand(S, nb, generator=g) < drop] = -1
+    x = make_scores(S, nb * bs, kind, seed, neg_inf=neg_inf)
+    return x, blocks.to(torch.int32)
+
+
+@needs_interp
+@PROPERTY
+@given(S=st.integers(1, 3), nb=st.integers(1, 40), bs=st.sampled_from([1, 3, 8]), k=st.integers(1, 300),
+       kind=KINDS, neg_inf=st.sampled_from([0.0, 0.5]), seed=st.integers(0, 2**31 - 1))
+def test_topk_select_pool_matches_top_entries(S, nb, bs, k, kind, neg_inf, seed):
+    n_blocks = nb + 13
+    x, blocks = make_pool(S, n_blocks, nb, bs, kind, seed, neg_inf)
+    got = tk.topk_select_pool(x, blocks, bs, k)
+    assert torch.equal(got, tk.twin_topk_select_pool(x, blocks, bs, k))
+    # the twin of the whole computation: top_entries over entry ids, then the -1 padding differs only in width
+    want = top_entries(scatter_pool(x, blocks, bs, n_blocks * bs), k)
+    n_valid = int((got >= 0).sum(-1).max()) if got.numel() else 0
+    assert torch.equal((got >= 0).sum(-1), (want >= 0).sum(-1))
+    if n_valid:
+        assert torch.equal(got[:, -n_valid:], want[:, -n_valid:])
+
+
+@needs_interp
+def test_topk_select_pool_cut_tie_uses_entry_ids():
+    """Every score equal: the picks must be the lowest entry ids, although the pool lists blocks descending."""
+    bs, nb = 8, 64
+    blocks = torch.arange(nb - 1, -1, -1, dtype=torch.int32).view(1, nb) * 3 + 1000  # ids up to ~1.5K
+    x = torch.zeros(1, nb * bs)
+    x[0, 5::7] = 1.0
+    for k in (1, 30, 100, 300, nb * bs):
+        got = tk.topk_select_pool(x, blocks, bs, k)
+        assert torch.equal(got, tk.twin_topk_select_pool(x, blocks, bs, k)), k
+        want = top_entries(scatter_pool(x, blocks, bs, (3 * nb + 1000) * bs), k)
+        assert torch.equal(got, want), k
+
+
+def _gpu_check(T: int, k: int, S: int, kind: str, neg_inf: float = 0.0):
+    x = make_scores(S, T, kind, T + S, neg_inf=neg_inf, device="cuda")
+    assert torch.equal(tk.topk_select(x, k).cpu(), top_entries(x.cpu(), k))
+
+
+@gpu
+@pytest.mark.parametrize("T", [16384, 262144])
+@pytest.mark.parametrize("kind", ["randn", "relu", "ints", "dups"])
+def test_gpu_topk_select(T, kind):
+    _gpu_check(T, 512, 1, kind)
+    _gpu_check(T, 512, 4, kind, neg_inf=0.5)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["randn", "relu", "ints"])
+def test_gpu_topk_select_pool(kind):
+    S, nb, bs, k = 2, 2048, 8, 512
+    x, blocks = make_pool(S, 16384, nb, bs, kind, 3, neg_inf=0.1, drop=0.05)
+    got = tk.topk_select_pool(x.cuda(), blocks.cuda(), bs, k).cpu()
+    assert torch.equal(got, tk.twin_topk_select_pool(x, blocks, bs, k))
+
+
+@gpu
+def test_gpu_topk_select_graph():
+    x = make_scores(1, 16384, "randn", 0, device="cuda")
+    want = tk.topk_select(x, 512)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = tk.topk_select(x, 512)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
