@@ -11,13 +11,19 @@ takes THP + cudaHostRegister where the OS allows, "pinned" is cudaHostAlloc with
                 CPU, blocking copy of the bf16 rows to the GPU (EngramEmbedding.forward on a host table);
   sync_raw_us:  the same without the CPU dequant: index_select of the 264 B records, blocking copy;
   lookup_us:    EngramPrefetcher.start + wait for both layers, nothing else on the GPU (CUDA events on
-                the main stream: the side stream's gather kernels, which read pinned host memory over
-                PCIe and dequantize, plus the cross-stream waits);
+                the main stream: the side stream's gather kernel, which reads pinned host memory over
+                PCIe and dequantizes both layers in one launch, plus the cross-stream waits);
   compute_us:   the stand-in for embedding + layers 0-1 on the main stream (a bf16 matmul chain sized to
                 --compute-us, default 150 us for decode, 2000 us for the prefill chunk);
   overlap_us:   start(); compute; wait(0); wait(1); on the main stream;
   hidden:       1 - (overlap_us - compute_us) / lookup_us (1.0: the lookup costs nothing);
-  start_host_us: host time spent in start() (it must not wait for the GPU).
+  start_host_us: host time spent in start() (it must not wait for the GPU); step_host_us: start() and
+                the two wait() calls.
+  Each of lookup/compute/overlap is timed twice: with a spin kernel queued on the main stream first, so
+  the host enqueues the step while the GPU is busy and the events see only the GPU's cost (an engine
+  whose host runs ahead of the GPU, or a CUDA graph: the plain columns), and on an idle GPU, where the
+  host's launch time of start() and of the compute delays the step (a fully synchronous engine: the
+  *_idle columns). host_breakdown_us: host time of start()'s pieces at one token.
 Medians over --reps samples, rotating 8 id sets. Rows are checked against the twin first.
 JSON goes to $OUT/engram.json if OUT is set, else bench/results/engram.json (engram-smoke.json with
 --smoke). The table is printed last.
@@ -97,6 +103,12 @@ def raw_sync(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, ids.reshape(-1).cpu()).to(ids.device)
 
 
+def same_bits(a, b) -> bool:
+    """Bitwise equal (torch.equal would let -0.0 pass for +0.0); the tables hold no NaN codes."""
+    a, b = a.cpu(), b.cpu()
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 def median(xs):
     return statistics.median(xs)
 
@@ -115,13 +127,23 @@ def time_host(fn, reps, cuda):
     return median(out)
 
 
-def time_events(fn, reps):
-    """Median device time of fn() on the current stream (events around it), and host time of fn()."""
+AHEAD_CYCLES = 3_000_000  # ~1.5 ms of spinning: the host enqueues the timed work while the GPU is busy
+
+
+def time_events(fn, reps, ahead=False):
+    """Median device time of fn() on the current stream (events around it), and host time of fn().
+
+    ahead=False: the GPU is idle when fn starts, so the host's launch time of fn counts in full (a
+    synchronous engine at the start of a step). ahead=True: a spin kernel queued first keeps the GPU
+    busy while the host enqueues fn, so the events measure only what fn costs the GPU (an engine whose
+    host runs ahead, or a CUDA graph)."""
     fn()
     torch.cuda.synchronize()
     dev, host = [], []
     for i in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if ahead:
+            torch.cuda._sleep(AHEAD_CYCLES)
         a.record()
         t = time.perf_counter()
         fn(i)
@@ -132,6 +154,44 @@ def time_events(fn, reps):
     return median(dev), median(host)
 
 
+def host_breakdown(pre, ids, n=300):
+    """Median host us of start()'s pieces (one token step), to see where the time goes."""
+    main = torch.cuda.current_stream()
+    ev = torch.cuda.Event()
+
+    def med(fn):
+        fn()
+        xs = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            xs.append((time.perf_counter() - t) * 1e6)
+        torch.cuda.synchronize()
+        return round(median(xs), 2)
+
+    def stream_ctx():
+        with torch.cuda.stream(pre.stream):
+            pass
+
+    fast = pre._fast
+    out = {
+        "current_stream": med(lambda: torch.cuda.current_stream()),
+        "event_record": med(lambda: ev.record(main)),
+        "wait_event": med(lambda: pre.stream.wait_event(ev)),
+        "wait_stream_(new_event)": med(lambda: pre.stream.wait_stream(main)),
+        "stream_context": med(stream_ctx),
+        "record_stream": med(lambda: ids.record_stream(pre.stream)),
+        "start_direct_launch": med(lambda: pre.start(ids)),
+    }
+    torch.cuda.set_stream(main)
+    pre._fast, pre._compiled = False, [None] * len(pre._compiled)
+    out["start_jit_launch"] = med(lambda: pre.start(ids))
+    pre._fast = fast
+    out["wait_x2"] = med(lambda: (pre.wait(0), pre.wait(1)))
+    torch.cuda.synchronize()
+    return out
+
+
 class StandIn:
     """A bf16 matmul chain on the current stream, calibrated to about `target_us`."""
 
@@ -140,8 +200,9 @@ class StandIn:
         self.x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         self.w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
         self.n = 1
-        one, _ = time_events(lambda i=0: self.run(), 10)
-        self.n = max(1, round(target_us / one))
+        self.n = 8
+        eight, _ = time_events(lambda i=0: self.run(), 10, ahead=True)
+        self.n = max(1, round(target_us / (eight / 8)))
 
     def run(self):
         y = self.x
@@ -167,8 +228,7 @@ def bench_mode(mode, tokens_list, reps, device):
         sets = [torch.randint(0, tables[0].rows, (n, 1, L, C), device=device, generator=gen) for _ in range(8)]
         # correctness
         pre.start(sets[0])
-        ok = all(torch.equal(pre.wait(l).cpu(), engram_gather_twin(tables[l].data, sets[0][:, :, l]).cpu())
-                 for l in range(L))
+        ok = all(same_bits(pre.wait(l), engram_gather_twin(tables[l].data, sets[0][:, :, l])) for l in range(L))
         row = {"tokens": n, "rows_per_step": n * L * C, "bytes_per_step": n * L * C * 264, "ok": ok}
 
         def sync(i=0, f=naive_sync, sets=sets):
@@ -183,15 +243,22 @@ def bench_mode(mode, tokens_list, reps, device):
             results.append(row)
             continue
 
-        def lookup(i=0, sets=sets):
+        start_host = []
+
+        def lookup(i=0, sets=sets, start_host=start_host):
+            t = time.perf_counter()
             pre.start(sets[i % 8])
+            start_host.append((time.perf_counter() - t) * 1e6)
             for l in range(L):
                 pre.wait(l)
 
-        row["lookup_us"], row["start_host_us"] = time_events(lookup, reps)
+        row["lookup_us"], row["step_host_us"] = time_events(lookup, reps, ahead=True)
+        row["start_host_us"] = median(start_host[1:])
+        row["lookup_idle_us"], _ = time_events(lookup, reps)
         target = ARGS.prefill_compute_us if n >= 512 else ARGS.compute_us
         comp = StandIn(n, target)
-        row["compute_us"], _ = time_events(lambda i=0, comp=comp: comp.run(), reps)
+        row["compute_us"], _ = time_events(lambda i=0, comp=comp: comp.run(), reps, ahead=True)
+        row["compute_idle_us"], _ = time_events(lambda i=0, comp=comp: comp.run(), reps)
 
         def overlapped(i=0, sets=sets, comp=comp):
             pre.start(sets[i % 8])
@@ -199,10 +266,15 @@ def bench_mode(mode, tokens_list, reps, device):
             for l in range(L):
                 pre.wait(l)
 
-        row["overlap_us"], _ = time_events(overlapped, reps)
+        row["overlap_us"], _ = time_events(overlapped, reps, ahead=True)
+        row["overlap_idle_us"], _ = time_events(overlapped, reps)
         row["hidden"] = 1 - (row["overlap_us"] - row["compute_us"]) / row["lookup_us"]
+        row["hidden_idle"] = 1 - (row["overlap_idle_us"] - row["compute_idle_us"]) / row["lookup_idle_us"]
         row["speedup_vs_sync"] = row["sync_us"] / row["lookup_us"]
+        row["speedup_idle_vs_sync"] = row["sync_us"] / row["lookup_idle_us"]
         row["lookup_GBps"] = row["bytes_per_step"] / row["lookup_us"] / 1e3
+        if n == tokens_list[0] and "host_breakdown_us" not in info:
+            info["host_breakdown_us"] = host_breakdown(pre, sets[0])
         results.append(row)
     pre.buffers = []
     for t in tables:
@@ -235,9 +307,11 @@ def main():
         "thp_setting": thp_setting(),
         "layers": L, "rows_per_token_per_layer": C, "row_bytes": 264,
         "compute_us_target": {"decode": ARGS.compute_us, "prefill": ARGS.prefill_compute_us},
-        "timing": "median of reps; sync_*: host wall clock incl. sync; lookup/compute/overlap: CUDA events",
+        "timing": ("median of reps; sync_*: host wall clock incl. sync; lookup/compute/overlap: CUDA events "
+                   "with a spin kernel queued first (the host runs ahead: GPU cost only); *_idle: CUDA events "
+                   "on an idle GPU (the host's launch time counts)"),
         "reps": reps,
-        "gather_programs": ARGS.programs or ("per SM" if device == "cuda" else 4),
+        "gather_programs": ARGS.programs or ("min(32, SMs): the prefetch default" if device == "cuda" else 4),
         "goals": {"speedup_vs_sync_fastest": 10, "hidden": 0.9},
         "runs": runs,
     }
@@ -253,7 +327,8 @@ def main():
         print(f"\ntable mode {run['mode']} (asked {run['mode_requested']}), AnonHugePages {run['thp_anon_huge_kb']} kB, "
               f"{run['rows']} rows = {run['table_gb']} GB, alloc {run['alloc_s']} s")
         print(f"{'tokens':>6s} {'ok':>3s} {'sync us':>9s} {'raw us':>9s} {'lookup us':>9s}" + ("" if device == "cpu" else
-              f" {'speedup':>8s} {'GB/s':>6s} {'compute':>8s} {'overlap':>8s} {'hidden':>7s} {'start host us':>13s}"))
+              f" {'speedup':>8s} {'GB/s':>6s} {'compute':>8s} {'overlap':>8s} {'hidden':>7s} {'start host us':>13s}"
+              f" | idle GPU: {'lookup':>7s} {'speedup':>8s} {'compute':>8s} {'overlap':>8s} {'hidden':>7s}"))
         for r in run["results"]:
             ok &= r["ok"]
             if device == "cpu":
@@ -262,7 +337,11 @@ def main():
                 continue
             print(f"{r['tokens']:6d} {'y' if r['ok'] else 'N':>3s} {r['sync_us']:9.1f} {r['sync_raw_us']:9.1f} "
                   f"{r['lookup_us']:9.1f} {r['speedup_vs_sync']:7.1f}x {r['lookup_GBps']:6.1f} "
-                  f"{r['compute_us']:8.1f} {r['overlap_us']:8.1f} {r['hidden']:7.1%} {r['start_host_us']:13.1f}")
+                  f"{r['compute_us']:8.1f} {r['overlap_us']:8.1f} {r['hidden']:7.1%} {r['start_host_us']:13.1f}"
+                  f" |           {r['lookup_idle_us']:7.1f} {r['speedup_idle_vs_sync']:7.1f}x {r['compute_idle_us']:8.1f} "
+                  f"{r['overlap_idle_us']:8.1f} {r['hidden_idle']:7.1%}")
+        if "host_breakdown_us" in run:
+            print("host us of start()'s pieces:", json.dumps(run["host_breakdown_us"]))
     if not ok:
         print("CORRECTNESS FAILED")
         sys.exit(1)

@@ -22,9 +22,9 @@ all of a step's rows can be fetched at forward entry, while the embedding and la
 `EngramPrefetcher(tables, device, max_tokens=8192, dtype=bf16, stream=None, programs=None)`
     `start(hash_ids [B, S, L, C])`: at forward entry. On CUDA it makes a side stream wait for the
     current (main) stream - the ids are ready and the previous step no longer reads the buffers - and
-    launches, per layer, the UVA gather kernel (`dsv4.fast.kernels.engram.engram_gather`): the GPU
-    reads the needed rows from pinned host memory over PCIe and writes dequantized rows into a
-    persistent device buffer, then records the layer's event. The host never waits.
+    launches one UVA gather kernel (`dsv4.fast.kernels.engram`) for up to four layers: the GPU reads the
+    needed rows from pinned host memory over PCIe and writes dequantized rows into a
+    persistent device buffer, then records one event. The host never waits (~15 us of host time).
     `wait(layer) -> rows [B, S, C, 256]`: the current stream waits on that layer's event (a GPU-side
     wait); the rows stay valid until the next `start`.
     Without CUDA, `start` gathers synchronously into the same kind of persistent buffers (the tests).
@@ -48,11 +48,26 @@ from collections.abc import Sequence
 
 import torch
 
-from dsv4.fast.kernels.engram import ROW_BYTES, ROW_SCALES, ROW_VALUES, engram_gather
+from dsv4.fast.kernels import use_triton
+from dsv4.fast.kernels.engram import (
+    MAX_TABLES,
+    ROW_BYTES,
+    ROW_SCALES,
+    ROW_VALUES,
+    default_programs,
+    engram_gather_twin,
+    gather_args,
+    gather_grid,
+    launch_gather,
+)
 
 _HUGE = 2 << 20
 _CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2
-LOAD_CHUNK_ROWS = 1 << 18  # 66 MB per copy chunk
+LOAD_CHUNK_ROWS = 1 << 18
+# gather programs of the prefetch (at most): one per SM competes with the main stream's GEMMs for every
+# SM (the bench measured the 64-token step's compute slowed by more than the whole lookup); 32 keep
+# ~100 of the H200's 132 SMs free while still keeping hundreds of rows of PCIe reads in flight
+PREFETCH_PROGRAMS = 32  # 66 MB per copy chunk
 
 
 def thp_setting() -> str:
@@ -177,7 +192,15 @@ class HostEngramTable:
 
 
 class EngramPrefetcher:
-    """Fetches every Engram layer's rows at forward entry; `wait(layer)` hands them to the main stream."""
+    """Fetches every Engram layer's rows at forward entry; `wait(layer)` hands them to the main stream.
+
+    Host cost of `start()` on CUDA (it sits on the decode critical path): one event record on the main
+    stream, one event wait on the side stream, one gather launch for up to four tables (the ids of all
+    layers are read from hash_ids in place), one event record, `record_stream` of the ids. The launch
+    goes straight to Triton's compiled kernel with precomputed arguments and the side stream's handle
+    (no stream context switch, no argument binding); the first launch after (re)allocation takes the
+    ordinary JIT path, which compiles and returns that kernel. `start`/`wait` make no host syncs and
+    allocate nothing once the buffers exist, so they can also be captured in a CUDA graph."""
 
     def __init__(
         self,
@@ -187,6 +210,7 @@ class EngramPrefetcher:
         dtype: torch.dtype = torch.bfloat16,
         stream: torch.cuda.Stream | None = None,
         programs: int | None = None,
+        fast_launch: bool = True,
     ):
         self.tables = [t.data if isinstance(t, HostEngramTable) else t for t in tables]
         self.device = torch.device(device)
@@ -196,56 +220,110 @@ class EngramPrefetcher:
                 if not pinned:
                     raise ValueError("EngramPrefetcher: on CUDA the tables must be pinned host memory or on the GPU")
         self.dtype = dtype
-        self.programs = programs  # gather kernel grid cap (None: one program per SM)
+        self.programs = programs  # gather kernel grid cap (None: PREFETCH_PROGRAMS, at most one per SM)
         self.cuda = self.device.type == "cuda"
         self.max_tokens = max_tokens
-        self.buffers: list[torch.Tensor] = []  # per layer, [max_tokens * C * 256], allocated once
+        self.buffers: list[torch.Tensor] = []  # per layer, [max_tokens * C * 256], views of one allocation
+        self._flat = None
         self._columns = None
         self._shape = None
+        # launch groups: (first layer, tables) of at most MAX_TABLES tables each
+        self._groups = [(lo, self.tables[lo : lo + MAX_TABLES]) for lo in range(0, len(self.tables), MAX_TABLES)]
+        self._compiled: list = [None] * len(self._groups)  # Triton kernels for the direct launch
+        self._arg_cache: list = [None] * len(self._groups)
+        self._views, self._views_key = [], None  # wait()'s results for the current shape
+        self._fast = fast_launch and self.cuda
         if self.cuda:
             self.stream = stream or torch.cuda.Stream(self.device)
-            self.events = [torch.cuda.Event() for _ in self.tables]
+            self._stream_handle = self.stream.cuda_stream
+            self._ready = torch.cuda.Event()  # main stream: ids written, previous readers done
+            self._done = torch.cuda.Event()  # side stream: every layer's rows written
+            self.events = [self._done] * len(self.tables)  # one launch fills every layer
+            self._programs = programs or min(PREFETCH_PROGRAMS, default_programs(self.device))
+            self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         else:
             self.stream, self.events = None, [None] * len(self.tables)
+            self._programs = programs or default_programs(self.device)
+        self._waited = None  # stream handle that already waits on this step's event
 
     def _ensure(self, tokens: int, columns: int) -> None:
         if self._columns != columns or tokens > self.max_tokens:
             # a longer chunk than planned grows the buffers once (they stay at the larger size)
             self.max_tokens = max(self.max_tokens, tokens)
             self._columns = columns
-            self.buffers = [
-                torch.empty(self.max_tokens * columns * ROW_VALUES, dtype=self.dtype, device=self.device)
-                for _ in self.tables
-            ]
+            per = self.max_tokens * columns * ROW_VALUES
+            self._flat = torch.empty(len(self.tables) * per, dtype=self.dtype, device=self.device)
+            self.buffers = [self._flat[i * per : (i + 1) * per] for i in range(len(self.tables))]
+            self._compiled = [None] * len(self._groups)
+            self._arg_cache = [None] * len(self._groups)
+            self._views_key = None
+
+    def _args(self, group: int, ids: torch.Tensor, rows: int) -> tuple:
+        """Kernel arguments; all but the ids and the row count are built once per buffer allocation."""
+        cached = self._arg_cache[group]
+        if cached is None:
+            lo, tabs = self._groups[group]
+            L, C = len(self.tables), self._columns
+            full = gather_args(tabs, ids, rows, C, L * C, C, self.buffers[lo], self.buffers[0].numel())
+            cached = self._arg_cache[group] = (full[:8], full[9], full[11:])
+        head, out, tail = cached
+        return (*head, ids, out, rows, *tail)
 
     def start(self, hash_ids: torch.Tensor) -> None:
         """hash_ids [B, S, L, C] int64 (on `device`): launch every layer's gather; returns at once."""
         B, S, L, C = hash_ids.shape
         if L != len(self.tables):
             raise ValueError(f"EngramPrefetcher.start: hash_ids has {L} layers, {len(self.tables)} tables")
-        if self.cuda:
-            main = torch.cuda.current_stream(self.device)
-            # the side stream waits for the ids, and for the previous step's readers of the buffers
-            self.stream.wait_stream(main)
-            with torch.cuda.stream(self.stream):
-                self._ensure(B * S, C)
-                for layer, table in enumerate(self.tables):
-                    engram_gather(table, hash_ids[:, :, layer], out=self.buffers[layer], programs=self.programs)
-                    self.events[layer].record(self.stream)
-            hash_ids.record_stream(self.stream)
-        else:
-            self._ensure(B * S, C)
-            for layer, table in enumerate(self.tables):
-                engram_gather(table, hash_ids[:, :, layer], out=self.buffers[layer])
+        if hash_ids.dtype != torch.int64 or not hash_ids.is_contiguous():
+            hash_ids = hash_ids.to(torch.int64).contiguous()
+        self._ensure(B * S, C)
         self._shape = (B, S, C, ROW_VALUES)
+        if self._views_key != self._shape:
+            n = B * S * C * ROW_VALUES
+            self._views = [b[:n].view(self._shape) for b in self.buffers]
+            self._views_key = self._shape
+        self._waited = None
+        R = B * S * C  # rows per layer
+        if not self.cuda:
+            if use_triton(hash_ids):
+                for gi, (lo, tabs) in enumerate(self._groups):
+                    ids = hash_ids[:, :, lo:]
+                    launch_gather(self._args(gi, ids, R), gather_grid(R, len(tabs), self._programs))
+            else:
+                for layer, table in enumerate(self.tables):
+                    n = R * ROW_VALUES
+                    self.buffers[layer][:n].view(self._shape).copy_(
+                        engram_gather_twin(table, hash_ids[:, :, layer], self.dtype))
+            return
+        main = torch.cuda.current_stream(self._index)
+        # the side stream waits for the ids, and for the previous step's readers of the buffers
+        self._ready.record(main)
+        self.stream.wait_event(self._ready)
+        if R:
+            for gi, (lo, tabs) in enumerate(self._groups):
+                ids = hash_ids if lo == 0 else hash_ids[:, :, lo:]
+                grid = gather_grid(R, len(tabs), self._programs)
+                kernel = self._compiled[gi]
+                if kernel is not None and ids.data_ptr() % 16 == 0:
+                    args = self._args(gi, ids, R)
+                    kernel.run(grid, 1, 1, self._stream_handle, kernel.function, kernel.packed_metadata,
+                               None, None, None, *args)
+                else:
+                    with torch.cuda.stream(self.stream):
+                        kernel = launch_gather(self._args(gi, ids, R), grid)
+                    if self._fast and ids.data_ptr() % 16 == 0 and hasattr(kernel, "packed_metadata"):
+                        self._compiled[gi] = kernel  # compiled for 16-aligned ids; R is not specialized
+        self._done.record(self.stream)
+        if not torch.cuda.is_current_stream_capturing():
+            hash_ids.record_stream(self.stream)  # the caller may free the ids before the gather ran
 
     def wait(self, layer: int) -> torch.Tensor:
         """Rows of `layer`, [B, S, C, 256] in `dtype`; the current stream waits on the gather's event."""
         if self._shape is None:
             raise RuntimeError("EngramPrefetcher.wait before start")
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self.events[layer])
-        n = 1
-        for d in self._shape:
-            n *= d
-        return self.buffers[layer][:n].view(self._shape)
+            cur = torch.cuda.current_stream(self._index)
+            if self._waited != cur.cuda_stream:
+                cur.wait_event(self._done)
+                self._waited = cur.cuda_stream
+        return self._views[layer]

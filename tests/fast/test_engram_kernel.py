@@ -177,6 +177,23 @@ def test_prefetcher_cpu_rows_and_buffer_reuse():
 # ------------------------------------------------------------------------------------------------ GPU
 
 
+def test_prefetcher_cpu_many_tables_one_launch_each_four():
+    """Five tables: launches of four and one; non-contiguous int32 ids are taken as they come."""
+    embs = [make_embedding(60 + 7 * i, 20 + i) for i in range(5)]
+    tables = [HostEngramTable.from_embedding(e, mode="pageable") for e in embs]
+    pre = EngramPrefetcher(tables, "cpu", max_tokens=4)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.stack([torch.randint(0, e.num_embeddings, (2, 3, 4), generator=g) for e in embs], 2)
+    ids[0, 0, :, 0] = 0
+    ids[1, 2, 3, 1] = -5  # off the table: a row of zeros
+    strided = ids.to(torch.int32).transpose(0, 1).contiguous().transpose(0, 1)
+    pre.start(strided)
+    for layer in range(5):
+        want = embs[layer](ids[:, :, layer].clamp(min=0), torch.bfloat16)
+        want[1, 2, 1] = 0 if layer == 3 else want[1, 2, 1]
+        assert same_rows(pre.wait(layer), want)
+
+
 @gpu
 @needs_cuda
 def test_gpu_hash_v41_shapes():
@@ -199,11 +216,14 @@ def test_gpu_table_modes(mode):
     assert table.mode in allowed and table.is_pinned
     if table.mode == "pinned":
         assert table.data.is_pinned()
-    if table.mode != mode and not (mode == "auto" and table.mode == "thp-registered") and mode != "pinned":
+    # the mode each request gets when nothing fails ("thp" succeeds as "thp-registered")
+    wanted = {"auto": "thp-registered", "thp": "thp-registered", "registered": "registered", "pinned": "pinned"}
+    if table.mode != wanted[mode]:
         assert table.notes, "a fallback must say why"
     if thp_setting() in ("never", "unavailable"):
         assert table.mode != "thp-registered"
     ids = torch.randint(0, 5000, (3, 7, 24), device="cuda")
+    ids[0, 0, :2] = 0  # the row with every e4m3 code (-0.0 included: it must keep its sign bit)
     out = E.engram_gather(table.data, ids)  # the GPU reads host memory directly
     torch.cuda.synchronize()
     assert out.is_cuda and same_rows(out, emb(ids.cpu(), torch.bfloat16))
@@ -226,6 +246,7 @@ def test_gpu_prefetch_rows_equal_twin():
         for layer in range(2):
             rows = pre.wait(layer)
             assert same_rows(rows, embs[layer](ids[:, :, layer].cpu(), torch.bfloat16))
+    assert pre._compiled[0] is not None, "after the first launch start() must launch the compiled kernel directly"
 
 
 @gpu

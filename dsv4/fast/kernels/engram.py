@@ -9,7 +9,8 @@
     sequence start or at a DEAD token: that slot and every further one become `pad`) and rolls the hash.
     Custom op with a fake; off CUDA and outside the interpreter it computes with the twin.
 
-`engram_gather(table, ids, out=None, dtype=bf16) -> rows [..., 256]`
+`engram_gather(table, ids, out=None, dtype=bf16) -> rows [..., 256]` (one table; `gather_args` /
+`launch_gather` serve up to MAX_TABLES tables in one launch, as the prefetcher does)
     table: uint8 [rows, 264] (256 e4m3 bytes then 8 e8m0 scale bytes per row, see
     `dsv4.fast.engram_prefetch.HostEngramTable`), ids int64 [...]. The Triton kernel reads the rows
     straight from wherever the table lives: device memory, or pinned host memory through unified
@@ -141,16 +142,18 @@ def _(compressed, start, multipliers, primes, offsets, pad):
 
 @triton.jit
 def _e4m3_to_f32(byte):
-    """e4m3fn byte (int32 0..255) -> fp32, with integer ops only (exact; 0x7f/0xff are NaN)."""
+    """e4m3fn byte (int32 0..255) -> fp32, with integer ops only (exact; 0x7f/0xff are NaN).
+
+    The sign goes in as bit 31: a float negation would lose it for zero on Triton < 3.9, which compiles
+    `-x` as `0 - x` (so code 0x80, -0.0, would come out +0.0)."""
     sign = (byte >> 7) & 1
     exp = (byte >> 3) & 0xF
     man = byte & 0x7
     normal = ((exp + 120) << 23) | (man << 20)  # rebias 7 -> 127
-    bits = tl.where(exp == 0, 0, normal)
+    sub = (man.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # subnormal: man * 2^-9 (exact)
+    bits = tl.where(exp == 0, sub, normal)
     bits = tl.where((exp == 15) & (man == 7), 0x7FC00000, bits)
-    val = bits.to(tl.float32, bitcast=True)
-    val = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, val)  # subnormal: man * 2^-9
-    return tl.where(sign == 1, -val, val)
+    return (bits | (sign << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -161,34 +164,57 @@ def _e8m0_to_f32(byte):
     return bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit
+MAX_TABLES = 4  # tables served by one launch
+
+
+@triton.jit(do_not_specialize=["R"])
 def _gather_kernel(
-    table_ptr, ids_ptr, out_ptr, R, n_rows, ids_group, ids_stride_g,
-    BR: tl.constexpr, BF16: tl.constexpr,
+    t0, t1, t2, t3, n0, n1, n2, n3, ids_ptr, out_ptr,
+    R, ids_group, ids_stride_g, ids_stride_l, out_stride_l,
+    NL: tl.constexpr, BR: tl.constexpr, BF16: tl.constexpr,
 ):
-    # table_ptr: int32 words [rows, 66]; ids: element r at (r // ids_group) * ids_stride_g + r % ids_group.
-    # A persistent grid: program p handles row blocks p, p + P, ... (few programs leave the SMs to the
-    # main stream; each keeps BR rows of PCIe reads in flight).
+    # t0..t3: int32 words [rows, 66] of up to four tables (NL used), n0..n3 their row counts.
+    # Table l's row r: id at ids_ptr + l * ids_stride_l + (r // ids_group) * ids_stride_g + r % ids_group,
+    # output at out_ptr + l * out_stride_l + r * 256. One launch covers every table (R rows each).
+    # A persistent grid: program p handles row blocks p, p + P, ... of all tables (few programs leave the
+    # SMs to the main stream; each keeps BR rows of PCIe reads in flight).
     g = tl.arange(0, 8)  # scale group: 32 values
     w = tl.arange(0, 8)  # word in group: 4 values
     j = tl.arange(0, 4)  # byte in word
     e = tl.arange(0, 256)
-    for blk in range(tl.program_id(0), tl.cdiv(R, BR), tl.num_programs(0)):
-        r = blk * BR + tl.arange(0, BR)  # [BR]
+    nblk = tl.cdiv(R, BR)
+    for blk in range(tl.program_id(0), NL * nblk, tl.num_programs(0)):
+        layer = blk // nblk
+        table = t0
+        n_rows = n0
+        if NL > 1:  # noqa: SIM102 (a compile-time guard around a run-time branch)
+            if layer == 1:
+                table = t1
+                n_rows = n1
+        if NL > 2:  # noqa: SIM102 (a compile-time guard around a run-time branch)
+            if layer == 2:
+                table = t2
+                n_rows = n2
+        if NL > 3:  # noqa: SIM102 (a compile-time guard around a run-time branch)
+            if layer == 3:
+                table = t3
+                n_rows = n3
+        r = (blk - layer * nblk) * BR + tl.arange(0, BR)  # [BR]
         r_ok = r < R
         r64 = r.to(tl.int64)
-        rid = tl.load(ids_ptr + (r64 // ids_group) * ids_stride_g + r64 % ids_group, mask=r_ok, other=0)
+        l64 = layer.to(tl.int64)
+        rid = tl.load(ids_ptr + l64 * ids_stride_l + (r64 // ids_group) * ids_stride_g + r64 % ids_group,
+                      mask=r_ok, other=0)
         ok = r_ok & (rid >= 0) & (rid < n_rows)  # an id off the table reads nothing (rows of zeros)
-        base = table_ptr + tl.where(ok, rid, 0) * 66  # int64 word offsets
+        base = table + tl.where(ok, rid, 0) * 66  # int64 word offsets
         words = tl.load(base[:, None, None] + (g * 8)[None, :, None] + w[None, None, :],
                         mask=ok[:, None, None], other=0)  # [BR, 8, 8]
         sw = tl.load(base[:, None] + 64 + g[None, :] // 4, mask=ok[:, None], other=0)  # [BR, 8]
-        sbyte = (sw >> ((g % 4) * 8)[None, :]) & 0xFF
-        scale = _e8m0_to_f32(sbyte)  # [BR, 8]
+        scale = _e8m0_to_f32((sw >> ((g % 4) * 8)[None, :]) & 0xFF)  # [BR, 8]
         byte = (words[:, :, :, None] >> (j * 8)[None, None, None, :]) & 0xFF  # [BR, 8, 8, 4]
-        val = _e4m3_to_f32(byte) * scale[:, :, None, None]
+        val = _e4m3_to_f32(byte) * scale[:, :, None, None]  # exact: a power-of-two scale keeps the sign
         val = tl.reshape(val, [BR, 256])
-        dst = out_ptr + r64[:, None] * 256 + e[None, :]
+        dst = out_ptr + l64 * out_stride_l + r64[:, None] * 256 + e[None, :]
         if BF16:
             bits = val.to(tl.int32, bitcast=True)
             nan = (bits & 0x7FFFFFFF) > 0x7F800000
@@ -221,18 +247,48 @@ def _ids_layout(ids: torch.Tensor) -> tuple[int, int]:
     raise ValueError("engram_gather: ids must be contiguous or a slice hash_ids[..., layer, :]")
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
 def default_programs(device: torch.device) -> int:
     """Gather programs on a GPU: one per multiprocessor (4 warps each, so the main stream keeps most of
     every SM); under the interpreter a handful."""
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+GATHER_BR = 16  # rows per block
+
+
+def gather_args(tables, ids, R, group, stride_g, stride_l, out, out_stride_l):
+    """The kernel's arguments (everything but the grid) for tables (<= MAX_TABLES) sharing ids/out."""
+    words = [t.view(torch.int32) for t in tables]  # [rows, 66]
+    nl = len(words)
+    if not 1 <= nl <= MAX_TABLES:
+        raise ValueError(f"engram gather: 1..{MAX_TABLES} tables per launch, got {nl}")
+    pad = words + [words[0]] * (MAX_TABLES - nl)
+    rows = [t.shape[0] for t in tables] + [tables[0].shape[0]] * (MAX_TABLES - nl)
+    flat = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    return (*pad, *rows, ids, flat, R, group, stride_g, stride_l, out_stride_l, nl, GATHER_BR,
+            out.dtype == torch.bfloat16)
+
+
+def gather_grid(R: int, nl: int, programs: int) -> int:
+    return max(1, min(nl * triton.cdiv(R, GATHER_BR), programs))
+
+
+def launch_gather(args, grid: int):
+    """JIT launch on the current stream; returns Triton's compiled kernel (None under the interpreter)."""
+    return _gather_kernel[(grid,)](*args, num_warps=4)
 
 
 def engram_gather_triton(
     table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, programs: int | None = None
 ) -> torch.Tensor:
-    words = table.view(torch.int32)  # [rows, 66]
     R = ids.numel()
     try:
         group, stride = _ids_layout(ids)
@@ -241,13 +297,8 @@ def engram_gather_triton(
         group, stride = _ids_layout(ids)
     if R == 0:
         return out
-    BR = 16
-    flat = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
     programs = programs or default_programs(ids.device)
-    _gather_kernel[(max(1, min(triton.cdiv(R, BR), programs)),)](
-        words, ids, flat, R, table.shape[0], group, stride, BR=BR, BF16=out.dtype == torch.bfloat16,
-        num_warps=4,
-    )
+    launch_gather(gather_args([table], ids, R, group, stride, 0, out, 0), gather_grid(R, 1, programs))
     return out
 
 
