@@ -48,7 +48,7 @@ import torch
 from dsv4.fast.kernels import use_triton
 from dsv4.fast.kernels.topk import topk_select, topk_select_pool
 from dsv4.quant import dequantize_mxfp4
-from dsv4.reference.indexer import index_scores
+from dsv4.reference.indexer import index_scores, top_entries
 
 try:
     import triton
@@ -241,6 +241,11 @@ if triton is not None:
 # take "fp32"; the interpreter runs "scaled" correctly, so tests can ask for it.
 BF16_MODE = "scaled"
 _MODES = {"bf16": 0, "fp32": 1, "scaled": 2}
+
+
+# The radix select runs one program per row; past this many entries a row is faster in torch's top-k
+# (H200: 8K entries 87 vs 155 us, 64K 264 vs 391 us, 512K 2006 vs 229 us; bench/results/indexer.json).
+DENSE_SELECT_MAX_ENTRIES = 65536
 
 
 def _mode(q: torch.Tensor, mode: str | None = None) -> int:
@@ -488,6 +493,8 @@ def mqa_index_topk(
     width = min(k, T)
     if blocks is None:
         score = mqa_index_scores(q, k_packed, k_scale, weights, visible)
+        if score.shape[-1] > DENSE_SELECT_MAX_ENTRIES:  # one program per row: long rows are faster in torch
+            return top_entries(score, k)
         return topk_select(score, k)
     score = mqa_index_scores_pool(q, k_packed, k_scale, weights, visible, blocks, block_size)
     ids = topk_select_pool(score, blocks, block_size, k)

@@ -49,10 +49,12 @@ INTERP_BLOCK = 1024
 
 if triton is not None:
 
-    INT_MIN: tl.constexpr = -2147483648
+    # globals a kernel reads must be constexpr objects (an annotation is not enough for compiled Triton;
+    # the interpreter accepts either, so only the GPU would notice)
+    INT_MIN = tl.constexpr(-2147483648)
     # keys (signed int32, ordered like the floats) of -inf and of the canonical NaN 0x7FC00000
-    NEG_KEY: tl.constexpr = -2139095041  # 0xFF800000 ^ 0x7FFFFFFF = 0x807FFFFF
-    NAN_KEY: tl.constexpr = 2143289344  # 0x7FC00000
+    NEG_KEY = tl.constexpr(-2139095041)  # 0xFF800000 ^ 0x7FFFFFFF = 0x807FFFFF
+    NAN_KEY = tl.constexpr(2143289344)  # 0x7FC00000
 
     @triton.jit
     def _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL: tl.constexpr):
@@ -85,7 +87,7 @@ if triton is not None:
         n_nan = tl.zeros((), tl.int32)
         bins = tl.arange(0, 256)
         for p in tl.static_range(4):
-            SH: tl.constexpr = 24 - 8 * p
+            SH = 24 - 8 * p  # a constexpr: p is a static_range index
             hist = tl.zeros((256,), tl.int32)
             for c in range(0, T, BLOCK):
                 cols = c + tl.arange(0, BLOCK)
@@ -99,7 +101,7 @@ if triton is not None:
                     if p == 0:
                         n_nan += tl.sum((inb & (key == NAN_KEY)).to(tl.int32), axis=0)
                 if p > 0:
-                    HM: tl.constexpr = -(1 << (SH + 8))
+                    HM = -(1 << (SH + 8))
                     ok = ok & ((v & HM) == prefix)
                 hist += tl.histogram((v >> SH) & 255, 256, mask=ok)
             total = tl.sum(hist, axis=0)
