@@ -40,11 +40,6 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-def _require_engram() -> None:
-    if importlib.util.find_spec("dsv4.reference.engram") is None:
-        pytest.skip("dsv4/reference/engram.py is not there yet: the V4.1 tiny checkpoint needs its Engram layout")
-
-
 @pytest.fixture(scope="session")
 def tiny_v4_dir(tmp_path_factory) -> Path:
     return make_tiny_checkpoint("v4-flash", tmp_path_factory.mktemp("tiny-v4"))
@@ -57,13 +52,11 @@ def tiny_v4_dequantized_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_v41_dir(tmp_path_factory) -> Path:
-    _require_engram()
     return make_tiny_checkpoint("v41-flash", tmp_path_factory.mktemp("tiny-v41"))
 
 
 @pytest.fixture(scope="session")
 def tiny_v41_dequantized_dir(tmp_path_factory) -> Path:
-    _require_engram()
     return make_tiny_checkpoint("v41-flash", tmp_path_factory.mktemp("tiny-v41-dequantized"), dequantized=True)
 
 
