@@ -212,6 +212,20 @@ def call_compressor(comp, x):
     return comp(x, torch.arange(x.shape[1]), None)[0]
 
 
+def record_blocks(monkeypatch) -> dict:
+    """Record each block's output (streams, carried pre) by layer id while the test runs."""
+    blocks = {}
+    original = Block.forward
+
+    def block_forward(self, h, pre, *args, **kwargs):
+        out = original(self, h, pre, *args, **kwargs)
+        blocks[self.role.layer_id] = out
+        return out
+
+    monkeypatch.setattr(Block, "forward", block_forward)
+    return blocks
+
+
 def record_source_outputs(monkeypatch, model):
     """Record, per KV source, the compressed entries it stores (output of `_compressed_quant`) and
     the index keys it computes (output of `Indexer.keys`)."""
@@ -809,15 +823,8 @@ def test_decoder_replay_beyond_the_window(tiny, monkeypatch):
     keep = slice(S - WINDOW, S)
 
     # replay off, recording each block's (streams, carried pre) and the SharedKV
-    blocks = {}
     original = Block.forward
-
-    def block_forward(self, h, pre, *args, **kwargs):
-        out = original(self, h, pre, *args, **kwargs)
-        blocks[self.role.layer_id] = out
-        return out
-
-    monkeypatch.setattr(Block, "forward", block_forward)
+    blocks = record_blocks(monkeypatch)
     made = record_shared(monkeypatch)
     collect = record_source_outputs(monkeypatch, tiny)
     attn_positions = []
@@ -887,15 +894,8 @@ def test_decoder_replay_with_engram_in_a_decoder_layer(monkeypatch):
     model.engram_hasher = _StubHasher(50)
     ids = prompt(LONG)
     S, start, keep = LONG, config.decoder_start, slice(LONG - WINDOW, LONG)
-    blocks = {}
     original = Block.forward
-
-    def block_forward(self, h, pre, *args, **kwargs):
-        out = original(self, h, pre, *args, **kwargs)
-        blocks[self.role.layer_id] = out
-        return out
-
-    monkeypatch.setattr(Block, "forward", block_forward)
+    blocks = record_blocks(monkeypatch)
     made = record_shared(monkeypatch)
     collect = record_source_outputs(monkeypatch, model)
     with torch.no_grad():
