@@ -28,7 +28,8 @@ from dsv4.reference.moe import MoE
 
 
 class Block(nn.Module):
-    attention_cls = Attention
+    attention_cls = Attention  # subclasses swap mechanisms (the drafter's stages, dsv4.fast)
+    moe_cls = MoE
 
     def __init__(self, config: Dsv4Config, role: LayerRole, dtype: torch.dtype, n_experts=None, topk=None):
         super().__init__()
@@ -40,7 +41,7 @@ class Block(nn.Module):
 
             self.engram = Engram(config, role.layer_id, dtype)
         self.attn = self.attention_cls(config, role, dtype)
-        self.ffn = MoE(config, role, dtype, n_experts, topk)
+        self.ffn = self.moe_cls(config, role, dtype, n_experts, topk)
         self.attn_norm = RMSNorm(D, config.rms_norm_eps)
         self.ffn_norm = RMSNorm(D, config.rms_norm_eps)
         for site in ("attn", "ffn"):
@@ -80,13 +81,15 @@ class Block(nn.Module):
 
 
 class Dsv4Model(nn.Module):
+    block_cls = Block
+
     def __init__(self, config: Dsv4Config, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.config = config
         D, hc = config.hidden_size, config.hc_mult
         self.embed = nn.Embedding(config.vocab_size, D, dtype=dtype)
         self.embed.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(Block(config, role, dtype) for role in config.layer_roles)
+        self.layers = nn.ModuleList(self.block_cls(config, role, dtype) for role in config.layer_roles)
         self.norm = RMSNorm(D, config.rms_norm_eps)
         self.head = nn.Linear(D, config.vocab_size, bias=False, dtype=dtype)
         self.head.weight.requires_grad_(False)
@@ -106,11 +109,18 @@ class Dsv4Model(nn.Module):
         """Whether the official reference's precision steps are on."""
         return self.layers[0].attn.quant_sim
 
-    def set_quant_sim(self, on: bool) -> None:
-        """Switch the official reference's precision steps on or off in every submodule."""
+    def set_quant_sim(self, on: bool, activations: bool | None = None) -> None:
+        """Switch the official reference's precision steps on or off in every submodule.
+
+        `activations` (default: `on`) sets the FP8 activation rounding of the linears separately from
+        the KV-cache and indexer formats; the fast model stores the packed formats but runs its linears
+        on unrounded activations, i.e. `set_quant_sim(True, activations=False)`.
+        """
+        from dsv4.reference.linear import Linear
+
         for m in self.modules():
             if m is not self and hasattr(m, "quant_sim"):
-                m.quant_sim = on
+                m.quant_sim = on if activations is None or not isinstance(m, Linear) else activations
 
     def hidden_states(
         self,

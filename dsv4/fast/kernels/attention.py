@@ -16,7 +16,7 @@ exact for all three:
        (c & 7) << 2 | sign << 7 (e2m1 and e4m3 subnormals line up), and the 2^6 goes into the scale
 - BF16: plain rows [*, D] (1024 B per row)
 
-Ops (all return o [S, H, D] bf16):
+Ops (all return o [S, H, D] bf16; fp32 when the twin serves fp32 queries, i.e. off the GPU without the interpreter):
 - `dsv4::sparse_attn_fp4(q, win_q8, win_scale, win_idx, glob_packed, glob_scale, glob_idx, sink, softmax_scale, cos, sin, split_size=0)`
 - `dsv4::sparse_attn_fp8(q, win_q8, win_scale, win_idx, glob_q8, glob_scale, glob_idx, sink, softmax_scale, cos, sin, split_size=0)`
 - `dsv4::sparse_attn_bf16(q, win_kv, win_idx, glob_kv, glob_idx, sink, softmax_scale, cos, sin, split_size=0)`
@@ -71,13 +71,13 @@ class KV:
         n = self.data[0].numel() * self.data.element_size()
         return n + (0 if self.scale is None else self.scale[0].numel() * self.scale.element_size())
 
-    def dequantize(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows (long, any shape) -> bf16 [..., D], with dsv4.quant (exact)."""
+    def dequantize(self, rows: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Rows (long, any shape) -> [..., D] in dtype, with dsv4.quant (packed formats: exact in bf16)."""
         if self.fmt == BF16:
-            return self.data[rows].to(torch.bfloat16)
+            return self.data[rows].to(dtype)
         if self.fmt == FP8:
-            return dequantize_fp8(self.data[rows], self.scale[rows], (32,)).to(torch.bfloat16)
-        return dequantize_nvfp4(self.data[rows], self.scale[rows], 16).to(torch.bfloat16)
+            return dequantize_fp8(self.data[rows], self.scale[rows], (32,)).to(dtype)
+        return dequantize_nvfp4(self.data[rows], self.scale[rows], 16).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -357,19 +357,25 @@ def sparse_attn_reference(
     S, _, D = q.shape
     k = win_idx.shape[1] + glob_idx.shape[1]
     if k == 0:  # only the sink: every output is 0
-        return torch.zeros_like(q, dtype=torch.bfloat16)
+        return torch.zeros_like(q, dtype=_out_dtype(q))
     idx = torch.cat((win_idx, glob_idx), dim=1).long()  # [S, k]
     chunk = max(1, max_chunk_bytes // (k * D * 6))
     out = []
     for s0 in range(0, S, chunk):
         rows = idx[s0 : s0 + chunk].clamp(min=0)
         kw = win_idx.shape[1]
-        kv = torch.cat((win.dequantize(rows[:, :kw]), glob.dequantize(rows[:, kw:])), dim=1)  # [s, k, D]
+        dt = _out_dtype(q)
+        kv = torch.cat((win.dequantize(rows[:, :kw], dt), glob.dequantize(rows[:, kw:], dt)), dim=1)  # [s, k, D]
         allowed = (idx[s0 : s0 + chunk] >= 0).unsqueeze(1)  # [s, 1, k]
-        o = sparse_attention(q[s0 : s0 + chunk, None].to(torch.bfloat16), kv, allowed, sink, softmax_scale)
+        o = sparse_attention(q[s0 : s0 + chunk, None].to(dt), kv, allowed, sink, softmax_scale)
         out.append(o[:, 0])
     o = torch.cat(out)  # [S, H, D]
     return apply_rope(o[None], cos[None].float(), sin[None].float(), inverse=True)[0]
+
+
+def _out_dtype(q: torch.Tensor) -> torch.dtype:
+    """fp32 queries are served in fp32 by the twin (the CPU path); everything else computes in bf16."""
+    return torch.float32 if q.dtype == torch.float32 and not use_triton(q) else torch.bfloat16
 
 
 def _run(q, win: KV, win_idx, glob: KV, glob_idx, sink, softmax_scale, cos, sin, split_size) -> torch.Tensor:
@@ -414,7 +420,7 @@ def sparse_attn_bf16(
 
 
 def _fake(q, *args, **kwargs):
-    return torch.empty_like(q, dtype=torch.bfloat16)
+    return torch.empty_like(q, dtype=_out_dtype(q))
 
 
 for _op in (sparse_attn_fp4, sparse_attn_fp8, sparse_attn_bf16):

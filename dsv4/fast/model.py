@@ -1,0 +1,380 @@
+"""The fast model: the reference module tree and parameter names, computed with kernels.
+
+`make_fast(model)` turns a loaded `dsv4.reference.model.Dsv4Model` into a `FastModel` in place: the same
+modules (so the same checkpoints load), with forward methods that run the Triton kernels of
+`dsv4.fast.kernels`, and weights re-laid out once at load time:
+- FP8 linears are dequantized to the model dtype (an e4m3 value times a power of two is exact in bf16)
+  and run as dense GEMMs on unrounded activations (the reference with `set_quant_sim(True,
+  activations=False)`: packed KV and indexer formats, no FP8 activation rounding);
+- each MoE's MXFP4 experts are stacked for the fused expert kernel (the per-expert parameters become
+  views into the stacked tensors, so names and bytes stay those of the checkpoint).
+
+Two ways through the model:
+- `hidden_states(ids, cache, start_pos)` (inherited): the module path, any chunk length, for prefill and
+  bounded replay, against any cache implementing the reference interface (`dsv4.fast.cache.SlotCache`);
+- `decode_step(ids, slots, state)`: one token for each of B sequences in `SlotState` slots, with static
+  shapes, positions read from device memory and no host synchronization, so the runner captures it in
+  a CUDA graph per batch size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsv4.fast.cache import POOL_BLOCK, SlotState
+from dsv4.fast.kernels.attention import sparse_attn_bf16, sparse_attn_fp4
+from dsv4.fast.kernels.engram import engram_hash
+from dsv4.fast.kernels.indexer import mqa_index_scores_pool
+from dsv4.fast.kernels.mhc import mhc_post, mhc_pre
+from dsv4.fast.kernels.moe_experts import moe_mxfp4_with_shared, stack_expert_weights
+from dsv4.fast.kernels.moe_routing import gate_route
+from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant
+from dsv4.fast.kernels.topk import topk_select
+from dsv4.quant import dequantize_fp8, dequantize_mxfp4
+from dsv4.reference.attention import Attention, SharedKV
+from dsv4.reference.indexer import hadamard, index_scores, select_candidate_blocks
+from dsv4.reference.linear import Linear
+from dsv4.reference.mhc import hc_collapse, hc_head_pre, one_hot_pre
+from dsv4.reference.model import Block, Dsv4Model
+from dsv4.reference.moe import MoE
+from dsv4.reference.rope import apply_rope
+
+NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------------------------- MoE
+class FastMoE(MoE):
+    """Routing in one kernel (gate GEMM included), routed MXFP4 experts and the shared expert in one op."""
+
+    def prepare(self) -> None:
+        if any(e.w1.fmt != "fp4" for e in self.experts):
+            raise ValueError("the fast model runs MXFP4 routed experts; this checkpoint's experts are not MXFP4")
+        stacked = stack_expert_weights(self, shared_dtype=self.gate.weight.dtype)
+        self.limit = stacked.pop("limit")
+        self.stacked = stacked
+        inter = stacked["w2"].shape[-1] * 2
+        for e, expert in enumerate(self.experts):  # the checkpoint's names now view the stacked bytes
+            for name, data, scale, rows in (("w1", "w13", "s13", slice(0, inter)), ("w3", "w13", "s13", slice(inter, None)),
+                                            ("w2", "w2", "s2", slice(None))):
+                lin = getattr(expert, name)
+                lin.weight.data = stacked[data][e, rows].view(lin.weight.dtype)
+                lin.scale.data = stacked[scale][e, rows].view(lin.scale.dtype)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, D], input_ids: [B, S] -> [B, S, D]."""
+        flat = x.flatten(0, 1)
+        g = self.gate
+        hashed = g.tid2eid[input_ids.flatten()] if hasattr(g, "tid2eid") else None
+        weights, ids = gate_route(flat, g.weight, getattr(g, "bias", None), hashed, g.topk, g.temp, g.scale,
+                                  g.norm_topk_prob, g.scoring_func)
+        s = self.stacked
+        y = moe_mxfp4_with_shared(flat, ids, weights, s["w13"], s["s13"], s["w2"], s["s2"], s["shared13"],
+                                  s["shared2"], self.limit)
+        return y.to(x.dtype).view_as(x)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+class FastAttention(Attention):
+    """The module path with the sparse attention kernel, and the static decode step."""
+
+    # -------------------------------------------------------------- module path (prefill, replay)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: SharedKV, cache) -> torch.Tensor:
+        """As Attention.forward (batch 1): x [1, S, D] at positions [S] -> [1, S, D]."""
+        if x.shape[0] != 1:
+            raise ValueError(f"the fast module path runs one sequence at a time, got a batch of {x.shape[0]}")
+        cos, sin = self.rotary.cos_sin(positions)
+        q, qr, kv = self._q_kv(x, cos[None], sin[None])
+        layer = self.role.layer_id
+        past, past_pos = cache.window(layer)
+        cache.append_window(layer, kv, positions)
+        key_pos = positions
+        if past is not None:
+            kv, key_pos = torch.cat((past.to(kv.dtype), kv), dim=1), torch.cat((past_pos, positions))
+        # the window: key rows of positions p - W + 1 .. p (key_pos is consecutive)
+        back = positions[:, None] - torch.arange(self.window, device=x.device)  # [S, W]
+        win_idx = torch.where(back >= key_pos[0], back - key_pos[0], -1)
+        glob, glob_idx = kv.new_zeros(1, kv.shape[-1]), positions.new_zeros(positions.shape[0], 0)
+        if self.role.compress_ratio:
+            comp, allowed = self._compressed(x, qr, positions, shared, cache)
+            glob = comp[0]
+            if self.role.index_source is None:
+                glob_idx = _selected_ids(allowed[0])
+            else:
+                glob_idx = shared.topk[self.role.index_source][0]
+        o = sparse_attn_bf16(q[0], kv[0], win_idx, glob.to(kv.dtype), glob_idx, self.attn_sink, self.head_dim**-0.5,
+                             cos, sin)
+        return self._output(o.to(x.dtype)[None])
+
+    def _q_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated queries [B, S, H, Dh], the q latent [B, S, q_lora_rank] and the window-quantized KV row."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        if not self.is_v41:  # V4 only: weightless RMS norm per query head
+            qf = q.float()
+            q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        return q, qr, self._window_rows(kv)
+
+    def _window_rows(self, kv: torch.Tensor) -> torch.Tensor:
+        """Attention._window_quant without a host sync (the quantization kernels)."""
+        if not self.quant_sim:
+            return kv
+        if self.is_v41:
+            return _fp8_round(kv, 32)
+        rd = self.rope_dim
+        return torch.cat((_fp8_round(kv[..., :-rd], 64), kv[..., -rd:]), dim=-1)
+
+    # -------------------------------------------------------------- decode step
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, state: SlotState, shared: SharedKV):
+        """x [B, D]: one token of each sequence, at positions pos [B] of slots [B] -> [B, D]."""
+        cos, sin = self.rotary.cos_sin(pos)  # [B, R/2]
+        q, qr, kv = self._q_kv(x[:, None], cos[:, None], sin[:, None])
+        q, qr, kv = q[:, 0], qr[:, 0], kv[:, 0]
+        layer, W = self.role.layer_id, self.window
+        window = state.windows[layer]
+        window.write(slots, pos % W, kv)
+        back = pos[:, None] - torch.arange(W, device=x.device)  # [B, W]
+        win_idx = torch.where(back >= state.window_start[slots, None], slots[:, None] * W + back % W, -1)
+        win_data, win_scale = window.flat()
+        if self.role.compress_ratio:
+            if self.role.owns_compressor:
+                self._compress_decode(x, pos, slots, state)
+            store = state.compressed[self.role.kv_source]
+            glob_idx = self._global_ids(x, qr, pos, slots, state, shared, store.data.shape[1])
+        else:
+            store = state.empty_global
+            glob_idx = pos.new_zeros(pos.shape[0], 0)
+        glob_data, glob_scale = store.flat()
+        scale = self.head_dim**-0.5
+        if store.fmt == "nvfp4":
+            o = sparse_attn_fp4(q, win_data, win_scale, win_idx, glob_data, glob_scale, glob_idx,
+                                self.attn_sink, scale, cos, sin)
+        else:
+            o = sparse_attn_bf16(q, win_data, win_idx, glob_data, glob_idx, self.attn_sink, scale, cos, sin)
+        return self._output(o.to(x.dtype)[:, None])[:, 0]
+
+    def _global_ids(self, x, qr, pos, slots, state, shared, stride) -> torch.Tensor:
+        """Rows of the source's compressed store each query attends to [B, k] (-1 = none)."""
+        role, r = self.role, self.role.compress_ratio
+        visible = (pos + 1) // r  # [B]
+        if role.index_source is None:  # HCA: every visible entry
+            entries = torch.arange(state.capacity[role.kv_source], device=x.device)
+            return torch.where(entries < visible[:, None], slots[:, None] * stride + entries, -1)
+        if role.owns_indexer:
+            shared.topk[role.layer_id] = self._index_decode(x, qr, pos, slots, state, shared, visible)
+        picks = shared.topk[role.index_source]
+        return torch.where(picks >= 0, slots[:, None] * stride + picks, -1)
+
+    def _index_decode(self, x, qr, pos, slots, state, shared, visible) -> torch.Tensor:
+        """The indexer's top-k entry ids [B, k] (-1 = none), as Indexer.forward for one token per row."""
+        ix, role = self.indexer, self.role
+        B = x.shape[0]
+        cos, sin = self.rotary.cos_sin(pos)
+        q = ix.wq_b(qr).unflatten(-1, (ix.n_heads, ix.head_dim))  # [B, Hi, di]
+        q = apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
+        w = ix.weights_proj(x) * (ix.head_dim**-0.5 * ix.n_heads**-0.5)  # [B, Hi]
+        keys = state.index_keys[role.kv_source if self.is_v41 else role.layer_id]
+        stride, cap = keys.data.shape[1], state.capacity[role.kv_source]
+        if keys.fmt == "mxfp4":
+            q = _fake_mxfp4(q, self.is_v41)
+            blocks = slots[:, None] * (stride // POOL_BLOCK) + torch.arange(cap // POOL_BLOCK, device=x.device)
+            k_data, k_scale = keys.flat()
+            score = mqa_index_scores_pool(q, k_data, k_scale, w.float(), (slots * stride + visible).int(), blocks.int(),
+                                          POOL_BLOCK)
+        else:  # unpacked keys (quant_sim off): index_scores over the slot's rows
+            score = index_scores(q[:, None], keys.data[slots, :cap].to(q.dtype), w[:, None])[:, 0]
+            score = score.masked_fill(torch.arange(cap, device=x.device) >= visible[:, None], NEG_INF)
+        if role.candidate_role == "source":
+            pool = select_candidate_blocks(score[None], visible, ix.candidate_topk_blocks, ix.candidate_block_size)
+            shared.candidates = pool[0]
+        elif role.candidate_role == "consumer":
+            score = score.masked_fill(~shared.candidates, NEG_INF)
+        return topk_select(score, ix.topk).view(B, -1)
+
+    def _compress_decode(self, x, pos, slots, state: SlotState) -> None:
+        """The compressor step of one token per row: carry the token, and store the entry (and index key)
+        of the group it completes; rows completing no group write to the slot's spare row."""
+        role, r, layer = self.role, self.role.compress_ratio, self.role.layer_id
+        latent = _compressor_step(self.compressor, x, pos, slots, state.carries.get(f"{layer}.compressor"))
+        first = (pos + 1) // r - 1  # the group this token would complete
+        row = torch.where((pos + 1) % r == 0, first, state.capacity[layer])
+        cos, sin = self.rotary.cos_sin(first.clamp(min=0) * r)
+        cos, sin = cos[:, None], sin[:, None]
+        entry = apply_rope(latent[:, None], cos, sin)
+        # V4.1's NVFP4 rounding is the store's own encoding
+        state.compressed[layer].write(slots, row, (entry if self.is_v41 else self._window_rows(entry))[:, 0])
+        if role.owns_index_keys:
+            ix = self.indexer
+            if self.is_v41:
+                k = ix.k_norm(ix.wk(latent))
+            else:
+                k = _compressor_step(ix.compressor, x, pos, slots, state.carries[f"{layer}.indexer.compressor"])
+            k = apply_rope(k[:, None], cos, sin)[:, 0]
+            state.index_keys[layer].write(slots, row, k if self.is_v41 or not ix.quant_sim else hadamard(k))
+
+
+def _compressor_step(comp, x, pos, slots, carry) -> torch.Tensor:
+    """Compressor.forward for one token per row, on a ring of the last 2 * ratio raw projections.
+
+    Returns the normalized latent [B, d] of the group ending at pos (meaningful where (pos + 1) % ratio
+    == 0; elsewhere the caller drops it)."""
+    r, d = comp.ratio, comp.head_dim
+    if r == 1:
+        return comp.norm(comp.wkv(x))
+    kv_ring, score_ring = carry  # [slots, 2r, coff * d] fp32
+    kv, score = comp.wkv(x), comp.wgate(x)
+    if hasattr(comp, "ape"):
+        score = score + comp.ape[pos % r]
+    kv_ring[slots, pos % (2 * r)] = kv
+    score_ring[slots, pos % (2 * r)] = score
+    group = pos[:, None] - (r - 1) + torch.arange(r, device=x.device)  # [B, r]: the group ending at pos
+    if comp.overlap:  # slots 0..r-1: the previous group's first halves (padding before group 0)
+        group = torch.cat((group - r, group), dim=1)
+    kv = kv_ring[slots[:, None], group % (2 * r)]  # [B, r or 2r, coff * d]
+    score = score_ring[slots[:, None], group % (2 * r)]
+    if comp.overlap:
+        has_prev = (group[:, :r] >= 0)[..., None]
+        kv = torch.cat((torch.where(has_prev, kv[:, :r, :d], 0.0), kv[:, r:, d:]), dim=1)
+        score = torch.cat((torch.where(has_prev, score[:, :r, :d], NEG_INF), score[:, r:, d:]), dim=1)
+    pooled = (kv * score.softmax(dim=1)).sum(dim=1)  # [B, d]
+    return comp.norm(pooled.to(x.dtype))
+
+
+def _fp8_round(x: torch.Tensor, block: int) -> torch.Tensor:
+    """fake_quant_fp8 without its NaN check's host sync."""
+    return dequantize_fp8(*fp8_quant(x.contiguous(), block), (block,)).to(x.dtype)
+
+
+def _fake_mxfp4(t: torch.Tensor, is_v41: bool) -> torch.Tensor:
+    """Indexer._fp4 without a host sync: MXFP4 round trip (V4: of the Hadamard-rotated vector)."""
+    t = t if is_v41 else hadamard(t)
+    return dequantize_mxfp4(*mxfp4_quant(t, 32), 32).to(t.dtype)
+
+
+def _selected_ids(allowed: torch.Tensor) -> torch.Tensor:
+    """A bool mask [S, G] -> the allowed columns per row [S, G], -1 elsewhere (no host sync)."""
+    G = allowed.shape[-1]
+    cols = torch.arange(G, device=allowed.device).expand_as(allowed)
+    return torch.where(allowed, cols, -1)
+
+
+# ---------------------------------------------------------------------------------------------- blocks
+class FastBlock(Block):
+    attention_cls = FastAttention
+    moe_cls = FastMoE
+
+    def site(self, h: torch.Tensor, site: str, collapse_pre: torch.Tensor | None):
+        """mHC pre-site pass for h [N, hc, D] -> (x, pre, post, comb); see dsv4.fast.kernels.mhc."""
+        c = self.config
+        fn, scale, base = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "scale", "base"))
+        return mhc_pre(h, fn, scale, base, collapse_pre, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+
+    def forward(self, h, pre, input_ids, positions, shared, cache=None, hash_ids=None):
+        """As Block.forward: h [B, S, hc, D]."""
+        if self.role.engram:
+            h = self.engram(h, hash_ids)
+        B, S = h.shape[:2]
+        single_pass = self.config.is_v41
+        flat = h.flatten(0, 1)  # [N, hc, D]
+        x, attn_pre, post, comb = self.site(flat, "attn", pre.flatten(0, 1) if single_pass else None)
+        a = self.attn(self.attn_norm(x).view(B, S, -1), positions, shared, cache)
+        flat = mhc_post(a.flatten(0, 1), flat, post, comb)
+        x, ffn_pre, post, comb = self.site(flat, "ffn", attn_pre if single_pass else None)
+        f = self.ffn(self.ffn_norm(x).view(B, S, -1), input_ids)
+        flat = mhc_post(f.flatten(0, 1), flat, post, comb)
+        return flat.view_as(h), ffn_pre.view(B, S, -1)
+
+    def decode(self, h, pre, ids, pos, slots, state, shared, hash_ids):
+        """One token per row: h [B, hc, D], pre [B, hc] (V4.1) -> (h, pre)."""
+        if self.role.engram:
+            h = self.engram(h[:, None], hash_ids[:, None])[:, 0]
+        single_pass = self.config.is_v41
+        x, attn_pre, post, comb = self.site(h, "attn", pre if single_pass else None)
+        h = mhc_post(self.attn.decode(self.attn_norm(x), pos, slots, state, shared), h, post, comb)
+        x, ffn_pre, post, comb = self.site(h, "ffn", attn_pre if single_pass else None)
+        h = mhc_post(self.ffn(self.ffn_norm(x)[:, None], ids[:, None])[:, 0], h, post, comb)
+        return h, ffn_pre
+
+
+# ---------------------------------------------------------------------------------------------- model
+class FastModel(Dsv4Model):
+    block_cls = FastBlock
+
+    @torch.no_grad()
+    def decode_step(self, ids: torch.Tensor, slots: torch.Tensor, state: SlotState) -> torch.Tensor:
+        """ids [B] (one new token per sequence) in slots [B] -> logits [B, vocab] fp32.
+
+        Appends each token at its slot's length and advances the lengths; every shape is static and no
+        value crosses to the host, so the runner captures this in a CUDA graph."""
+        c = self.config
+        pos = state.lengths[slots]  # [B]
+        state.tokens[slots, pos] = ids
+        state.lengths[slots] = pos + 1
+        state.lengths[state.scratch] = 0  # padding rows write at position 0 of the scratch slot, every step
+        h = self.embed(ids)[:, None].expand(-1, c.hc_mult, -1).contiguous()  # [B, hc, D]
+        pre = one_hot_pre(h[:, None])[:, 0] if c.is_v41 else None
+        hash_ids = self._decode_hash_ids(pos, slots, state) if c.is_v41 and c.engram_layer_ids else None
+        shared = SharedKV()
+        for layer in self.layers:
+            rows = hash_ids[:, c.engram_layer_ids.index(layer.role.layer_id)] if layer.role.engram else None
+            h, pre = layer.decode(h, pre, ids, pos, slots, state, shared, rows)
+        if c.is_v41:
+            x = hc_collapse(h[:, None], pre[:, None])[:, 0]
+        else:
+            head_pre = hc_head_pre(h[:, None], self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.rms_norm_eps, c.hc_eps)
+            x = hc_collapse(h[:, None], head_pre)[:, 0]
+        return self.logits(x)
+
+    def _decode_hash_ids(self, pos, slots, state: SlotState) -> torch.Tensor:
+        """Engram rows of the new tokens [B, n_layers, (N-1)*H] from the slots' last N tokens."""
+        hasher, N = self.engram_hasher, self.config.engram_max_ngram_size
+        back = pos[:, None] - torch.arange(N - 1, -1, -1, device=pos.device)  # [B, N], oldest first
+        tokens = state.tokens[slots[:, None], back.clamp(min=0)]
+        compressed = hasher.compress(tokens).masked_fill(back < 0, -1)  # before the start: DEAD, i.e. padding
+        rows = engram_hash(compressed, N - 1, hasher.multipliers, hasher.primes, hasher.offsets, hasher.pad)
+        return rows[:, 0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from bf16 operands: exact products, fp32 accumulation, no fp32 copy of the head."""
+        x = self.norm(hidden)
+        if x.is_cuda and x.dtype == torch.bfloat16:
+            flat = torch.mm(x.reshape(-1, x.shape[-1]), self.head.weight.t(), out_dtype=torch.float32)
+            return flat.view(*x.shape[:-1], -1)
+        return F.linear(x.float(), self.head.weight.float())
+
+
+def make_fast(model: Dsv4Model, packed_kv: bool = True) -> FastModel:
+    """Turn a loaded reference model into the fast model, in place (see the module docstring).
+
+    `packed_kv` keeps the KV cache and index keys in the released formats (FP8 / NVFP4 / MXFP4, the
+    reference's quant_sim steps); off, they stay in the model dtype and the model computes as the
+    reference with quant_sim off (what the whole-model A-vs-B tests compare: rounding-free, so no
+    rounding boundary can amplify a summation-order difference).
+
+    The fast classes add no parameters, only forward methods; switching the instances' classes keeps
+    every module, name and tensor of the checkpoint where the loader put it."""
+    if model.embed.weight.is_meta:
+        raise ValueError("make_fast needs a loaded model (its weights are still on the meta device)")
+    model.__class__ = FastModel
+    for block in model.layers:
+        block.__class__ = FastBlock
+        block.attn.__class__ = FastAttention
+        block.ffn.__class__ = FastMoE
+    dtype = model.embed.weight.dtype
+    for m in model.modules():
+        if isinstance(m, Linear) and m.fmt == "fp8":
+            _dequantize_in_place(m, torch.float32 if m.fp32 else dtype)
+    for block in model.layers:
+        block.ffn.prepare()
+    model.set_quant_sim(packed_kv, activations=False)
+    return model
+
+
+def _dequantize_in_place(linear: Linear, dtype: torch.dtype) -> None:
+    """An FP8 linear becomes a dense one holding its exact values."""
+    weight = linear.dequantized_weight().to(dtype)
+    linear.fmt = "dense"
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    linear.register_parameter("scale", None)

@@ -1,0 +1,153 @@
+"""The fast runner: a FastModel over preallocated slot state, decode captured as CUDA graphs.
+
+    runner = Runner(make_fast(load_model(path)).cuda(), max_seqs=8, max_len=8192)
+    slot = runner.allocate()
+    logits = runner.prefill(slot, prompt_ids)              # module path, any length, chunked by the caller
+    logits = runner.decode([slot, ...], next_ids)          # one token per sequence: a graph replay
+    runner.resume(slot, from_slot, length)                 # prefix hit: copy, then bounded replay
+
+Decode runs `FastModel.decode_step` for a batch padded up to the next captured size (padding rows use
+the scratch slot, whose writes nobody reads); the graph for each size is captured on first use. Without
+CUDA (or with `cuda_graphs=False`) the same step runs eagerly. Positions live in device memory, so a
+decode step needs no host synchronization: the host only tracks lengths to reject overflows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dsv4.fast.cache import SlotCache, SlotState
+from dsv4.fast.model import FastModel
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class OutOfSlots(RuntimeError):
+    pass
+
+
+class Runner:
+    """Args:
+        model: a FastModel (`dsv4.fast.model.make_fast`) on its device.
+        max_seqs: sequence slots; max_len: tokens per slot (prompt + generation).
+        cuda_graphs: capture decode steps (default: on a CUDA device).
+        batch_sizes: decode batch sizes to capture; a batch runs padded to the next one.
+    """
+
+    def __init__(
+        self,
+        model: FastModel,
+        max_seqs: int = 8,
+        max_len: int = 8192,
+        cuda_graphs: bool | None = None,
+        batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    ):
+        if not isinstance(model, FastModel):
+            raise TypeError("Runner drives a FastModel: pass dsv4.fast.model.make_fast(model)")
+        self.model, self.config = model, model.config
+        weight = model.embed.weight
+        self.state = SlotState(model.config, max_seqs, max_len, weight.dtype, weight.device, packed=model.quant_sim)
+        self.cuda_graphs = weight.is_cuda if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and not weight.is_cuda:
+            raise ValueError("cuda_graphs needs the model on a CUDA device")
+        self.batch_sizes = sorted({b for b in batch_sizes if b < max_seqs} | {max_seqs})
+        self._free = list(range(max_seqs))
+        self._length = [0] * max_seqs  # host mirror of state.lengths, for bounds checks only
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ slots
+    def allocate(self) -> int:
+        if not self._free:
+            raise OutOfSlots(f"all {self.state.max_seqs} sequence slots are in use")
+        slot = self._free.pop(0)
+        self.state.clear(slot)
+        self._length[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.state.max_seqs:
+            raise ValueError(f"slot {slot} is not allocated")
+        self._free.append(slot)
+
+    def length(self, slot: int) -> int:
+        return self._length[slot]
+
+    # ------------------------------------------------------------------ prefill and replay
+    @torch.inference_mode()
+    def prefill(self, slot: int, ids: Sequence[int] | torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
+        """Run ids (the tokens at start_pos.., default: the slot's end) -> logits [vocab] of the last one."""
+        start = self._length[slot] if start_pos is None else start_pos
+        ids = torch.as_tensor(ids, device=self.state.device).view(1, -1)
+        cache = SlotCache(self.state, slot)
+        hidden = self.model.hidden_states(ids, cache=cache, start_pos=start)
+        self._length[slot] = start + ids.shape[1]
+        return self.model.logits(hidden[0, -1])
+
+    @torch.inference_mode()
+    def resume(self, slot: int, source: int, length: int) -> None:
+        """Start `slot` from `source`'s first `length` tokens as a prefix-cache hit does under SWA bounded
+        replay (`dsv4.reference.model.bounded_replay_state`): the compressed KV, index keys and carries
+        are copied, the windows rebuilt by recomputing the last `sliding_window` positions."""
+        W = self.config.sliding_window
+        if length < W or length > self._length[source]:
+            raise ValueError(f"a bounded replay resumes {W}..{self._length[source]} tokens, not {length}")
+        ratios = {r for r in self.config.compress_ratios[: self.config.num_hidden_layers] if r}
+        if any(length % r for r in ratios):
+            raise ValueError(f"resume at a multiple of every compression ratio {sorted(ratios)}, not {length}")
+        # V4's overlapping compressors need the raw projections of the group before `length`: the ring
+        # keeps them until the source has moved on by another group
+        if not self.config.is_v41 and self._length[source] - length > 4:
+            raise ValueError(f"slot {source} has moved {self._length[source] - length} tokens past {length}; "
+                             "its overlapping compressors no longer hold that prefix's last group")
+        self.state.copy_prefix(source, slot, length)
+        self._length[slot] = length
+        cache = SlotCache(self.state, slot)
+        cache.reset_windows()
+        tokens = self.state.tokens[slot : slot + 1, length - W : length]
+        self.model.hidden_states(tokens, cache=cache, start_pos=length - W)
+
+    # ------------------------------------------------------------------ decode
+    @torch.inference_mode()
+    def decode(self, slots: Sequence[int], ids: torch.Tensor) -> torch.Tensor:
+        """One new token per slot: ids [B] -> logits [B, vocab] fp32 (valid until the next decode)."""
+        B = len(slots)
+        if ids.shape != (B,):
+            raise ValueError(f"decode takes one token id per slot: {B} slots, ids of shape {tuple(ids.shape)}")
+        for slot in slots:
+            if self._length[slot] >= self.state.max_len:
+                raise ValueError(f"slot {slot} is full: max_len is {self.state.max_len}")
+            if self._length[slot] == 0:
+                raise ValueError(f"slot {slot} has no prompt: prefill it first")
+        size = next((b for b in self.batch_sizes if b >= B), None)
+        if size is None:
+            raise ValueError(f"a decode batch of {B} exceeds max_seqs {self.state.max_seqs}")
+        for slot in slots:
+            self._length[slot] += 1
+        slot_ids = torch.tensor(list(slots) + [self.state.scratch] * (size - B), device=self.state.device)
+        padded = torch.zeros(size, dtype=torch.int64, device=self.state.device)
+        padded[:B] = ids
+        if not self.cuda_graphs:
+            return self.model.decode_step(padded, slot_ids, self.state)[:B]
+        graph, static_ids, static_slots, logits = self._graph(size)
+        static_ids.copy_(padded)
+        static_slots.copy_(slot_ids)
+        graph.replay()
+        return logits[:B]
+
+    def _graph(self, size: int):
+        if size not in self._graphs:
+            ids = torch.zeros(size, dtype=torch.int64, device=self.state.device)
+            slots = torch.full((size,), self.state.scratch, device=self.state.device)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # compile the kernels and warm the allocator outside the capture
+                for _ in range(2):
+                    self.model.decode_step(ids, slots, self.state)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self.model.decode_step(ids, slots, self.state)
+            self._graphs[size] = (graph, ids, slots, logits)
+        return self._graphs[size]
