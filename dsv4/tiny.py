@@ -224,7 +224,7 @@ def _without_quantization(raw: dict) -> dict:
 
 # ----------------------------------------------------------------------------- tensors
 def _normal(gen: torch.Generator, shape, std: float, mean: float = 0.0) -> torch.Tensor:
-    return torch.randn(shape, generator=gen) * std + mean
+    return torch.randn(shape, generator=gen, device=gen.device) * std + mean
 
 
 def _dense_value(module: nn.Module, attr: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
@@ -271,11 +271,18 @@ def _slot_tensors(name: str, module: nn.Module, attr: str, slot: torch.Tensor, g
         weight, scale = _quantized(module, gen)
         return {name: weight, name.removesuffix("weight") + "scale": scale}
     if attr == "tid2eid":  # hash routing: k distinct experts per token id
-        ranks = torch.rand(slot.shape[0], module.weight.shape[0], generator=gen).argsort(dim=-1)
+        ranks = torch.rand(slot.shape[0], module.weight.shape[0], generator=gen, device=gen.device).argsort(dim=-1)
         return {name: ranks[:, : slot.shape[1]].contiguous()}
     # the model computes norms in fp32, but the release stores them in BF16
     dtype = torch.bfloat16 if isinstance(module, RMSNorm) else slot.dtype
     return {name: _dense_value(module, attr, slot.shape, gen).to(dtype)}
+
+
+def iter_random_tensors(model: Dsv4Model, gen: torch.Generator):
+    """(name, tensor) for every tensor `model` (a meta-device model) loads, in checkpoint storage, drawn
+    from `gen` and made on its device (a CUDA generator makes them on the GPU, one at a time)."""
+    for name, (module, attr, slot, _) in _slots(model).items():
+        yield from _slot_tensors(name, module, attr, slot, gen).items()
 
 
 def random_tensors(model: Dsv4Model, seed: int) -> dict[str, torch.Tensor]:
@@ -283,11 +290,7 @@ def random_tensors(model: Dsv4Model, seed: int) -> dict[str, torch.Tensor]:
 
     The slots are the loader's own list, so the checkpoint holds exactly what loading expects.
     """
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, (module, attr, slot, _) in _slots(model).items():
-        out.update(_slot_tensors(name, module, attr, slot, gen))
-    return out
+    return dict(iter_random_tensors(model, torch.Generator().manual_seed(seed)))
 
 
 # ----------------------------------------------------------------------------- writing

@@ -1,0 +1,536 @@
+"""Full-width DeepSeek-V4.1-Flash / V4-Flash models with random weights and only a few layers, for GPU benchmarks.
+
+    python -m bench.full_width --arch v41 --layers 4 --device cuda   # build on the GPU, print bytes per layer
+    python -m bench.full_width --arch v4 --layers 4                  # --device meta (default): shapes only
+
+Library use (from a benchmark):
+
+    from bench.full_width import full_width_config, build_random_model, transformers_model
+    config = full_width_config("v41", 4)                # released widths, 4 layers with the interesting roles
+    model = build_random_model(config, "cuda")          # dsv4.reference.model.Dsv4Model, weights on the GPU
+    hf = transformers_model(build_random_model(full_width_config("v4", 4), "cuda"))   # V4 only
+
+What is built:
+- `full_width_config(arch, n_layers)`: every width of the released config (MODEL.md section 2: V4.1-Flash
+  hidden 5120, 384 experts x 2304, q_lora 1280, 32 indexer heads, FP8 32x32 blocks; V4-Flash hidden 4096,
+  256 experts x 2048, q_lora 1024, 64 indexer heads, FP8 128x128 blocks, 3 hash layers; full vocabulary),
+  with `n_layers` layers picked from the released stack so that few layers still hold the distinct roles
+  (`full_width_layers`), the per-layer lists (compress_ratios, KV / index / candidate sources, hash layers)
+  cut and renumbered to them. No Engram, no drafter (MTP / DSpark): `num_nextn_predict_layers=0`.
+- `build_random_model(config, device)`: a meta-device `Dsv4Model` whose every parameter is drawn directly on
+  `device` by the generators of the tiny checkpoints (`dsv4.tiny.iter_random_tensors`), in the real storage
+  formats (FP8 e4m3 + ue8m0 block scales, MXFP4 experts packed into int8 + e8m0 scales, fp32 mHC / sinks /
+  router bias, int64 `tid2eid` hash tables), checked and converted as `dsv4.checkpoint.load_into` would.
+  Nothing is written to disk. `dsv4.fast.model.make_fast(model)` then gives the fast model.
+- `transformers_model(model)`: transformers' `DeepseekV4ForCausalLM` (eager attention, bf16 by default)
+  holding the same weights, dequantized (exact in bf16), named by `dsv4.checkpoint.transformers_name` and
+  handed to transformers' own loader in memory. Build it before `make_fast` (which re-lays out the weights).
+- `layer_bytes(model)`: parameter bytes per layer by kind, for rooflines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # `dsv4` and `bench` importable from the device machine's bare tree
+
+import torch
+
+from dsv4.config import Dsv4Config
+from dsv4.reference.model import Dsv4Model
+
+ARCHS = ("v41", "v4")
+
+_YARN = {"factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
+
+# The released config.json files (MODEL.md section 2; the same values as tests/test_tiny_checkpoint.py's copies).
+V41_FLASH = {
+    "architectures": ["DeepseekV41ForCausalLM"],
+    "model_type": "deepseek_v41",
+    "image_token_id": 129264,
+    "quantization_config": {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [32, 32],
+        "scale_fmt": "ue8m0",
+        "expert_dtype": "fp4",
+    },
+    "text_config": {
+        "hidden_size": 5120,
+        "num_hidden_layers": 40,
+        "vocab_size": 129280,
+        "max_position_embeddings": 1048576,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 1,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 1280,
+        "o_groups": 8,
+        "o_lora_rank": 1024,
+        "n_routed_experts": 384,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 6,
+        "moe_intermediate_size": 2304,
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "swiglu_limit": 10.0,
+        "gate_temp": 1.0,
+        "sliding_window": 128,
+        "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+        "kv_source_layer_ids": [2, 8, 14, 20],
+        "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+        "candidate_source_layer_id": 20,
+        "candidate_topk_blocks": 2048,
+        "candidate_block_size": 8,
+        "index_n_heads": 32,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "rope_theta": 10000,
+        "compress_rope_theta": 160000,
+        "rope_scaling": {"rope_type": "yarn", **_YARN},
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "rms_norm_eps": 1e-20,
+        "engram_layer_ids": [1, 14],
+        "engram_num_embeddings": [384006168, 384016682],
+        "engram_max_ngram_size": 4,
+        "engram_vocab_size": 16000000,
+        "engram_n_heads": 8,
+        "engram_head_dim": 256,
+        "engram_pad_token_id": 2,
+        "engram_compressed_vocab_size": 99092,
+        "num_nextn_predict_layers": 3,
+        "dspark_block_size": 5,
+        "dspark_noise_token_id": 128799,
+        "dspark_target_layer_ids": [37, 38, 39],
+        "dspark_markov_rank": 256,
+        "dspark_n_routed_experts": 128,
+        "dspark_num_experts_per_tok": 3,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+    },
+}
+
+V4_FLASH = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "hidden_size": 4096,
+    "num_hidden_layers": 43,
+    "vocab_size": 129280,
+    "max_position_embeddings": 1048576,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 1,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 2048,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0,
+    "num_hash_layers": 3,
+    "sliding_window": 128,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "compress_rope_theta": 160000,
+    "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", **_YARN},
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    # the 44-entry (preview) list: 43 layers, CSA on even layers >= 2, HCA on odd ones, then the MTP entry
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4] + [0],
+    "num_nextn_predict_layers": 1,
+    "expert_dtype": "fp4",
+    "quantization_config": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    },
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+}
+
+RELEASED = {"v41": V41_FLASH, "v4": V4_FLASH}
+
+# Which released layers a cut model keeps, in order of priority: the first n of these, sorted, are the model.
+# Every prefix keeps each chosen layer's role exactly (its KV source, index source and candidate pool are
+# chosen before it), so the derived LayerRoles of the cut model are the released ones, renumbered.
+# V4.1: 20 decoder KV source (ratio-1 compressor, index keys, candidate-pool source), 21 decoder reader (reads
+#   20's global KV and reuses its top-k), 2 encoder KV source (ratio-2 compressor + indexer), 24 candidate
+#   consumer (own indexer queries rescored inside 20's pool), 3 encoder reader, 0 window-only, 25 reader of
+#   24's top-k; then the rest in order (layer 1 without its Engram).
+# V4: 4 CSA (ratio 4 + indexer, routed MoE), 5 HCA (ratio 128), 0 window-only with hash MoE, 2 CSA with hash
+#   MoE; then the rest in order.
+_PRIORITY = {
+    "v41": [20, 21, 2, 24, 3, 0, 25],
+    "v4": [4, 5, 0, 2],
+}
+
+
+def _arch(arch: str) -> str:
+    a = arch.lower().replace(".", "").replace("-flash", "").replace("-", "")
+    if a not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    return a
+
+
+def _released_layers(arch: str) -> int:
+    raw = RELEASED[arch]
+    return (raw["text_config"] if arch == "v41" else raw)["num_hidden_layers"]
+
+
+def full_width_layers(arch: str, n_layers: int) -> list[int]:
+    """The released layer ids a full-width model of `n_layers` layers is made of (sorted).
+
+    v41, n = 1..7: [20], [20,21], [2,20,21], [2,20,21,24], [2,3,20,21,24], [0,2,3,20,21,24], [0,2,3,20,21,24,25].
+    v4,  n = 1..6: [4], [4,5], [0,4,5], [0,2,4,5], [0,1,2,4,5], [0..5]. n = all layers: the released stack.
+    """
+    arch = _arch(arch)
+    total = _released_layers(arch)
+    if not 1 <= n_layers <= total:
+        raise ValueError(f"n_layers must be in 1..{total} for {arch}, got {n_layers}")
+    head = _PRIORITY[arch]
+    order = head + [i for i in range(total) if i not in head]
+    return sorted(order[:n_layers])
+
+
+def full_width_config(
+    arch: str, n_layers: int | None = None, overrides: dict | None = None, layers: Sequence[int] | None = None
+) -> Dsv4Config:
+    """The released config of `arch` ("v41" or "v4") cut to `n_layers` layers (`full_width_layers`), or to the
+    released layers `layers` (sorted; any set whose roles the config validation accepts).
+
+    The per-layer lists are cut and renumbered: compress_ratios (drafter entries dropped), V4.1's
+    kv_source_layer_ids / index_source_layer_ids / candidate_source_layer_id (-1 when layer 20 is not kept),
+    V4's num_hash_layers (the kept layers among the first 3: hash layers stay a prefix). The Engram layers
+    and the drafter are removed. `overrides` replaces text-config fields afterwards (e.g. tiny widths for
+    CPU tests; the layer structure is unchanged).
+    """
+    arch = _arch(arch)
+    if layers is None:
+        if n_layers is None:
+            raise ValueError("give n_layers or layers")
+        layers = full_width_layers(arch, n_layers)
+    layers = sorted(int(i) for i in layers)
+    total = _released_layers(arch)
+    if not layers or len(set(layers)) != len(layers) or not 0 <= layers[0] <= layers[-1] < total:
+        raise ValueError(f"layers must be distinct released layer ids in 0..{total - 1}, got {layers}")
+    if n_layers is not None and n_layers != len(layers):
+        raise ValueError(f"n_layers={n_layers} but {len(layers)} layers given")
+    raw = copy.deepcopy(RELEASED[arch])
+    text = raw["text_config"] if arch == "v41" else raw
+    new_id = {old: new for new, old in enumerate(layers)}
+    text["num_hidden_layers"] = len(layers)
+    text["compress_ratios"] = [text["compress_ratios"][i] for i in layers]
+    text["num_nextn_predict_layers"] = 0
+    if arch == "v41":
+        for key in ("kv_source_layer_ids", "index_source_layer_ids"):
+            text[key] = [new_id[i] for i in text[key] if i in new_id]
+        text["candidate_source_layer_id"] = new_id.get(text["candidate_source_layer_id"], -1)
+        text["engram_layer_ids"], text["engram_num_embeddings"] = [], []
+        text["dspark_target_layer_ids"] = []
+    else:
+        text["num_hash_layers"] = sum(1 for i in layers if i < text["num_hash_layers"])
+    text.update(copy.deepcopy(overrides or {}))
+    return Dsv4Config.from_dict(raw)
+
+
+# ----------------------------------------------------------------------------------------------- weights
+def build_random_model(
+    config: Dsv4Config, device: str | torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> Dsv4Model:
+    """A `Dsv4Model` of `config` with random weights in the checkpoint's storage formats, made on `device`.
+
+    Built on the meta device; each tensor the loader expects is drawn on `device` by the tiny checkpoints'
+    generators (same value rules: dense projections N(0, 1/fan_in), norms N(1, 0.1), FP8 / MXFP4 weights
+    quantized from such values, distinct experts per token in `tid2eid`), then checked and converted exactly
+    as `dsv4.checkpoint.load_into` does for a checkpoint tensor (`_fit`: shape, dtype, NaN) and assigned.
+    One tensor (at most one fp32 expert matrix, or the fp32 embedding) is in flight at a time. Deterministic
+    in (seed, device type); on the CPU the values are the tiny checkpoint's (`dsv4.tiny.random_tensors`).
+    quant_sim is on, as after `load_model`. `device="meta"` returns the unmaterialized model.
+    """
+    from torch import nn
+
+    from dsv4.checkpoint import _fit, _slots
+    from dsv4.tiny import iter_random_tensors
+
+    with torch.device("meta"):
+        model = Dsv4Model(config, dtype)
+    device = torch.device(device)
+    if device.type == "meta":
+        return model.eval()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    slots = _slots(model)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    seen = set()
+    with torch.no_grad():
+        for name, tensor in iter_random_tensors(model, gen):
+            module, attr, expected, is_param = slots[name]
+            value = _fit(name, tensor, expected)
+            if is_param:
+                module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+            else:
+                module._buffers[attr] = value
+            seen.add(name)
+    missing = [n for n in slots if n not in seen]
+    if missing:  # the generators cover every slot by construction; this guards a future model change
+        raise RuntimeError(f"build_random_model left tensors unset: {missing[:8]}")
+    model.set_quant_sim(True)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------- transformers
+class _Deferred:
+    """A state-dict value transformers materializes when it loads the parameter (`value[...]`, the way it
+    reads a lazy safetensors slice), so one dequantized weight at a time exists besides the models."""
+
+    def __init__(self, make, shape, dtype):
+        self._make, self.shape, self.dtype = make, tuple(shape), dtype
+
+    def __getitem__(self, index):
+        return self._make()[index]
+
+    def get_shape(self):
+        return list(self.shape)
+
+
+def _dequantized_state(model: Dsv4Model) -> dict[str, _Deferred]:
+    """Official name -> deferred value: quantized linears as their exact fp32 dequantization (`.scale`
+    dropped), everything else as stored (norms fp32, mHC fp32, dense bf16, tid2eid int64)."""
+    from dsv4.checkpoint import _slots
+
+    out = {}
+    for name, (module, attr, tensor, _) in _slots(model).items():
+        quantized = getattr(module, "fmt", "dense") != "dense" and hasattr(module, "dequantized_weight")
+        if quantized and attr == "scale":
+            continue
+        if quantized:
+            rows, cols = module.out_features, module.in_features
+            out[name] = _Deferred(module.dequantized_weight, (rows, cols), torch.float32)
+        else:
+            out[name] = _Deferred(lambda t=tensor: t, tensor.shape, tensor.dtype)
+    return out
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def transformers_model(model: Dsv4Model, dtype: torch.dtype = torch.bfloat16):
+    """transformers' `DeepseekV4ForCausalLM` (eager attention, `dtype`) holding `model`'s weights (V4 only).
+
+    The config is `dsv4.checkpoint`'s DeepseekV4Config translation (the one `to_transformers_dir` writes);
+    the weights go to `from_pretrained(None, config=..., state_dict=...)` under their transformers checkpoint
+    names (`transformers_name`), dequantized when transformers asks for each (FP8 and MXFP4 values times
+    power-of-two scales are exact in bf16), so transformers' own conversion (expert stacking, renames,
+    fp32-kept modules) applies and nothing touches the disk. Loading is synchronous (HF_DEACTIVATE_ASYNC_LOAD)
+    to keep one layer's experts in flight. Without `accelerate` transformers loads to the CPU; the model is
+    then moved to `model`'s device. Raises if any weight is missing, unexpected or misshapen.
+    """
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    from transformers.utils import is_accelerate_available
+
+    from dsv4.checkpoint import _transformers_v4_config, transformers_name
+
+    config = model.config
+    if config.is_v41:
+        raise ValueError("transformers' DeepseekV4ForCausalLM runs DeepSeek-V4 only, not V4.1")
+    device = model.embed.weight.device
+    if device.type == "meta":
+        raise ValueError("the model has no weights (meta device); build it with build_random_model on a device")
+    hf_config = DeepseekV4Config.from_dict({"model_type": "deepseek_v4", **_transformers_v4_config(config)})
+    state = {transformers_name(name): value for name, value in _dequantized_state(model).items()}
+    kwargs = {"device_map": {"": device}} if is_accelerate_available() and device.type != "cpu" else {}
+    with _env("HF_DEACTIVATE_ASYNC_LOAD", "1"):
+        hf, info = DeepseekV4ForCausalLM.from_pretrained(
+            None,
+            config=hf_config,
+            state_dict=state,
+            dtype=dtype,
+            attn_implementation="eager",
+            output_loading_info=True,
+            **kwargs,
+        )
+    problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if problems:
+        raise RuntimeError(f"transformers did not take every weight: {problems}")
+    hf = hf.to(device)
+    hf.requires_grad_(False)
+    return hf.eval()
+
+
+# ----------------------------------------------------------------------------------------------- bytes
+KINDS = ("attention", "routed_experts", "shared_expert", "gate", "mhc", "norms", "engram")
+
+
+def _kind(name: str) -> str:
+    if name.startswith("attn."):
+        return "attention"
+    if name.startswith("ffn.experts."):
+        return "routed_experts"
+    if name.startswith("ffn.shared_experts."):
+        return "shared_expert"
+    if name.startswith("ffn.gate."):
+        return "gate"
+    if name.startswith("hc_"):
+        return "mhc"
+    if name.startswith(("attn_norm.", "ffn_norm.")):
+        return "norms"
+    if name.startswith("engram."):
+        return "engram"
+    raise ValueError(f"no byte kind for layer tensor {name}")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def layer_bytes(model: Dsv4Model) -> list[dict]:
+    """Per layer: bytes of its parameters and persistent buffers by kind (as the model holds them: norms
+    in fp32, the rest in checkpoint storage), "total", and "routed_active": the routed-expert bytes one
+    token reads (num_experts_per_tok / n_routed_experts of them). Works on a meta-device model."""
+    from dsv4.checkpoint import _slots
+
+    rows = []
+    for layer in model.layers:
+        row = dict.fromkeys(KINDS, 0)
+        for name, (_, _, t, _) in _slots(layer).items():
+            row[_kind(name)] += _nbytes(t)
+        row["total"] = sum(row[k] for k in KINDS)
+        c = model.config
+        row["routed_active"] = row["routed_experts"] * c.num_experts_per_tok // c.n_routed_experts
+        rows.append(row)
+    return rows
+
+
+def top_level_bytes(model: Dsv4Model) -> dict[str, int]:
+    """Bytes outside the layers: embed, head, and the final norm plus V4's hc_head."""
+    from dsv4.checkpoint import _slots
+
+    out = {"embed": 0, "head": 0, "other": 0}
+    for name, (_, _, t, _) in _slots(model).items():
+        if name.startswith(("layers.", "mtp.")):
+            continue
+        key = name.split(".")[0]
+        out[key if key in out else "other"] += _nbytes(t)
+    return out
+
+
+def role_label(role) -> str:
+    """A short description of a LayerRole: attention kind and what the layer owns or reads."""
+    if role.compress_ratio == 0:
+        parts = ["window"]
+    else:
+        parts = [f"{role.attention_kind} r{role.compress_ratio}"]
+        if role.owns_compressor:
+            parts.append("kv-src")
+        elif role.kv_source is not None and role.kv_source != role.layer_id:
+            parts.append(f"kv<-{role.kv_source}")
+        if role.owns_indexer:
+            parts.append("idx")
+        elif role.index_source is not None and role.index_source != role.layer_id:
+            parts.append(f"idx<-{role.index_source}")
+        if role.candidate_role:
+            parts.append(f"cand-{role.candidate_role}")
+    if role.hash_moe:
+        parts.append("hash-moe")
+    return " ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=ARCHS, default="v41")
+    p.add_argument("--layers", type=int, default=4, help="number of layers (see full_width_layers)")
+    p.add_argument("--device", default="meta", help="where to build the weights; 'meta': shapes only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=int, default=0, help="run one reference forward over this many random tokens")
+    args = p.parse_args(argv)
+
+    from bench import common
+
+    config = full_width_config(args.arch, args.layers)
+    kept = full_width_layers(args.arch, args.layers)
+    t0 = time.perf_counter()
+    model = build_random_model(config, args.device, seed=args.seed)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    built_s = time.perf_counter() - t0
+    c = config
+    print(f"{args.arch}: hidden {c.hidden_size}, {c.n_routed_experts} experts x {c.moe_intermediate_size} "
+          f"(top-{c.num_experts_per_tok}), q_lora {c.q_lora_rank}, weight blocks {list(c.weight_block_size)}, "
+          f"vocab {c.vocab_size}; released layers {kept}")
+    if args.device != "meta":
+        print(f"built on {args.device} in {built_s:.1f} s")
+    rows = layer_bytes(model)
+    for row, role, orig in zip(rows, config.layer_roles, kept):
+        row.update(layer=role.layer_id, released=orig, role=role_label(role))
+    mb = ".1f"
+    columns = [("layer", "layer", "d"), ("released", "released", "d"), ("role", "role", ""),
+               ("attention MB", lambda r: r["attention"] / 1e6, mb),
+               ("routed experts MB", lambda r: r["routed_experts"] / 1e6, mb),
+               ("routed active MB", lambda r: r["routed_active"] / 1e6, mb),
+               ("shared expert MB", lambda r: r["shared_expert"] / 1e6, mb),
+               ("gate MB", lambda r: r["gate"] / 1e6, ".2f"),
+               ("mHC MB", lambda r: r["mhc"] / 1e6, ".2f"),
+               ("norms MB", lambda r: r["norms"] / 1e6, ".3f"),
+               ("total MB", lambda r: r["total"] / 1e6, mb)]
+    print()
+    common.print_table(columns, rows)
+    top = top_level_bytes(model)
+    total = sum(r["total"] for r in rows) + sum(top.values())
+    print(f"\nembed {top['embed'] / 1e6:.1f} MB, head {top['head'] / 1e6:.1f} MB, other {top['other'] / 1e6:.2f} MB; "
+          f"model total {total / 1e9:.2f} GB")
+    if args.device != "meta" and torch.device(args.device).type == "cuda":
+        print(f"GPU memory allocated: {torch.cuda.memory_allocated() / 1e9:.2f} GB")
+    if args.tokens and args.device != "meta":
+        ids = torch.randint(0, c.vocab_size, (1, args.tokens), device=args.device)
+        if c.is_v41 and c.image_token_id is not None:
+            ids[ids == c.image_token_id] = c.eos_token_id
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            logits = model(ids)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        print(f"reference forward over {args.tokens} tokens: {time.perf_counter() - t0:.2f} s, "
+              f"logits finite: {bool(logits.isfinite().all())}, |logit| max {logits.abs().max().item():.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""bench/full_width.py: full-width random models for GPU benchmarks, checked on the CPU at shrunk widths.
+
+The shrunk configs run the same code path as the full-width ones (the same layer sets, roles, storage
+formats and block sizes); only the widths come from `SHRINK`. Full-width configs are checked on the meta
+device (shapes, dtypes, bytes), never materialized here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `bench` as a package
+
+from bench.full_width import (
+    RELEASED,
+    build_random_model,
+    full_width_config,
+    full_width_layers,
+    layer_bytes,
+    main,
+    transformers_model,
+)
+from dsv4.checkpoint import _fit, _slots, load_into
+from dsv4.config import Dsv4Config
+from dsv4.reference.model import Dsv4Model
+from dsv4.tiny import random_tensors
+
+# Tiny widths (the tiny checkpoints' own): every quantized linear's input is a multiple of V4's 128-wide
+# activation blocks, head_dim - rope = 64 fits V4's 64-wide KV blocks; 16 indexer heads avoid score ties.
+SHRINK = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 128,
+    "o_groups": 2,
+    "o_lora_rank": 64,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "index_n_heads": 16,
+    "index_head_dim": 128,
+    "index_topk": 4,
+    "sliding_window": 16,
+    "candidate_topk_blocks": 2,
+    "candidate_block_size": 4,
+}
+
+
+def shrunk(arch: str, n_layers: int) -> Dsv4Config:
+    overrides = dict(SHRINK)
+    if arch == "v4":  # V4.1-only fields
+        overrides.pop("candidate_topk_blocks"), overrides.pop("candidate_block_size")
+    return full_width_config(arch, n_layers, overrides)
+
+
+def random_ids(config: Dsv4Config, n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------------------------- configs
+def _released_roles(arch: str):
+    raw = RELEASED[arch]
+    return Dsv4Config.from_dict(raw).layer_roles
+
+
+@pytest.mark.parametrize("arch, n", [("v41", n) for n in range(1, 9)] + [("v4", n) for n in range(1, 7)] + [("v41", 40), ("v4", 43)])
+def test_cut_config_keeps_the_released_roles(arch, n):
+    """Each kept layer has its released role, with layer ids renumbered (Engram and drafter removed)."""
+    config = full_width_config(arch, n)
+    kept = full_width_layers(arch, n)
+    released = _released_roles(arch)
+    assert config.num_hidden_layers == n == len(kept) and len(config.compress_ratios) == n
+    assert config.num_nextn_predict_layers == 0 and not config.has_drafter and not config.engram_layer_ids
+    old = dict(enumerate(kept))
+    for role in config.layer_roles:
+        want = released[old[role.layer_id]]
+        assert role.compress_ratio == want.compress_ratio
+        assert (old.get(role.kv_source), old.get(role.index_source)) == (want.kv_source, want.index_source)
+        for flag in ("owns_compressor", "owns_indexer", "owns_index_keys", "candidate_role", "hash_moe"):
+            assert getattr(role, flag) == getattr(want, flag), (role, want)
+        assert not role.engram
+
+
+def test_chosen_layer_sets():
+    assert full_width_layers("v41", 4) == [2, 20, 21, 24]
+    assert full_width_layers("v41", 6) == [0, 2, 3, 20, 21, 24]
+    assert full_width_layers("v4", 4) == [0, 2, 4, 5]
+    assert full_width_layers("v4", 6) == [0, 1, 2, 3, 4, 5]
+    kinds = [r.attention_kind for r in full_width_config("v4", 3).layer_roles]
+    assert kinds == ["window", "csa", "hca"]
+    roles = full_width_config("v41", 4).layer_roles
+    assert roles[0].owns_compressor and roles[0].compress_ratio == 2  # encoder KV source
+    assert roles[1].candidate_role == "source" and roles[1].compress_ratio == 1  # decoder KV source
+    assert roles[2].kv_source == 1 and not roles[2].owns_indexer  # a reader of the shared KV
+    assert roles[3].candidate_role == "consumer" and roles[3].owns_indexer
+    assert full_width_config("v41", 4).decoder_start == 2
+    with pytest.raises(ValueError, match="n_layers"):
+        full_width_layers("v4", 44)
+
+
+def test_full_width_config_has_the_released_widths():
+    v41, v4 = full_width_config("v41", 4), full_width_config("v4", 4)
+    assert (v41.hidden_size, v41.n_routed_experts, v41.moe_intermediate_size, v41.q_lora_rank) == (5120, 384, 2304, 1280)
+    assert (v41.index_n_heads, v41.weight_block_size, v41.rms_norm_eps, v41.vocab_size) == (32, (32, 32), 1e-20, 129280)
+    assert (v4.hidden_size, v4.n_routed_experts, v4.moe_intermediate_size, v4.q_lora_rank) == (4096, 256, 2048, 1024)
+    assert (v4.index_n_heads, v4.weight_block_size, v4.rms_norm_eps, v4.num_hash_layers) == (64, (128, 128), 1e-6, 2)
+    assert v41.expert_format == v4.expert_format == "fp4"
+    explicit = full_width_config("v41", layers=[20, 21, 22, 23])
+    assert [r.compress_ratio for r in explicit.layer_roles] == [1, 1, 1, 1]
+
+
+def test_full_width_shapes_are_the_checkpoints(tmp_path):
+    """MODEL.md section 9 shapes and dtypes, on the meta device (nothing allocated)."""
+    expect = {
+        "v41": {
+            "layers.0.attn.wq_a.weight": (torch.float8_e4m3fn, [1280, 5120]),
+            "layers.0.attn.wq_a.scale": (torch.float8_e8m0fnu, [40, 160]),
+            "layers.0.attn.indexer.wq_b.scale": (torch.float8_e8m0fnu, [128, 40]),
+            "layers.0.attn.indexer.wk.weight": (torch.bfloat16, [128, 512]),
+            "layers.0.attn.compressor.wgate.weight": (torch.bfloat16, [512, 5120]),
+            "layers.1.attn.compressor.wkv.weight": (torch.bfloat16, [512, 5120]),
+            "layers.0.attn.attn_sink": (torch.float32, [64]),
+            "layers.0.ffn.experts.383.w1.weight": (torch.int8, [2304, 2560]),
+            "layers.0.ffn.experts.0.w2.scale": (torch.float8_e8m0fnu, [5120, 72]),
+            "layers.0.ffn.gate.bias_vl": (torch.float32, [384]),
+            "layers.0.hc_ffn_fn": (torch.float32, [24, 20480]),
+        },
+        "v4": {
+            "layers.0.attn.wq_a.scale": (torch.float8_e8m0fnu, [8, 32]),
+            "layers.0.attn.wo_b.scale": (torch.float8_e8m0fnu, [32, 64]),
+            "layers.0.ffn.gate.tid2eid": (torch.int64, [129280, 6]),
+            "layers.2.ffn.gate.bias": (torch.float32, [256]),
+            "layers.1.attn.indexer.compressor.ape": (torch.float32, [4, 256]),
+            "layers.3.attn.compressor.ape": (torch.float32, [128, 512]),
+            "layers.1.ffn.experts.0.w2.weight": (torch.int8, [4096, 1024]),
+            "layers.1.ffn.shared_experts.w1.scale": (torch.float8_e8m0fnu, [16, 32]),
+            "hc_head_fn": (torch.float32, [4, 16384]),
+        },
+    }
+    for arch, tensors in expect.items():
+        slots = _slots(build_random_model(full_width_config(arch, 4), "meta"))
+        got = {k: (slots[k][2].dtype, list(slots[k][2].shape)) for k in tensors}
+        assert got == tensors
+
+
+def test_layer_bytes_full_width():
+    rows = layer_bytes(build_random_model(full_width_config("v41", 4), "meta"))
+    assert all(r["routed_experts"] == 384 * 3 * 2304 * 5120 * 17 // 32 for r in rows)  # 4 bits + e8m0 / 32
+    assert all(r["shared_expert"] == 3 * 2304 * 5120 * (1 + 1 / 1024) for r in rows)  # FP8 + 32x32 scales
+    assert all(r["mhc"] == 2 * (24 * 20480 + 24 + 3) * 4 for r in rows)
+    assert rows[2]["attention"] < rows[1]["attention"]  # a reader owns no compressor and no indexer
+    assert all(r["total"] == sum(r[k] for k in ("attention", "routed_experts", "shared_expert", "gate", "mhc", "norms"))
+               for r in rows)
+
+
+def test_cli_prints_bytes_per_layer(capsys):
+    assert main(["--arch", "v41", "--layers", "4", "--device", "meta"]) == 0
+    out = capsys.readouterr().out
+    assert "routed experts MB" in out and "7219.4" in out and "cand-consumer" in out
+
+
+# ----------------------------------------------------------------------------------------------- built models
+@pytest.mark.parametrize("arch", ["v41", "v4"])
+def test_built_model_is_what_the_loader_expects(arch, tmp_path):
+    """Every tensor of the built model passes load_into's checks for its config: written out and loaded into
+    a fresh meta model, nothing is missing, unexpected, misshapen or mistyped, and the values come back."""
+    from safetensors.torch import save_file
+
+    config = shrunk(arch, 4)
+    model = build_random_model(config, "cpu", torch.float32, seed=1)
+    built = {name: t for name, (_, _, t, _) in _slots(model).items()}
+    with torch.device("meta"):
+        fresh = Dsv4Model(config, torch.float32)
+    expected = _slots(fresh)
+    assert built.keys() == expected.keys()
+    for name, t in built.items():
+        assert t.device.type == "cpu" and (t.dtype, t.shape) == (expected[name][2].dtype, expected[name][2].shape), name
+        _fit(name, t, expected[name][2])
+    save_file({k: v.contiguous() for k, v in built.items()}, str(tmp_path / "model.safetensors"))
+    report = load_into(fresh, tmp_path, progress=False)
+    assert report.loaded == len(expected)
+    assert all(torch.equal(t.view(torch.uint8) if t.element_size() == 1 else t, _raw(fresh, n)) for n, t in built.items())
+    # the formats are the release's: FP8 linears, MXFP4 experts, fp32 mHC, int64 hash tables on V4
+    assert built["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    assert built["layers.0.ffn.experts.0.w1.weight"].dtype == torch.int8
+    assert built["layers.0.hc_attn_fn"].dtype == torch.float32
+    if arch == "v4":
+        table = built["layers.0.ffn.gate.tid2eid"]
+        assert table.dtype == torch.int64 and bool((table >= 0).all() and (table < 8).all())
+        assert bool((table.sort(-1).values.diff(dim=-1) > 0).all())  # distinct experts per token
+
+
+def _raw(model, name):
+    t = _slots(model)[name][2]
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def test_values_are_the_tiny_generators():
+    """On the CPU, the built model holds exactly `dsv4.tiny.random_tensors` (as the loader converts them)."""
+    config = shrunk("v4", 3)
+    model = build_random_model(config, "cpu", seed=5)
+    with torch.device("meta"):
+        meta = Dsv4Model(config)
+    slots = _slots(meta)
+    for name, t in random_tensors(meta, 5).items():
+        got = _slots(model)[name][2]
+        want = _fit(name, t, slots[name][2])
+        assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
+                           want.view(torch.uint8) if want.element_size() == 1 else want), name
+    again = build_random_model(config, "cpu", seed=5)
+    assert torch.equal(again.layers[1].ffn.experts[3].w2.weight, model.layers[1].ffn.experts[3].w2.weight)
+
+
+@pytest.mark.parametrize("arch", ["v41", "v4"])
+@pytest.mark.parametrize("quant_sim", [True, False])
+def test_forward_runs(arch, quant_sim):
+    config = shrunk(arch, 6)
+    model = build_random_model(config, "cpu")
+    model.set_quant_sim(quant_sim)
+    with torch.inference_mode():
+        logits = model(random_ids(config, 40))
+    assert logits.shape == (2, 40, config.vocab_size) and logits.dtype == torch.float32
+    assert bool(logits.isfinite().all()) and logits.std() > 0
+
+
+def test_transformers_model_matches_the_reference():
+    """Same weights in transformers' DeepseekV4ForCausalLM: the parity tests' tolerance, in fp32, quant_sim off.
+    The layers are window + hash MoE, CSA + hash MoE, CSA, HCA; 300 tokens hold two HCA entries."""
+    from test_transformers_parity import assert_logits_match
+
+    config = shrunk("v4", 4)
+    model = build_random_model(config, "cpu", torch.float32, seed=2)
+    model.set_quant_sim(False)
+    hf = transformers_model(model, torch.float32)
+    assert hf.config._attn_implementation == "eager"
+    assert hf.model.layers[0].mlp.experts.gate_up_proj.shape == (8, 2 * 128, 128)
+    ids = random_ids(config, 300, seed=3)
+    with torch.inference_mode():
+        for n in (7, 130, 300):
+            assert_logits_match(model(ids[:, :n]), hf(input_ids=ids[:, :n], use_cache=False).logits, f"{n} tokens")
+
+
+def test_transformers_model_is_bf16_by_default_and_refuses_v41():
+    model = build_random_model(shrunk("v4", 2), "cpu")
+    hf = transformers_model(model)
+    assert hf.model.layers[1].mlp.experts.down_proj.dtype == torch.bfloat16
+    # the FP8 / MXFP4 values are exact in bf16: the same weights, not a rounding of them
+    w = model.layers[1].ffn.experts[5].w2.dequantized_weight()
+    assert torch.equal(hf.model.layers[1].mlp.experts.down_proj[5].float(), w)
+    with pytest.raises(ValueError, match="V4.1"):
+        transformers_model(build_random_model(shrunk("v41", 2), "cpu"))
