@@ -85,15 +85,16 @@ def ak_for(block: tuple[int, int], K: int, choice: int) -> int:
     big_blocks=st.booleans(),
     ak_choice=st.integers(0, 2),
     out_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    tile=st.sampled_from([None, (32, 16, 1), (64, 32, 3), (32, 16, 5)]),
+    tile=st.sampled_from([None, (32, 16, 1, 128), (64, 32, 3, 128), (32, 16, 5, 32), (32, 64, 2, 64)]),
 )
 def test_gemm_matches_twin(seed, M, n32, k32, big_blocks, ak_choice, out_dtype, tile):
-    """N, K multiples of 32; with 128 x 128 blocks the last weight block row/column is usually partial."""
+    """N, K multiples of 32; with 128 x 128 blocks the last weight block row/column is usually partial. Tiles are
+    (bn, bm, split, step_k): bm >= 64 reads the activation scales from a column-major copy."""
     N, K = 32 * n32, 32 * k32
     block = (128, 128) if big_blocks else (32, 32)
     ak = ak_for(block, K, ak_choice)
     a_q, a_s, w_q, w_s = make_case(seed, M, N, K, block, ak)
-    config = None if tile is None else GemmConfig(bn=tile[0], bm=tile[1], split=tile[2], num_stages=1)
+    config = None if tile is None else GemmConfig(bn=tile[0], bm=tile[1], split=tile[2], step_k=tile[3], num_stages=1)
     y = fp8_gemm(a_q, a_s, w_q, w_s, *block, out_dtype, config)
     assert y.shape == (M, N) and y.dtype == out_dtype
     twin = fp8_block_gemm_reference(a_q, a_s, w_q, w_s, *block, torch.float32)

@@ -12,8 +12,8 @@
 Each tensor-core MMA covers KB = min(ak, bk) of K (one scale of each operand); its fp32 partial is multiplied by
 the two power-of-two scales (exact) and added to an fp32 accumulator in registers, so the result equals the twin
 (dequantize, fp32 matmul) up to fp32 summation order (on Hopper, plus the FP8 MMA's own accumulation inside one
-KB-wide product, as in DeepSeek's kernel). A loop step loads SUB = 128 / KB such sub-blocks, so the weight
-streams in 128-byte row segments also with 32 x 32 blocks.
+KB-wide product, as in DeepSeek's kernel). A loop step loads SUB = step_k / KB such sub-blocks (GemmConfig.step_k;
+128 makes the weight stream in 128-byte row segments also with 32 x 32 blocks).
 
 Layout ("swap AB"): programs tile the weight rows N (BN, the MMA's M side, 64 or 128) and the activation rows M
 (BM >= 16, the MMA's N side), so a decode batch of 1..64 rows wastes no 64-row MMA tile. When the tiles would not
@@ -52,6 +52,7 @@ class GemmConfig:
     bn: int = 64
     bm: int = 16
     split: int = 1  # K ranges (1 = no split-K); clipped to the number of K steps
+    step_k: int = 128  # K columns per loop step: step_k // kb scale blocks (at least one)
     num_warps: int = 4
     num_stages: int = 4
 
@@ -81,11 +82,16 @@ def _store(ptr, val, rm, rn, mmask, nmask, N, OUT: tl.constexpr, INTERP: tl.cons
 @triton.jit
 def _gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr,
-    M, N, K, n_as, n_ws, k_per_split,
+    M, N, K, as_sm, as_sk, n_ws, k_per_split,
     AK: tl.constexpr, WN: tl.constexpr, WK: tl.constexpr, KB: tl.constexpr, SUB: tl.constexpr,
     BN: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr, OUT: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """One [BN, BM] tile of out^T over the K range of split program_id(2); k_per_split is a multiple of KB * SUB."""
+    """One [BN, BM] tile of out^T over the K range of split program_id(2); k_per_split is a multiple of KB * SUB.
+
+    The activation scales are read through strides (as_sm, as_sk): each thread holds BM / 4 of them in the MMA's
+    layout, and with as_sm == 1 (a column-major copy; Triton specializes the 1) their addresses are one register
+    plus constant offsets. With a run-time row stride every one needed its own 64-bit pointer, and 128 x 128 tiles
+    spilled to local memory."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -96,7 +102,7 @@ def _gemm_kernel(
     w_rows = w_ptr + rn[:, None].to(tl.int64) * K  # [BN, 1]
     a_rows = a_ptr + rm[:, None].to(tl.int64) * K  # [BM, 1]
     ws_rows = ws_ptr + (rn // WN) * n_ws  # [BN] scale row of each weight row
-    as_rows = as_ptr + rm.to(tl.int64) * n_as  # [BM]
+    as_rows = rm * as_sm  # [BM] int32 offsets: the scale tensor has fewer than 2^31 bytes
     kk = tl.arange(0, KB)
     k_lo = pid_s * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
@@ -109,7 +115,7 @@ def _gemm_kernel(
             w = tl.load(w_rows + cols[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BN, KB] e4m3
             a = tl.load(a_rows + cols[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BM, KB] e4m3
             sw = _e8m0(tl.load(ws_rows + kb // WK, mask=nmask & (rn * 0 + kb < K), other=0))  # [BN]
-            sa = _e8m0(tl.load(as_rows + kb // AK, mask=mmask & (rm * 0 + kb < K), other=0))  # [BM]
+            sa = _e8m0(tl.load(as_ptr + as_rows + (kb // AK) * as_sk, mask=mmask & (rm * 0 + kb < K), other=0))  # [BM]
             part = _dot(w, tl.trans(a), INTERP)  # [BN, BM] fp32
             acc += part * (sw[:, None] * sa[None, :])
     if SPLIT:
@@ -176,27 +182,31 @@ def _kernel_block(ak: int, bk: int) -> int:
 
 
 def pick_config(M: int, N: int, K: int, kb: int, device: torch.device) -> GemmConfig:
-    """Tile and split-K for a shape: small-M (decode) tiles split K until ~2 programs per SM are busy."""
+    """Tile and split-K for a shape, from the H200 sweep of bench/fp8_gemm.py (bench/results/fp8_gemm.json).
+
+    Decode (M <= 64): 64-row weight tiles, 4 stages (8 stages were 1.3-1.5x slower), K split until ~2 programs
+    per SM. M <= 128: 128 x 128 tiles over 8 warps. Prefill: 128 x 64 tiles over 4 warps with 64 K columns per
+    step (128 x 128 over 8 warps was 1.6x slower at M = 512), split only while the tiles do not fill the SMs."""
     if device.type != "cuda":  # interpreter: small tiles, and split-K whenever there are >= 2 steps
-        bn, bm, warps, stages = 32, 16, 4, 1
         steps = triton.cdiv(K, kb * max(1, 128 // kb))
-        return GemmConfig(bn, bm, 2 if steps >= 2 else 1, warps, stages)
+        return GemmConfig(bn=32, bm=16, split=2 if steps >= 2 else 1, num_warps=4, num_stages=1)
     if M <= 64:
-        bm = max(16, triton.next_power_of_2(M))
-        bn, warps, stages = 64, 4, 6 if kb == 128 else 8
+        bn, bm, step_k, warps, stages = 64, max(16, triton.next_power_of_2(M)), 128, 4, 4
     elif M <= 128:
-        bm, bn, warps, stages = 64, 128, 4, 4
+        bn, bm, step_k, warps, stages = 128, 128, 128, 8, 3
     else:
-        bm, bn, warps, stages = 128, 128, 8, 3
+        bn, bm, step_k, warps, stages = 128, 64, 64, 4, 3
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-    steps = triton.cdiv(K, kb * max(1, 128 // kb))
+    steps = triton.cdiv(K, max(kb, step_k))
     sms = _sm_count(device)
     split = 1
     if M <= 64 and tiles < 2 * sms:  # decode: the weight is the traffic; >= 2 steps per split keep loads in flight
         split = max(1, min(triton.cdiv(2 * sms, tiles), steps // 2))
-    elif tiles < sms:  # prefill: the fp32 partials (split x M x N x 4 bytes) must stay below the weight bytes
-        split = max(1, min(triton.cdiv(sms, tiles), K // (4 * M), 4, steps // 4))
-    return GemmConfig(bn, bm, split, warps, stages)
+    elif M <= 128 and tiles < sms:
+        split = max(1, min(triton.cdiv(2 * sms, tiles), steps // 4))
+    elif tiles < sms:
+        split = max(1, min(triton.cdiv(sms, tiles), 4, steps // 4))
+    return GemmConfig(bn=bn, bm=bm, split=split, step_k=step_k, num_warps=warps, num_stages=stages)
 
 
 def fp8_gemm(
@@ -215,19 +225,21 @@ def fp8_gemm(
     if K == 0:
         return out.zero_()
     cfg = config or pick_config(M, N, K, kb, a_q.device)
-    sub = max(1, 128 // kb)
+    sub = max(1, cfg.step_k // kb)
     step = kb * sub
     steps = triton.cdiv(K, step)
     per = triton.cdiv(steps, max(1, min(cfg.split, steps)))  # steps per split
     n_splits = triton.cdiv(steps, per)
     split = n_splits > 1
     part = torch.empty(n_splits, M, N, dtype=torch.float32, device=a_q.device) if split else out
-    a_s = a_scale.contiguous().view(torch.uint8)
+    a_s = a_scale.view(torch.uint8)
+    if cfg.bm >= 64:  # column-major copy (M * K / ak bytes), see _gemm_kernel
+        a_s = a_s.t().contiguous().t()
     w_s = w_scale.contiguous().view(torch.uint8)
     grid = (triton.cdiv(N, cfg.bn), triton.cdiv(M, cfg.bm), n_splits)
     _gemm_kernel[grid](
         a_q.contiguous(), a_s, w.contiguous(), w_s, out, part,
-        M, N, K, a_s.shape[1], w_s.shape[1], per * step,
+        M, N, K, a_s.stride(0), a_s.stride(1), w_s.shape[1], per * step,
         AK=ak, WN=bn, WK=bk, KB=kb, SUB=sub, BN=cfg.bn, BM=cfg.bm, SPLIT=split, OUT=_OUT_DTYPES[out_dtype],
         INTERP=_INTERP, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
