@@ -1,0 +1,247 @@
+"""The fast runner on full-width layers: decode and prefill tokens/s, the HBM roofline, and fast vs
+reference vs transformers, side by side in one run.
+
+Models: `bench/full_width.py` (real dimensions, random weights in the released formats, the first
+`--layers` layers of a role-covering selection). Per architecture:
+- fast decode (CUDA graphs) at batch 1/8/64 over a `--context`-token prefix in every slot (one prefill,
+  copied slot to slot), and prefill tokens/s at `--context` (module path, `--chunk`-token chunks);
+- the roofline of a batch-1 decode step: bytes the step must read (weights as the fast model holds them,
+  the experts a token actually touches, the KV rows it attends to and the index keys it scores) over
+  the device copy bandwidth measured in the same run;
+- the reference model (same seed, same weights) at `--ref-context` tokens, where its dense masks fit;
+- V4 only: transformers' eager `DeepseekV4ForCausalLM` on the same weights.
+
+    python bench/runner.py --arch v41 --layers 4 --context 8192
+    python bench/runner.py --arch v4 --layers 2 --context 8192 --transformers
+    python bench/runner.py --smoke          # tiny widths on CPU, to check the script
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+def add_arguments(p):
+    p.add_argument("--arch", default="v41", choices=["v41", "v4"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--ref-context", type=int, default=1024)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--transformers", action="store_true")
+    p.add_argument("--no-reference", action="store_true")
+
+
+ARGS = common.parse_args(__doc__, add_arguments)
+if ARGS.smoke:  # whole models under the interpreter take hours: the smoke run checks the script with the twins
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+
+from full_width import build_random_model, full_width_config, layer_bytes  # noqa: E402
+
+from dsv4.fast.model import make_fast  # noqa: E402
+from dsv4.fast.runner import Runner  # noqa: E402
+from dsv4.reference.cache import DenseCache  # noqa: E402
+
+SMOKE_WIDTHS = {"hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 16, "vocab_size": 1024,
+                "q_lora_rank": 128, "o_lora_rank": 64, "num_attention_heads": 16, "index_n_heads": 8}
+
+
+def device_sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, reps: int = 1) -> float:
+    """Seconds per call (host clock around synchronized calls; each call is long)."""
+    fn()
+    device_sync(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    device_sync(device)
+    return (time.perf_counter() - t) / reps
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a 2 GiB device-to-device copy (read + write counted), the roofline's bandwidth."""
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.empty(2**30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    us = common.time_calls([lambda: b.copy_(a)], 20, graph=False)
+    return 2 * a.numel() / (us * 1e-6)
+
+
+def decode_bytes(model, context: int) -> int:
+    """Bytes one batch-1 decode step reads: every weight a token touches as the model holds it (routed
+    experts: top-k of them; shared expert bf16 copy and attention weights dequantized at load), plus the
+    KV rows and index keys attended or scored at `context`."""
+    c = model.config
+    total = model.head.weight.nbytes + model.embed.weight[0].nbytes
+    for layer, row in zip(model.layers, layer_bytes(model)):
+        total += row["total"] - row["routed_experts"] + row["routed_active"]
+        role = layer.role
+        total += c.sliding_window * (c.head_dim + c.head_dim // 32)  # FP8 window rows
+        if role.compress_ratio:
+            entries = context // role.compress_ratio
+            picked = entries if role.index_source is None else min(entries, c.index_topk)
+            total += picked * (c.head_dim // 2 + c.head_dim // 16)
+            if role.owns_indexer:
+                total += entries * (c.index_head_dim // 2 + c.index_head_dim // 32)
+    return total
+
+
+def fill(runner, context: int, slots: int, vocab: int) -> list[int]:
+    """`slots` sequences holding the same `context` random tokens: one prefill, then copies."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (context,), generator=g)
+    first = runner.allocate()
+    for a in range(0, context, ARGS.chunk):
+        runner.prefill(first, ids[a : a + ARGS.chunk])
+    out = [first]
+    for _ in range(slots - 1):
+        s = runner.allocate()
+        runner.state.copy_prefix(first, s, context)
+        runner._length[s] = context
+        out.append(s)
+    return out
+
+
+def fast_rows(model, device, context: int, batches: list[int]) -> dict:
+    vocab = model.config.vocab_size
+    runner = Runner(model, max_seqs=max(batches), max_len=context + ARGS.steps + 8 * 4)
+    slots = fill(runner, context, max(batches), vocab)
+    out = {}
+    for B in batches:
+        ids = torch.zeros(B, dtype=torch.int64, device=device)
+        runner.decode(slots[:B], ids)  # capture
+        step = timed(lambda: runner.decode(slots[:B], ids), device, ARGS.steps // 2)
+        for s in slots[:B]:  # rewind: every batch size decodes at the same context
+            runner._length[s] = context
+            runner.state.lengths[s] = context
+        out[B] = {"step_ms": step * 1e3, "tokens_per_s": B / step}
+    return out
+
+
+def fast_prefill(model, device, context: int) -> dict:
+    runner = Runner(model, max_seqs=1, max_len=context + 8)
+    ids = torch.randint(0, model.config.vocab_size, (context,))
+
+    def run():
+        runner._free, runner._length = [0], [0]
+        slot = runner.allocate()
+        for a in range(0, context, ARGS.chunk):
+            runner.prefill(slot, ids[a : a + ARGS.chunk])
+
+    s = timed(run, device)
+    return {"seconds": s, "tokens_per_s": context / s}
+
+
+def reference_rows(model, device, context: int) -> dict:
+    """Reference decode (batch 1) and prefill at `context`: chunked so its dense masks fit."""
+    ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
+    cache = DenseCache(model.config.sliding_window)
+
+    def prefill():
+        nonlocal cache
+        cache = DenseCache(model.config.sliding_window)
+        for a in range(0, context, 256):
+            model.hidden_states(ids[:, a : a + 256], cache=cache, start_pos=a)
+
+    with torch.inference_mode():
+        pre = timed(prefill, device)
+        pos = [context]
+
+        def step():
+            model.logits(model.hidden_states(ids[:, :1], cache=cache, start_pos=pos[0]))
+            pos[0] += 1
+
+        dec = timed(step, device, 3)
+    return {"prefill_tokens_per_s": context / pre, "decode_step_ms": dec * 1e3, "decode_tokens_per_s": 1 / dec}
+
+
+def transformers_rows(hf, device, context: int, vocab: int) -> dict:
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, vocab, (1, context), device=device)
+    with torch.inference_mode():
+        cache = [None]
+
+        def prefill():
+            cache[0] = DynamicCache(config=hf.config)
+            hf(input_ids=ids, past_key_values=cache[0], use_cache=True)
+
+        pre = timed(prefill, device)
+        nxt = ids[:, :1]
+
+        def step():
+            hf(input_ids=nxt, past_key_values=cache[0], use_cache=True)
+
+        dec = timed(step, device, 5)
+    return {"prefill_tokens_per_s": context / pre, "decode_step_ms": dec * 1e3, "decode_tokens_per_s": 1 / dec}
+
+
+def main():
+    device = torch.device("cpu" if ARGS.smoke else "cuda")
+    overrides = SMOKE_WIDTHS if ARGS.smoke else None
+    context = 128 if ARGS.smoke else ARGS.context
+    ref_context = 32 if ARGS.smoke else ARGS.ref_context
+    batches = [int(b) for b in ARGS.batches.split(",")]
+    config = full_width_config(ARGS.arch, ARGS.layers, overrides)
+    result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": [role.layer_id for role in config.layer_roles],
+              "context": context, "chunk": ARGS.chunk}
+    t0 = time.time()
+    fast = make_fast(build_random_model(config, device, torch.bfloat16, seed=0))
+    bw = copy_bandwidth(device)
+    nbytes = decode_bytes(fast, context)
+    rows = fast_rows(fast, device, context, batches)
+    result["fast_decode"] = rows
+    result["fast_prefill"] = fast_prefill(fast, device, context)
+    result["roofline"] = {"bytes_per_step": nbytes, "copy_bandwidth_Bps": bw, "floor_ms": nbytes / bw * 1e3,
+                          "fraction_at_batch1": (nbytes / bw) / (rows[batches[0]]["step_ms"] * 1e-3)}
+    if not ARGS.no_reference:
+        result["fast_at_ref_context"] = {"decode": fast_rows(fast, device, ref_context, [1])[1],
+                                         "prefill": fast_prefill(fast, device, ref_context)}
+        del fast
+        ref = build_random_model(config, device, torch.bfloat16, seed=0)
+        ref.set_quant_sim(True, activations=False)
+        result["reference"] = reference_rows(ref, device, ref_context)
+        del ref
+    if ARGS.transformers:
+        from full_width import transformers_model
+
+        if "fast" in dir():
+            del fast
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+        base = build_random_model(config, device, torch.bfloat16, seed=0)
+        hf = transformers_model(base)
+        del base
+        result["transformers"] = transformers_rows(hf, device, context, config.vocab_size)
+        result["transformers_at_ref_context"] = transformers_rows(hf, device, ref_context, config.vocab_size)
+    result["wall_s"] = time.time() - t0
+    path = common.write_result(f"runner-{ARGS.arch}", ARGS.smoke, result)
+    print(path)
+    n = len(config.layer_roles)
+    print(f"{ARGS.arch} {n} layers {result['layers']}, context {context}")
+    for B, r in rows.items():
+        print(f"fast decode B={B:3d}: {r['step_ms']:.3f} ms/step, {r['tokens_per_s']:.0f} tok/s")
+    print(f"fast prefill {context}: {result['fast_prefill']['tokens_per_s']:.0f} tok/s")
+    rf = result["roofline"]
+    print(f"roofline B=1: {rf['bytes_per_step'] / 1e6:.1f} MB/step at {rf['copy_bandwidth_Bps'] / 1e12:.2f} TB/s = "
+          f"{rf['floor_ms']:.3f} ms; measured fraction {rf['fraction_at_batch1']:.2%}")
+    for key in ("fast_at_ref_context", "reference", "transformers", "transformers_at_ref_context"):
+        if key in result:
+            print(key, result[key])
+
+
+main()
