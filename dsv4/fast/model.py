@@ -35,10 +35,10 @@ from dsv4.quant import dequantize_fp8, dequantize_mxfp4
 from dsv4.reference.attention import Attention, SharedKV
 from dsv4.reference.indexer import hadamard, index_scores, select_candidate_blocks
 from dsv4.reference.linear import Linear
-from dsv4.reference.mhc import hc_collapse, hc_head_pre, one_hot_pre
+from dsv4.reference.mhc import hc_collapse, hc_head_pre
 from dsv4.reference.model import Block, Dsv4Model
 from dsv4.reference.moe import MoE
-from dsv4.reference.rope import apply_rope
+from dsv4.reference.rope import apply_rope, rope_inv_freq
 
 NEG_INF = float("-inf")
 
@@ -78,12 +78,17 @@ class FastMoE(MoE):
 class FastAttention(Attention):
     """The module path with the sparse attention kernel, and the static decode step."""
 
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary.cos_sin from frequencies kept on the device (a host-to-device copy cannot be captured)."""
+        angles = positions.float().unsqueeze(-1) * self.inv_freq
+        return angles.cos(), angles.sin()
+
     # -------------------------------------------------------------- module path (prefill, replay)
     def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: SharedKV, cache) -> torch.Tensor:
         """As Attention.forward (batch 1): x [1, S, D] at positions [S] -> [1, S, D]."""
         if x.shape[0] != 1:
             raise ValueError(f"the fast module path runs one sequence at a time, got a batch of {x.shape[0]}")
-        cos, sin = self.rotary.cos_sin(positions)
+        cos, sin = self._cos_sin(positions)
         q, qr, kv = self._q_kv(x, cos[None], sin[None])
         layer = self.role.layer_id
         past, past_pos = cache.window(layer)
@@ -129,7 +134,7 @@ class FastAttention(Attention):
     # -------------------------------------------------------------- decode step
     def decode(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, state: SlotState, shared: SharedKV):
         """x [B, D]: one token of each sequence, at positions pos [B] of slots [B] -> [B, D]."""
-        cos, sin = self.rotary.cos_sin(pos)  # [B, R/2]
+        cos, sin = self._cos_sin(pos)  # [B, R/2]
         q, qr, kv = self._q_kv(x[:, None], cos[:, None], sin[:, None])
         q, qr, kv = q[:, 0], qr[:, 0], kv[:, 0]
         layer, W = self.role.layer_id, self.window
@@ -171,7 +176,7 @@ class FastAttention(Attention):
         """The indexer's top-k entry ids [B, k] (-1 = none), as Indexer.forward for one token per row."""
         ix, role = self.indexer, self.role
         B = x.shape[0]
-        cos, sin = self.rotary.cos_sin(pos)
+        cos, sin = self._cos_sin(pos)
         q = ix.wq_b(qr).unflatten(-1, (ix.n_heads, ix.head_dim))  # [B, Hi, di]
         q = apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
         w = ix.weights_proj(x) * (ix.head_dim**-0.5 * ix.n_heads**-0.5)  # [B, Hi]
@@ -200,7 +205,7 @@ class FastAttention(Attention):
         latent = _compressor_step(self.compressor, x, pos, slots, state.carries.get(f"{layer}.compressor"))
         first = (pos + 1) // r - 1  # the group this token would complete
         row = torch.where((pos + 1) % r == 0, first, state.capacity[layer])
-        cos, sin = self.rotary.cos_sin(first.clamp(min=0) * r)
+        cos, sin = self._cos_sin(first.clamp(min=0) * r)
         cos, sin = cos[:, None], sin[:, None]
         entry = apply_rope(latent[:, None], cos, sin)
         # V4.1's NVFP4 rounding is the store's own encoding
@@ -312,9 +317,10 @@ class FastModel(Dsv4Model):
         pos = state.lengths[slots]  # [B]
         state.tokens[slots, pos] = ids
         state.lengths[slots] = pos + 1
-        state.lengths[state.scratch] = 0  # padding rows write at position 0 of the scratch slot, every step
+        state.lengths[state.scratch :].zero_()  # padding rows write at position 0 of the scratch slot, every step
         h = self.embed(ids)[:, None].expand(-1, c.hc_mult, -1).contiguous()  # [B, hc, D]
-        pre = one_hot_pre(h[:, None])[:, 0] if c.is_v41 else None
+        one_hot = (torch.arange(c.hc_mult, device=ids.device) == 0).float()  # V4.1's first collapse: stream 0
+        pre = one_hot.expand(ids.shape[0], -1) if c.is_v41 else None
         hash_ids = self._decode_hash_ids(pos, slots, state) if c.is_v41 and c.engram_layer_ids else None
         shared = SharedKV()
         for layer in self.layers:
@@ -354,14 +360,18 @@ def make_fast(model: Dsv4Model, packed_kv: bool = True) -> FastModel:
     rounding boundary can amplify a summation-order difference).
 
     The fast classes add no parameters, only forward methods; switching the instances' classes keeps
-    every module, name and tensor of the checkpoint where the loader put it."""
+    every module, name and tensor of the checkpoint where the loader put it. Move the model to its
+    device first: the re-laid-out weights and RoPE frequencies are made where the weights are."""
     if model.embed.weight.is_meta:
         raise ValueError("make_fast needs a loaded model (its weights are still on the meta device)")
     model.__class__ = FastModel
+    device = model.embed.weight.device
     for block in model.layers:
         block.__class__ = FastBlock
         block.attn.__class__ = FastAttention
         block.ffn.__class__ = FastMoE
+        rotary = block.attn.rotary
+        block.attn.inv_freq = rope_inv_freq(rotary.dim, rotary.theta, rotary.yarn).to(device)
     dtype = model.embed.weight.dtype
     for m in model.modules():
         if isinstance(m, Linear) and m.fmt == "fp8":
