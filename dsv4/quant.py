@@ -200,8 +200,14 @@ def e2m1_encode(x: Tensor) -> Tensor:
 
 
 def e2m1_decode(codes: Tensor) -> Tensor:
-    """Code (0..15, any integer dtype) -> fp32 value by table lookup."""
-    return E2M1_VALUES.to(codes.device)[codes.long()]
+    """Code (0..15, any integer dtype) -> fp32 value (the E2M1_VALUES table, computed: a table on another
+    device would need a copy, which a CUDA graph cannot capture).
+
+    Bits s eem: exponent field e, mantissa bit m; subnormal (e = 0) m / 2, else 2^(e-1) (1 + m / 2)."""
+    c = codes.to(torch.int32)
+    e, m = (c >> 1) & 3, (c & 1).float()
+    mag = torch.where(e == 0, 0.5 * m, torch.exp2((e - 1).float()) * (1.0 + 0.5 * m))
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 def pack_fp4(codes: Tensor) -> Tensor:
