@@ -150,8 +150,9 @@ def test_runner_rejects_what_it_cannot_serve(tiny_v41_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_change_nothing_and_kernels_match_the_reference(tiny_v41_dir):
-    ref, fast = models(tiny_v41_dir, packed=True, dtype=torch.bfloat16, device="cuda")
+def test_cuda_graphs_change_nothing(tiny_v41_dir):
+    """The same requests, with the decode steps replayed from CUDA graphs and run eagerly: bit-identical."""
+    _, fast = models(tiny_v41_dir, packed=True, dtype=torch.bfloat16, device="cuda")
     outputs = {}
     for graphs in (False, True):
         runner = Runner(fast, max_seqs=4, max_len=128, cuda_graphs=graphs)
@@ -164,6 +165,3 @@ def test_cuda_graphs_change_nothing_and_kernels_match_the_reference(tiny_v41_dir
             tokens = logits.argmax(-1)
         outputs[graphs] = torch.stack(steps)
     assert torch.equal(outputs[False], outputs[True])
-    ids = prompt(20, 0)
-    runner = Runner(fast, max_seqs=1, max_len=64)
-    assert_close(runner.prefill(runner.allocate(), ids), ReferenceSequence(ref).run(ids), PACKED)
