@@ -171,10 +171,12 @@ def reference_rows(model, device, context: int) -> dict:
 
 
 def transformers_rows(hf, device, context: int, vocab: int) -> dict:
+    """transformers eager, bf16 weights; under bf16 autocast, because its mHC streams come out of the
+    collapse in fp32 and meet bf16 projections (a dtype error otherwise)."""
     from transformers import DynamicCache
 
     ids = torch.randint(0, vocab, (1, context), device=device)
-    with torch.inference_mode():
+    with torch.inference_mode(), torch.autocast(device.type, dtype=torch.bfloat16):
         cache = [None]
 
         def prefill():
@@ -217,6 +219,7 @@ def main():
         ref.set_quant_sim(True, activations=False)
         result["reference"] = reference_rows(ref, device, ref_context)
         del ref
+    path = common.write_result(f"runner-{ARGS.arch}", ARGS.smoke, result)  # kept should transformers fail
     if ARGS.transformers:
         from full_width import transformers_model
 
