@@ -12,10 +12,9 @@ so this module imports neither torch nor triton at load time):
     common.save_figure(path.with_suffix(".png"), draw)
     common.print_table(columns, rows)
 
-The commit (`commit` in every result): `git rev-parse HEAD` of this checkout, with "-dirty" when tracked files are
-modified. The device machine receives the working tree without .git, so there the commit comes from the
-environment variable DSV4_COMMIT (set it when launching: `DSV4_COMMIT=$(git rev-parse HEAD) ...`); with neither,
-"unknown".
+The commit (`commit` in every result): the environment variable DSV4_COMMIT when set (set it when launching on the
+device machine, whose copy of the tree may carry a stale .git: `DSV4_COMMIT=$(git rev-parse HEAD) ...`); else
+`git rev-parse HEAD` of this checkout, with "-dirty" when tracked files are modified; else "unknown".
 """
 
 from __future__ import annotations
@@ -54,8 +53,11 @@ def parse_args(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None
 
 
 def git_commit() -> str:
-    """HEAD of this checkout (+ "-dirty" if tracked files differ); else $DSV4_COMMIT; else "unknown"."""
-    if (ROOT / ".git").exists():  # not a parent's repository: the device machine's tree has no .git
+    """$DSV4_COMMIT when set (the launcher knows what it sent); else HEAD of this checkout (+ "-dirty" if
+    tracked files differ); else "unknown". The device machine's copy of the tree may carry a stale .git."""
+    if os.environ.get("DSV4_COMMIT"):
+        return os.environ["DSV4_COMMIT"]
+    if (ROOT / ".git").exists():  # not a parent's repository
         try:
             git = ["git", "-C", str(ROOT)]
             sha = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
@@ -63,8 +65,8 @@ def git_commit() -> str:
                                    text=True, check=True).stdout
             return sha.strip() + ("-dirty" if dirty.strip() else "")
         except (OSError, subprocess.CalledProcessError):
-            pass
-    return os.environ.get("DSV4_COMMIT") or "unknown"
+            return "unknown"
+    return "unknown"
 
 
 def metadata(device: str) -> dict[str, Any]:

@@ -82,27 +82,29 @@ def copy_bandwidth(device) -> float:
     return 2 * a.numel() / (us * 1e-6)
 
 
-def decode_bytes(model, context: int) -> int:
+def decode_bytes(model, state, context: int) -> int:
     """Bytes one batch-1 decode step reads: every weight a token touches as the model holds it (routed
     experts: top-k of them; shared expert bf16 copy and attention weights dequantized at load), plus the
-    KV rows and index keys attended or scored at `context`."""
+    cache rows attended or scored at `context`, at the sizes `state` stores them."""
     c = model.config
+    row = lambda rows: rows.data[0, 0].nbytes + (0 if rows.scale is None else rows.scale[0, 0].nbytes)
     total = model.head.weight.nbytes + model.embed.weight[0].nbytes
-    for layer, row in zip(model.layers, layer_bytes(model)):
-        total += row["total"] - row["routed_experts"] + row["routed_active"]
+    for layer, weights in zip(model.layers, layer_bytes(model)):
+        total += weights["total"] - weights["routed_experts"] + weights["routed_active"]
         role = layer.role
-        total += c.sliding_window * (c.head_dim + c.head_dim // 32)  # FP8 window rows
+        total += c.sliding_window * row(state.windows[role.layer_id])
         if role.compress_ratio:
             entries = context // role.compress_ratio
             picked = entries if role.index_source is None else min(entries, c.index_topk)
-            total += picked * (c.head_dim // 2 + c.head_dim // 16)
+            total += picked * row(state.compressed[role.kv_source])
             if role.owns_indexer:
-                total += entries * (c.index_head_dim // 2 + c.index_head_dim // 32)
+                keys = state.index_keys[role.kv_source if c.is_v41 else role.layer_id]
+                total += entries * row(keys)
     return total
 
 
 def fill(runner, context: int, slots: int, vocab: int) -> list[int]:
-    """`slots` sequences holding the same `context` random tokens: one prefill, then copies."""
+    """`slots` sequences holding the same `context` random tokens: one prefill, then prefix hits."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (context,), generator=g)
     first = runner.allocate()
@@ -110,41 +112,54 @@ def fill(runner, context: int, slots: int, vocab: int) -> list[int]:
         runner.prefill(first, ids[a : a + ARGS.chunk])
     out = [first]
     for _ in range(slots - 1):
-        s = runner.allocate()
-        runner.state.copy_prefix(first, s, context)
-        runner._length[s] = context
-        out.append(s)
+        out.append(runner.allocate())
+        runner.resume(out[-1], first, context)
     return out
 
 
-def fast_rows(model, device, context: int, batches: list[int]) -> dict:
-    vocab = model.config.vocab_size
-    runner = Runner(model, max_seqs=max(batches), max_len=context + ARGS.steps + 8 * 4)
-    slots = fill(runner, context, max(batches), vocab)
+def fast_rows(runner, device, context: int, batches: list[int]) -> dict:
+    """Decode step time per batch size; each size decodes on from where the previous one stopped (a few
+    tokens past `context`)."""
+    slots = fill(runner, context, max(batches), runner.config.vocab_size)
     out = {}
     for B in batches:
         ids = torch.zeros(B, dtype=torch.int64, device=device)
         runner.decode(slots[:B], ids)  # capture
         step = timed(lambda: runner.decode(slots[:B], ids), device, ARGS.steps // 2)
-        for s in slots[:B]:  # rewind: every batch size decodes at the same context
-            runner._length[s] = context
-            runner.state.lengths[s] = context
         out[B] = {"step_ms": step * 1e3, "tokens_per_s": B / step}
+    for slot in slots:
+        runner.release(slot)
     return out
 
 
-def fast_prefill(model, device, context: int) -> dict:
-    runner = Runner(model, max_seqs=1, max_len=context + 8)
-    ids = torch.randint(0, model.config.vocab_size, (context,))
+def fast_prefill(runner, device, context: int) -> dict:
+    ids = torch.randint(0, runner.config.vocab_size, (context,))
 
     def run():
-        runner._free, runner._length = [0], [0]
         slot = runner.allocate()
         for a in range(0, context, ARGS.chunk):
             runner.prefill(slot, ids[a : a + ARGS.chunk])
+        runner.release(slot)
 
     s = timed(run, device)
     return {"seconds": s, "tokens_per_s": context / s}
+
+
+def fast_results(config, device, context: int, ref_context: int, batches: list[int]) -> dict:
+    """Decode, prefill and the batch-1 roofline of the fast model (freed on return)."""
+    fast = make_fast(build_random_model(config, device, torch.bfloat16, seed=0))
+    steps = len(batches) * (ARGS.steps // 2 + 2)  # the tokens every batch size adds
+    runner = Runner(fast, max_seqs=max(batches), max_len=context + steps)
+    bw = copy_bandwidth(device)
+    nbytes = decode_bytes(fast, runner.state, context)
+    rows = fast_rows(runner, device, context, batches)
+    out = {"fast_decode": rows, "fast_prefill": fast_prefill(runner, device, context)}
+    out["roofline"] = {"bytes_per_step": nbytes, "copy_bandwidth_Bps": bw, "floor_ms": nbytes / bw * 1e3,
+                       "fraction_at_batch1": (nbytes / bw) / (rows[batches[0]]["step_ms"] * 1e-3)}
+    if not ARGS.no_reference:
+        out["fast_at_ref_context"] = {"decode": fast_rows(runner, device, ref_context, [1])[1],
+                                      "prefill": fast_prefill(runner, device, ref_context)}
+    return out
 
 
 def reference_rows(model, device, context: int) -> dict:
@@ -203,18 +218,11 @@ def main():
     result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": [role.layer_id for role in config.layer_roles],
               "context": context, "chunk": ARGS.chunk}
     t0 = time.time()
-    fast = make_fast(build_random_model(config, device, torch.bfloat16, seed=0))
-    bw = copy_bandwidth(device)
-    nbytes = decode_bytes(fast, context)
-    rows = fast_rows(fast, device, context, batches)
-    result["fast_decode"] = rows
-    result["fast_prefill"] = fast_prefill(fast, device, context)
-    result["roofline"] = {"bytes_per_step": nbytes, "copy_bandwidth_Bps": bw, "floor_ms": nbytes / bw * 1e3,
-                          "fraction_at_batch1": (nbytes / bw) / (rows[batches[0]]["step_ms"] * 1e-3)}
+    result.update(fast_results(config, device, context, ref_context, batches))
+    rows = result["fast_decode"]
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if not ARGS.no_reference:
-        result["fast_at_ref_context"] = {"decode": fast_rows(fast, device, ref_context, [1])[1],
-                                         "prefill": fast_prefill(fast, device, ref_context)}
-        del fast
         ref = build_random_model(config, device, torch.bfloat16, seed=0)
         ref.set_quant_sim(True, activations=False)
         result["reference"] = reference_rows(ref, device, ref_context)
@@ -223,12 +231,9 @@ def main():
     if ARGS.transformers:
         from full_width import transformers_model
 
-        if "fast" in dir():
-            del fast
-        torch.cuda.empty_cache() if device.type == "cuda" else None
-        base = build_random_model(config, device, torch.bfloat16, seed=0)
-        hf = transformers_model(base)
-        del base
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        hf = transformers_model(build_random_model(config, device, torch.bfloat16, seed=0))
         result["transformers"] = transformers_rows(hf, device, context, config.vocab_size)
         result["transformers_at_ref_context"] = transformers_rows(hf, device, ref_context, config.vocab_size)
     result["wall_s"] = time.time() - t0

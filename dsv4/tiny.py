@@ -17,6 +17,7 @@ whatever the checkpoint's quantization.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from dsv4.config import Dsv4Config
 from dsv4.quant import quantize_fp8, quantize_mxfp4
 from dsv4.reference.linear import FP4_BLOCK, Linear, RMSNorm
 from dsv4.reference.model import Dsv4Model
+from dsv4.released import V4_FLASH, V41_FLASH
 
 ARCHS = ("v4-flash", "v41-flash")
 SPECIAL_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>")  # ids 0, 1, 2
@@ -141,13 +143,7 @@ def _v4_config() -> dict:
         "rope_scaling": {"type": "yarn", **_YARN},
         "rms_norm_eps": 1e-6,
         "expert_dtype": "fp4",
-        "quantization_config": {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": [128, 128],
-        },
+        "quantization_config": copy.deepcopy(V4_FLASH["quantization_config"]),
         "torch_dtype": "bfloat16",
     }
 
@@ -202,13 +198,7 @@ def _v41_config(tokenizer) -> dict:
         "text_config": text,
         # outside the vocabulary: a random model must never emit a token the model rejects as an image
         "image_token_id": text["vocab_size"],
-        "quantization_config": {
-            "quant_method": "fp8",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [32, 32],
-            "scale_fmt": "ue8m0",
-            "expert_dtype": "fp4",
-        },
+        "quantization_config": copy.deepcopy(V41_FLASH["quantization_config"]),
         "torch_dtype": "bfloat16",
     }
 

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from dsv4.checkpoint import CheckpointError, load_into
 from dsv4.config import ConfigError, Dsv4Config
 from dsv4.reference.model import Dsv4Model, load_model
+from dsv4.released import V4_FLASH, V41_FLASH
 from dsv4.tiny import (
     EMBEDDED_DEFAULT_NAME,
     SPECIAL_TOKENS,
@@ -242,53 +243,8 @@ def test_pickle_only_directory_fails(tiny_v4_dir, tmp_path):
 
 
 # ----------------------------------------------------------------------------- released configs
-_YARN = {"factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
-_V4_RATIOS = [0, 0] + [4, 128] * 20 + [4]  # 43 layers: CSA on even layers >= 2, HCA on odd ones
-V4_FLASH = {
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "model_type": "deepseek_v4",
-    "hidden_size": 4096,
-    "num_hidden_layers": 43,
-    "vocab_size": 129280,
-    "max_position_embeddings": 1048576,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 1,
-    "head_dim": 512,
-    "qk_rope_head_dim": 64,
-    "q_lora_rank": 1024,
-    "o_groups": 8,
-    "o_lora_rank": 1024,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 6,
-    "moe_intermediate_size": 2048,
-    "scoring_func": "sqrtsoftplus",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5,
-    "swiglu_limit": 10.0,
-    "num_hash_layers": 3,
-    "sliding_window": 128,
-    "index_n_heads": 64,
-    "index_head_dim": 128,
-    "index_topk": 512,
-    "compress_rope_theta": 160000,
-    "rope_theta": 10000,
-    "rope_scaling": {"type": "yarn", **_YARN},
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "rms_norm_eps": 1e-6,
-    "expert_dtype": "fp4",
-    "quantization_config": {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "scale_fmt": "ue8m0",
-        "weight_block_size": [128, 128],
-    },
-}
-V4_FLASH_PREVIEW = {**V4_FLASH, "compress_ratios": _V4_RATIOS + [0], "num_nextn_predict_layers": 1}  # 44 entries
+V4_FLASH_PREVIEW = V4_FLASH  # the 44-entry compress_ratios list
+_V4_RATIOS = V4_FLASH["compress_ratios"][:-1]  # 43 layers: CSA on even layers >= 2, HCA on odd ones
 V4_FLASH_DSPARK = {  # 46 entries: three drafter stages
     **V4_FLASH,
     "compress_ratios": _V4_RATIOS + [0, 0, 0],
@@ -297,73 +253,6 @@ V4_FLASH_DSPARK = {  # 46 entries: three drafter stages
     "dspark_noise_token_id": 128799,
     "dspark_target_layer_ids": [40, 41, 42],
     "dspark_markov_rank": 256,
-}
-V41_FLASH = {
-    "architectures": ["DeepseekV41ForCausalLM"],
-    "model_type": "deepseek_v41",
-    "image_token_id": 129264,
-    "vision_config": {"num_hidden_layers": 32, "hidden_size": 1024, "num_attention_heads": 16},
-    "quantization_config": {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [32, 32],
-        "scale_fmt": "ue8m0",
-        "expert_dtype": "fp4",
-    },
-    "text_config": {
-        "hidden_size": 5120,
-        "num_hidden_layers": 40,
-        "vocab_size": 129280,
-        "max_position_embeddings": 1048576,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 1,
-        "head_dim": 512,
-        "qk_rope_head_dim": 64,
-        "q_lora_rank": 1280,
-        "o_groups": 8,
-        "o_lora_rank": 1024,
-        "n_routed_experts": 384,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 6,
-        "moe_intermediate_size": 2304,
-        "scoring_func": "sqrtsoftplus",
-        "topk_method": "noaux_tc",
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 1.5,
-        "swiglu_limit": 10.0,
-        "sliding_window": 128,
-        "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
-        "kv_source_layer_ids": [2, 8, 14, 20],
-        "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
-        "candidate_source_layer_id": 20,
-        "candidate_topk_blocks": 2048,
-        "candidate_block_size": 8,
-        "index_n_heads": 32,
-        "index_head_dim": 128,
-        "index_topk": 512,
-        "rope_theta": 10000,
-        "compress_rope_theta": 160000,
-        "rope_scaling": {"rope_type": "yarn", **_YARN},
-        "hc_mult": 4,
-        "hc_sinkhorn_iters": 20,
-        "hc_eps": 1e-6,
-        "rms_norm_eps": 1e-20,
-        "engram_layer_ids": [1, 14],
-        "engram_num_embeddings": [384006168, 384016682],
-        "engram_max_ngram_size": 4,
-        "engram_vocab_size": 16000000,
-        "engram_n_heads": 8,
-        "engram_head_dim": 256,
-        "engram_pad_token_id": 2,
-        "engram_compressed_vocab_size": 99092,
-        "num_nextn_predict_layers": 3,
-        "dspark_block_size": 5,
-        "dspark_noise_token_id": 128799,
-        "dspark_target_layer_ids": [37, 38, 39],
-        "dspark_markov_rank": 256,
-        "dspark_n_routed_experts": 128,
-        "dspark_num_experts_per_tok": 3,
-    },
 }
 
 

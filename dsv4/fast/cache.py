@@ -31,6 +31,7 @@ import torch
 
 from dsv4.config import Dsv4Config
 from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant
+from dsv4.reference.compressor import overlaps
 from dsv4.quant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
 
 POOL_BLOCK = 64  # entries per block of the indexer's pool-layout scoring (see dsv4.fast.kernels.indexer)
@@ -135,22 +136,26 @@ class SlotState:
         self.index_keys: dict[int, Rows] = {}
         self.carries: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.compressor_keys: list[str] = []
+        self.overlapping: set[str] = set()
         for role in c.layer_roles:
             if not role.owns_compressor:
                 continue
             i, r = role.layer_id, role.compress_ratio
             cap = self.capacity[i] = group_capacity(max_len, r)
             self.compressed[i] = Rows.allocate(global_fmt, slots, cap + POOL_BLOCK, c.head_dim, dtype, device)
-            self._carry(f"{i}.compressor", r, (1 if v41 or r != 4 else 2) * c.head_dim)
+            self._carry(f"{i}.compressor", r, c.head_dim)
             if role.owns_index_keys:
                 self.index_keys[i] = Rows.allocate(key_fmt, slots, cap + POOL_BLOCK, c.index_head_dim, dtype, device)
                 if not v41:  # V4's indexer runs its own ratio-4 overlapping compressor
-                    self._carry(f"{i}.indexer.compressor", 4, 2 * c.index_head_dim)
+                    self._carry(f"{i}.indexer.compressor", 4, c.index_head_dim)
 
-    def _carry(self, key: str, ratio: int, width: int) -> None:
+    def _carry(self, key: str, ratio: int, dim: int) -> None:
+        """Ring buffers of a compressor of `ratio` over `dim`-wide entries (overlapping ones project twice as wide)."""
         self.compressor_keys.append(key)
+        if overlaps(self.config, ratio):
+            self.overlapping.add(key)
         if ratio > 1:
-            shape = (self.max_seqs + 1, 2 * ratio, width)
+            shape = (self.max_seqs + 1, 2 * ratio, (2 if key in self.overlapping else 1) * dim)
             self.carries[key] = tuple(torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in range(2))
 
     @property
@@ -277,7 +282,7 @@ class SlotCache:
         ratio = kv.shape[1] // 2
         g0 = nxt - nxt % ratio
         out = {"next": nxt, "kv": self._ring(kv, g0, nxt), "score": self._ring(score, g0, nxt)}
-        if not self.store.config.is_v41 and ratio == 4:  # V4's overlapping compressors
+        if key in self.store.overlapping:
             out["prev"] = (self._ring(kv, g0 - ratio, g0), self._ring(score, g0 - ratio, g0)) if g0 else None
         return out
 

@@ -20,12 +20,13 @@ import torch
 
 from dsv4.fast.cache import SlotCache, SlotState
 from dsv4.fast.model import FastModel
+from dsv4.reference.compressor import overlaps
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class OutOfSlots(RuntimeError):
-    pass
+    """Every sequence slot is taken: release one (or make the runner with more max_seqs)."""
 
 
 class Runner:
@@ -96,9 +97,10 @@ class Runner:
         ratios = {r for r in self.config.compress_ratios[: self.config.num_hidden_layers] if r}
         if any(length % r for r in ratios):
             raise ValueError(f"resume at a multiple of every compression ratio {sorted(ratios)}, not {length}")
-        # V4's overlapping compressors need the raw projections of the group before `length`: the ring
-        # keeps them until the source has moved on by another group
-        if not self.config.is_v41 and self._length[source] - length > 4:
+        # overlapping compressors need the raw projections of the group before `length`: the ring keeps
+        # them until the source has moved on by another group
+        overlap = [r for r in ratios if overlaps(self.config, r)]
+        if overlap and self._length[source] - length > min(overlap):
             raise ValueError(f"slot {source} has moved {self._length[source] - length} tokens past {length}; "
                              "its overlapping compressors no longer hold that prefix's last group")
         self.state.copy_prefix(source, slot, length)

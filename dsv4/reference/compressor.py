@@ -19,11 +19,16 @@ from dsv4.config import Dsv4Config
 from dsv4.reference.linear import Linear, RMSNorm
 
 
+def overlaps(config: Dsv4Config, ratio: int) -> bool:
+    """Whether a compressor of this ratio pools overlapping groups (V4 at ratio 4)."""
+    return not config.is_v41 and ratio == 4
+
+
 class Compressor(nn.Module):
     def __init__(self, config: Dsv4Config, ratio: int, head_dim: int, dtype: torch.dtype):
         super().__init__()
         self.ratio, self.head_dim = ratio, head_dim
-        self.overlap = not config.is_v41 and ratio == 4
+        self.overlap = overlaps(config, ratio)
         coff = 2 if self.overlap else 1
         D = config.hidden_size
         # above ratio 1 the projections feed an fp32 softmax pooling, so they run in fp32
