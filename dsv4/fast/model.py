@@ -111,25 +111,9 @@ class FastAttention(Attention):
                              cos, sin)
         return self._output(o.to(x.dtype)[None])
 
-    def _q_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Rotated queries [B, S, H, Dh], the q latent [B, S, q_lora_rank] and the window-quantized KV row."""
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        if not self.is_v41:  # V4 only: weightless RMS norm per query head
-            qf = q.float()
-            q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
-        return q, qr, self._window_rows(kv)
-
-    def _window_rows(self, kv: torch.Tensor) -> torch.Tensor:
-        """Attention._window_quant without a host sync (the quantization kernels)."""
-        if not self.quant_sim:
-            return kv
-        if self.is_v41:
-            return _fp8_round(kv, 32)
-        rd = self.rope_dim
-        return torch.cat((_fp8_round(kv[..., :-rd], 64), kv[..., -rd:]), dim=-1)
+    def _fake_fp8(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """fake_quant_fp8 without its NaN check's host sync: the quantization kernel (bit-identical)."""
+        return dequantize_fp8(*fp8_quant(x.contiguous(), block), (block,)).to(x.dtype)
 
     # -------------------------------------------------------------- decode step
     def decode(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, state: SlotState, shared: SharedKV):
@@ -209,7 +193,7 @@ class FastAttention(Attention):
         cos, sin = cos[:, None], sin[:, None]
         entry = apply_rope(latent[:, None], cos, sin)
         # V4.1's NVFP4 rounding is the store's own encoding
-        state.compressed[layer].write(slots, row, (entry if self.is_v41 else self._window_rows(entry))[:, 0])
+        state.compressed[layer].write(slots, row, (entry if self.is_v41 else self._window_quant(entry))[:, 0])
         if role.owns_index_keys:
             ix = self.indexer
             if self.is_v41:
@@ -245,11 +229,6 @@ def _compressor_step(comp, x, pos, slots, carry) -> torch.Tensor:
         score = torch.cat((torch.where(has_prev, score[:, :r, :d], NEG_INF), score[:, r:, d:]), dim=1)
     pooled = (kv * score.softmax(dim=1)).sum(dim=1)  # [B, d]
     return comp.norm(pooled.to(x.dtype))
-
-
-def _fp8_round(x: torch.Tensor, block: int) -> torch.Tensor:
-    """fake_quant_fp8 without its NaN check's host sync."""
-    return dequantize_fp8(*fp8_quant(x.contiguous(), block), (block,)).to(x.dtype)
 
 
 def _fake_mxfp4(t: torch.Tensor, is_v41: bool) -> torch.Tensor:

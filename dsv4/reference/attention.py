@@ -105,14 +105,17 @@ class Attention(nn.Module):
             self.indexer = Indexer(config, role.owns_index_keys, dtype)
 
     # ------------------------------------------------------------------ precision steps (quant_sim)
+    def _fake_fp8(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        return fake_quant_fp8(x, block)
+
     def _window_quant(self, kv: torch.Tensor) -> torch.Tensor:
         """V4: FP8 (block 64) on the non-RoPE dims; V4.1: FP8 (block 32) over all 512 dims."""
         if not self.quant_sim:
             return kv
         if self.is_v41:
-            return fake_quant_fp8(kv, 32)
+            return self._fake_fp8(kv, 32)
         rd = self.rope_dim
-        return torch.cat((fake_quant_fp8(kv[..., :-rd], 64), kv[..., -rd:]), dim=-1)
+        return torch.cat((self._fake_fp8(kv[..., :-rd], 64), kv[..., -rd:]), dim=-1)
 
     def _compressed_quant(self, kv: torch.Tensor) -> torch.Tensor:
         """V4: as the window; V4.1: e2m1 with an e4m3 scale per 16, after RoPE."""
@@ -127,13 +130,7 @@ class Attention(nn.Module):
         layer = self.role.layer_id
         cos, sin = self.rotary.cos_sin(positions)
         cos, sin = cos[None], sin[None]
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B, S, H, Dh]
-        if not self.is_v41:  # V4 only: weightless RMS norm per query head
-            qf = q.float()
-            q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
-        q = apply_rope(q, cos, sin)
-        kv = self._window_quant(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))  # [B, S, Dh]
+        q, qr, kv = self._q_kv(x, cos, sin)
 
         past, past_pos = cache.window(layer)
         cache.append_window(layer, kv, positions)
@@ -149,6 +146,17 @@ class Attention(nn.Module):
 
         o = sparse_attention(q, kv, allowed, self.attn_sink, self.head_dim**-0.5)
         return self._output(apply_rope(o, cos, sin, inverse=True))
+
+    def _q_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated queries [B, S, H, Dh], the query latent [B, S, q_lora_rank] and the window-quantized,
+        rotated KV rows [B, S, Dh]."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B, S, H, Dh]
+        if not self.is_v41:  # V4 only: weightless RMS norm per query head
+            qf = q.float()
+            q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
+        q = apply_rope(q, cos, sin)
+        return q, qr, self._window_quant(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output projection: o [B, S, H, Dh] -> [B, S, D]."""
