@@ -134,6 +134,33 @@ def time_calls(fns: Sequence[Callable[[], Any]], reps: int, *, graph: bool = Tru
     return statistics.median(samples)
 
 
+def timed(fn: Callable[[], Any], device, reps: int = 1) -> float:
+    """Seconds per call of a long call (a model step, a prefill): host clock around synchronized calls,
+    after one untimed call."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - t) / reps
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a 2 GiB device-to-device copy (read + write counted), the rooflines' bandwidth; NaN off CUDA."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return float("nan")
+    a = torch.empty(2**30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    us = time_calls([lambda: b.copy_(a)], 20, graph=False)
+    return 2 * a.numel() / (us * 1e-6)
+
+
 def result_path(name: str, smoke: bool, suffix: str = ".json") -> Path:
     """$OUT/<name>.json if OUT is set, else bench/results/<name>.json; <name>-smoke.json with --smoke.
     The folder is created."""

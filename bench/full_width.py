@@ -52,6 +52,9 @@ from dsv4.released import V4_FLASH, V41_FLASH
 ARCHS = ("v41", "v4")
 
 RELEASED = {"v41": V41_FLASH, "v4": V4_FLASH}
+# tiny widths with the real layer structure, for the benchmarks' --smoke runs on CPU
+SMOKE_WIDTHS = {"hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 16, "vocab_size": 1024,
+                "q_lora_rank": 128, "o_lora_rank": 64, "num_attention_heads": 16, "index_n_heads": 8}
 
 # Which released layers a cut model keeps, in order of priority: the first n of these, sorted, are the model.
 # Every prefix keeps each chosen layer's role exactly (its KV source, index source and candidate pool are
@@ -325,6 +328,27 @@ def top_level_bytes(model: Dsv4Model) -> dict[str, int]:
         key = name.split(".")[0]
         out[key if key in out else "other"] += _nbytes(t)
     return out
+
+
+def decode_bytes(model: Dsv4Model, state, context: int) -> int:
+    """Bytes one batch-1 decode step reads: every weight a token touches as the model holds it (routed
+    experts: top-k of them; shared expert bf16 copy and attention weights dequantized at load), plus the
+    cache rows attended or scored at `context`, at the sizes `state` (a fast SlotState) stores them."""
+    c = model.config
+    row = lambda rows: rows.data[0, 0].nbytes + (0 if rows.scale is None else rows.scale[0, 0].nbytes)
+    total = model.head.weight.nbytes + model.embed.weight[0].nbytes
+    for layer, weights in zip(model.layers, layer_bytes(model)):
+        total += weights["total"] - weights["routed_experts"] + weights["routed_active"]
+        role = layer.role
+        total += c.sliding_window * row(state.windows[role.layer_id])
+        if role.compress_ratio:
+            entries = context // role.compress_ratio
+            picked = entries if role.index_source is None else min(entries, c.index_topk)
+            total += picked * row(state.compressed[role.kv_source])
+            if role.owns_indexer:
+                keys = state.index_keys[role.kv_source if c.is_v41 else role.layer_id]
+                total += entries * row(keys)
+    return total
 
 
 def role_label(role) -> str:

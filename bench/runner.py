@@ -46,62 +46,11 @@ if ARGS.smoke:  # whole models under the interpreter take hours: the smoke run c
 
 import torch  # noqa: E402
 
-from full_width import build_random_model, full_width_config, layer_bytes  # noqa: E402
+from full_width import SMOKE_WIDTHS, build_random_model, decode_bytes, full_width_config  # noqa: E402
 
 from dsv4.fast.model import make_fast  # noqa: E402
 from dsv4.fast.runner import Runner  # noqa: E402
 from dsv4.reference.cache import DenseCache  # noqa: E402
-
-SMOKE_WIDTHS = {"hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 16, "vocab_size": 1024,
-                "q_lora_rank": 128, "o_lora_rank": 64, "num_attention_heads": 16, "index_n_heads": 8}
-
-
-def device_sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device, reps: int = 1) -> float:
-    """Seconds per call (host clock around synchronized calls; each call is long)."""
-    fn()
-    device_sync(device)
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    device_sync(device)
-    return (time.perf_counter() - t) / reps
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes/s of a 2 GiB device-to-device copy (read + write counted), the roofline's bandwidth."""
-    if device.type != "cuda":
-        return float("nan")
-    a = torch.empty(2**30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    us = common.time_calls([lambda: b.copy_(a)], 20, graph=False)
-    return 2 * a.numel() / (us * 1e-6)
-
-
-def decode_bytes(model, state, context: int) -> int:
-    """Bytes one batch-1 decode step reads: every weight a token touches as the model holds it (routed
-    experts: top-k of them; shared expert bf16 copy and attention weights dequantized at load), plus the
-    cache rows attended or scored at `context`, at the sizes `state` stores them."""
-    c = model.config
-    row = lambda rows: rows.data[0, 0].nbytes + (0 if rows.scale is None else rows.scale[0, 0].nbytes)
-    total = model.head.weight.nbytes + model.embed.weight[0].nbytes
-    for layer, weights in zip(model.layers, layer_bytes(model)):
-        total += weights["total"] - weights["routed_experts"] + weights["routed_active"]
-        role = layer.role
-        total += c.sliding_window * row(state.windows[role.layer_id])
-        if role.compress_ratio:
-            entries = context // role.compress_ratio
-            picked = entries if role.index_source is None else min(entries, c.index_topk)
-            total += picked * row(state.compressed[role.kv_source])
-            if role.owns_indexer:
-                keys = state.index_keys[role.kv_source if c.is_v41 else role.layer_id]
-                total += entries * row(keys)
-    return total
-
 
 def fill(runner, context: int, slots: int, vocab: int) -> list[int]:
     """`slots` sequences holding the same `context` random tokens: one prefill, then prefix hits."""
@@ -125,7 +74,7 @@ def fast_rows(runner, device, context: int, batches: list[int]) -> dict:
     for B in batches:
         ids = torch.zeros(B, dtype=torch.int64, device=device)
         runner.decode(slots[:B], ids)  # capture
-        step = timed(lambda: runner.decode(slots[:B], ids), device, ARGS.steps // 2)
+        step = common.timed(lambda: runner.decode(slots[:B], ids), device, ARGS.steps // 2)
         out[B] = {"step_ms": step * 1e3, "tokens_per_s": B / step}
     for slot in slots:
         runner.release(slot)
@@ -141,7 +90,7 @@ def fast_prefill(runner, device, context: int) -> dict:
             runner.prefill(slot, ids[a : a + ARGS.chunk])
         runner.release(slot)
 
-    s = timed(run, device)
+    s = common.timed(run, device)
     return {"seconds": s, "tokens_per_s": context / s}
 
 
@@ -150,7 +99,7 @@ def fast_results(config, device, context: int, ref_context: int, batches: list[i
     fast = make_fast(build_random_model(config, device, torch.bfloat16, seed=0))
     steps = len(batches) * (ARGS.steps // 2 + 2)  # the tokens every batch size adds
     runner = Runner(fast, max_seqs=max(batches), max_len=context + steps)
-    bw = copy_bandwidth(device)
+    bw = common.copy_bandwidth(device)
     nbytes = decode_bytes(fast, runner.state, context)
     rows = fast_rows(runner, device, context, batches)
     out = {"fast_decode": rows, "fast_prefill": fast_prefill(runner, device, context)}
@@ -174,14 +123,14 @@ def reference_rows(model, device, context: int) -> dict:
             model.hidden_states(ids[:, a : a + 256], cache=cache, start_pos=a)
 
     with torch.inference_mode():
-        pre = timed(prefill, device)
+        pre = common.timed(prefill, device)
         pos = [context]
 
         def step():
             model.logits(model.hidden_states(ids[:, :1], cache=cache, start_pos=pos[0]))
             pos[0] += 1
 
-        dec = timed(step, device, 3)
+        dec = common.timed(step, device, 3)
     return {"prefill_tokens_per_s": context / pre, "decode_step_ms": dec * 1e3, "decode_tokens_per_s": 1 / dec}
 
 
@@ -198,13 +147,13 @@ def transformers_rows(hf, device, context: int, vocab: int) -> dict:
             cache[0] = DynamicCache(config=hf.config)
             hf(input_ids=ids, past_key_values=cache[0], use_cache=True)
 
-        pre = timed(prefill, device)
+        pre = common.timed(prefill, device)
         nxt = ids[:, :1]
 
         def step():
             hf(input_ids=nxt, past_key_values=cache[0], use_cache=True)
 
-        dec = timed(step, device, 5)
+        dec = common.timed(step, device, 5)
     return {"prefill_tokens_per_s": context / pre, "decode_step_ms": dec * 1e3, "decode_tokens_per_s": 1 / dec}
 
 

@@ -1,0 +1,94 @@
+"""Where a fast decode step's time goes: kernels of one eager step under torch.profiler, grouped by name,
+beside the CUDA-graph step time and the roofline's bytes, on full-width layers (bench/full_width.py).
+
+    python bench/profile_decode.py --arch v41 --layers 4 --context 8192 --batch 1
+    python bench/profile_decode.py --smoke
+
+The kernel table is device time per kernel name summed over the step (eager: the same kernels the graph
+replays, without the graph); `graph_step_ms - kernel_sum_ms` is what the graph still spends between kernels.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+def add_arguments(p):
+    p.add_argument("--arch", default="v41", choices=["v41", "v4"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--top", type=int, default=30)
+
+
+ARGS = common.parse_args(__doc__, add_arguments)
+if ARGS.smoke:
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from full_width import SMOKE_WIDTHS, build_random_model, decode_bytes, full_width_config  # noqa: E402
+
+from dsv4.fast.model import make_fast  # noqa: E402
+from dsv4.fast.runner import Runner  # noqa: E402
+
+
+def kernel_table(prof) -> list[dict]:
+    """Device kernels of the profile grouped by name: calls and total microseconds, largest first."""
+    total, calls = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name] += e.device_time
+            calls[e.name] += 1
+    rows = [{"kernel": k[:90], "calls": calls[k], "us": total[k]} for k in total]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def main():
+    device = torch.device("cpu" if ARGS.smoke else "cuda")
+    config = full_width_config(ARGS.arch, ARGS.layers, SMOKE_WIDTHS if ARGS.smoke else None)
+    context = 128 if ARGS.smoke else ARGS.context
+    fast = make_fast(build_random_model(config, device, torch.bfloat16, seed=0))
+    B = ARGS.batch
+    runner = Runner(fast, max_seqs=B, max_len=context + 64)
+    ids = torch.randint(0, config.vocab_size, (context,))
+    slots = [runner.allocate() for _ in range(B)]
+    for a in range(0, context, 2048):
+        runner.prefill(slots[0], ids[a : a + 2048])
+    for s in slots[1:]:
+        runner.resume(s, slots[0], context)
+    next_ids = torch.zeros(B, dtype=torch.int64, device=device)
+    runner.decode(slots, next_ids)  # capture
+    step_ms = common.timed(lambda: runner.decode(slots, next_ids), device, 10) * 1e3
+    slot_ids = torch.tensor(slots, device=device)
+    with torch.inference_mode():
+        fast.decode_step(next_ids, slot_ids, runner.state)  # warm
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            fast.decode_step(next_ids, slot_ids, runner.state)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+    rows = kernel_table(prof)
+    nbytes = decode_bytes(fast, runner.state, context)
+    bw = common.copy_bandwidth(device)
+    result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": ARGS.layers, "context": context, "batch": B,
+              "graph_step_ms": step_ms, "kernel_sum_ms": sum(r["us"] for r in rows) / 1e3, "kernels": len(rows),
+              "kernel_launches": sum(r["calls"] for r in rows), "bytes_per_step_b1": nbytes,
+              "floor_ms_b1": nbytes / bw * 1e3, "table": rows[: ARGS.top]}
+    path = common.write_result(f"profile-decode-{ARGS.arch}-b{B}", ARGS.smoke, result)
+    print(path)
+    print(f"graph step {step_ms:.3f} ms; kernels {result['kernel_sum_ms']:.3f} ms in {result['kernel_launches']} launches; "
+          f"floor (B=1 bytes) {result['floor_ms_b1']:.3f} ms")
+    for r in rows[: ARGS.top]:
+        print(f"{r['us']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
+
+
+main()
