@@ -24,6 +24,7 @@ def add_arguments(p):
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step before capturing it")
 
 
 ARGS = common.parse_args(__doc__, add_arguments)
@@ -58,6 +59,8 @@ def main():
     context = 128 if ARGS.smoke else ARGS.context
     fast = make_fast(build_random_model(config, device, torch.bfloat16, seed=0))
     B = ARGS.batch
+    if ARGS.compile:
+        fast.decode_step = torch.compile(fast.decode_step)
     runner = Runner(fast, max_seqs=B, max_len=context + 64)
     ids = torch.randint(0, config.vocab_size, (context,))
     slots = [runner.allocate() for _ in range(B)]
@@ -79,11 +82,11 @@ def main():
     rows = kernel_table(prof)
     nbytes = decode_bytes(fast, runner.state, context)
     bw = common.copy_bandwidth(device)
-    result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": ARGS.layers, "context": context, "batch": B,
+    result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": ARGS.layers, "context": context, "batch": B, "compiled": ARGS.compile,
               "graph_step_ms": step_ms, "kernel_sum_ms": sum(r["us"] for r in rows) / 1e3, "kernels": len(rows),
               "kernel_launches": sum(r["calls"] for r in rows), "bytes_per_step_b1": nbytes,
               "floor_ms_b1": nbytes / bw * 1e3, "table": rows[: ARGS.top]}
-    path = common.write_result(f"profile-decode-{ARGS.arch}-b{B}", ARGS.smoke, result)
+    path = common.write_result(f"profile-decode-{ARGS.arch}-b{B}{'-compiled' if ARGS.compile else ''}", ARGS.smoke, result)
     print(path)
     print(f"graph step {step_ms:.3f} ms; kernels {result['kernel_sum_ms']:.3f} ms in {result['kernel_launches']} launches; "
           f"floor (B=1 bytes) {result['floor_ms_b1']:.3f} ms")

@@ -26,10 +26,10 @@ land on the other side of a bf16 tie, one bf16 ulp.
 
 Paths (both free of host syncs, so they can be captured in a CUDA graph):
 - gather (decode, N <= GATHER_MAX_N by default): kernel 1, one program per (token, slot, I tile), streams the
-  slot's expert rows of w1 and w3 once, GEMV on the CUDA cores in fp32, SwiGLU epilogue, h to a [N, S, I]
-  workspace (S = k, + 1 with the shared expert); kernel 2, one program per (token, D tile), loops over the
-  token's S slots streaming w2 rows, rounds each expert's output and sums them in fp32 registers. At batch 1
-  every selected expert's weights are read exactly once.
+  slot's expert rows of w1 and w3 once, GEMV on the CUDA cores in fp32 (each 32-wide scale group summed
+  unscaled, then scaled), SwiGLU epilogue, h to a [N, S, I] workspace (S = k, + 1 with the shared expert);
+  kernel 2, one program per (token, D tile, slot), streams w2 rows and writes the slot's rounded output to
+  [N, S, D]; a torch sum over slots gives y. At batch 1 every selected expert's weights are read exactly once.
 - grouped: token-slots sorted by expert on the device (argsort, scatter_add counts, cumsum, searchsorted),
   a tile table padded to a static upper bound cdiv(N*S, BM) + min(E+1, N*S) (empty tiles exit at once);
   tiles never straddle experts. Kernel 1 is a grouped GEMM (tensor cores, bf16 operands: dequantized e2m1 is
@@ -37,7 +37,8 @@ Paths (both free of host syncs, so they can be captured in a CUDA graph):
   output to [N*S, D]; a torch sum over slots gives y.
 The shared expert is one more slot (expert id E) in both paths, so the layer's expert part is one op.
 FP4 decoding: the packed bytes split K into even (low nibble) and odd (high nibble) elements; activations are
-split to match, so no interleave is needed. Under the Triton interpreter (TRITON_INTERPRET=1) all dots run
+split to match, so no interleave is needed. On the GPU the nibbles are decoded by a few PTX integer ops per
+pair of values (`_E2M1_PTX`), the interpreter computes the same values arithmetically. Under the Triton interpreter (TRITON_INTERPRET=1) all dots run
 in fp32 and bf16 rounding is done on the bits (the interpreter mishandles bf16 arithmetic and truncates casts).
 Scales are assumed in 2^-126 .. 2^127 (what dsv4.quant writes).
 """
@@ -130,8 +131,56 @@ def _round(v, IS_BF16: tl.constexpr, INTERP: tl.constexpr):
         return v
 
 
+def _nibble_ptx(magnitude_shift: int, sign_shift: int, first_out: int) -> str:
+    """PTX turning the nibbles at one position of the four bytes (spread to 16-bit lanes in t0, t1) into four
+    fp32 outputs $first_out.. : magnitude to bits 9-11, sign to bit 15, times 2^14, to fp32."""
+    lines = []
+    for t, m, s in (("t0", "m0", "s0"), ("t1", "m1", "s1")):
+        lines += [f"shl.b32 {m}, {t}, {magnitude_shift};", f"and.b32 {m}, {m}, 0x0E000E00;",
+                  f"shl.b32 {s}, {t}, {sign_shift};", f"and.b32 {s}, {s}, 0x80008000;", f"or.b32 {m}, {m}, {s};",
+                  f"mul.rn.f16x2 {m}, {m}, k;"]
+    lines += ["mov.b32 {v0, v1}, m0;", "mov.b32 {v2, v3}, m1;"]
+    lines += [f"cvt.f32.f16 ${first_out + n}, v{n};" for n in range(4)]
+    return "\n".join(lines)
+
+
+# four packed bytes -> their low and high nibbles as exact fp32 values: the nibble's magnitude bits go to
+# fp16's exponent/mantissa boundary (bits 9-11) and its sign to bit 15, making e2m1 times 2^-14 (an fp16
+# subnormal for codes 0 and 1); an fp16x2 multiply by 2^14 (exact: fp16 math keeps subnormals) gives the
+# value, and the fp16 -> fp32 conversion is exact. Two values per 32-bit instruction.
+_E2M1_PTX = tl.constexpr("\n".join([
+    "{",
+    ".reg .b32 z, k, t0, t1, m0, m1, s0, s1;",
+    ".reg .b16 v0, v1, v2, v3;",
+    "mov.b32 z, 0;",
+    "mov.b32 k, 0x74007400;",  # 2^14 in both fp16 lanes
+    "prmt.b32 t0, $8, z, 0x4140;",  # bytes 0, 1 -> the low bytes of two 16-bit lanes
+    "prmt.b32 t1, $8, z, 0x4342;",  # bytes 2, 3
+    _nibble_ptx(9, 12, 0),  # low nibbles: bits 0-2 -> 9-11, bit 3 -> 15
+    _nibble_ptx(5, 8, 4),  # high nibbles: bits 4-6 -> 9-11, bit 7 -> 15
+    "}",
+]))
+
+
 @triton.jit
-def _fp4_tile(w_ptr, s_ptr, rows64, rmask, row_bytes, row_scales, k0, BK: tl.constexpr):
+def _e2m1_pairs(b, INTERP: tl.constexpr):
+    """Packed uint8 codes -> (low nibble, high nibble) as exact unscaled e2m1 values, fp32."""
+    if INTERP:  # no inline PTX in the interpreter: the same values by arithmetic
+        b = b.to(tl.int32)
+        m_lo = b & 7
+        m_hi = (b >> 4) & 7
+        # magnitude m >= 2 is 2^(m>>1 - 1) * (1 + (m&1)/2): the fp32 with exponent field (m >> 1) + 126 and
+        # top mantissa bit m & 1, i.e. bits (m << 22) + (126 << 23); m in {0, 1} is m / 2
+        v_lo = tl.where(m_lo < 2, m_lo.to(tl.float32) * 0.5, ((m_lo << 22) + (126 << 23)).to(tl.float32, bitcast=True))
+        v_hi = tl.where(m_hi < 2, m_hi.to(tl.float32) * 0.5, ((m_hi << 22) + (126 << 23)).to(tl.float32, bitcast=True))
+        return tl.where((b & 0x08) != 0, -v_lo, v_lo), tl.where((b & 0x80) != 0, -v_hi, v_hi)
+    else:
+        return tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b],
+                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+
+
+@triton.jit
+def _fp4_tile(w_ptr, s_ptr, rows64, rmask, row_bytes, row_scales, k0, BK: tl.constexpr, INTERP: tl.constexpr):
     """Packed rows `rows64` ([R]), K elements k0 .. k0+BK-1 -> (even, odd) elements, fp32 [R, BK/2] each,
     e2m1 * 2^(e8m0 - 127) exactly; masked rows and K past the row read as 0."""
     R: tl.constexpr = rows64.shape[0]
@@ -139,20 +188,32 @@ def _fp4_tile(w_ptr, s_ptr, rows64, rmask, row_bytes, row_scales, k0, BK: tl.con
     NS: tl.constexpr = BK // 32
     j = k0 // 2 + tl.arange(0, HB)
     g = k0 // 32 + tl.arange(0, NS)
-    b = tl.load(w_ptr + rows64[:, None] * row_bytes + j[None, :],
-                mask=rmask[:, None] & (j < row_bytes)[None, :], other=0).to(tl.int32)
+    b = tl.load(w_ptr + rows64[:, None] * row_bytes + j[None, :], mask=rmask[:, None] & (j < row_bytes)[None, :], other=0)
     e = tl.load(s_ptr + rows64[:, None] * row_scales + g[None, :],
                 mask=rmask[:, None] & (g < row_scales)[None, :], other=0).to(tl.int32)
     s = tl.reshape(tl.broadcast_to((e << 23).to(tl.float32, bitcast=True)[:, :, None], (R, NS, 16)), (R, HB))
-    # magnitude m = code & 7: m >= 2 is the normal 2^(m>>1 - 1) * (1 + (m&1)/2), i.e. the fp32 with exponent
-    # field (m >> 1) + 126 and top mantissa bit m & 1: bits (m << 22) + (126 << 23); m in {0, 1} is m / 2
-    m_lo = b & 7
-    m_hi = (b >> 4) & 7
-    v_lo = tl.where(m_lo < 2, m_lo.to(tl.float32) * 0.5, ((m_lo << 22) + (126 << 23)).to(tl.float32, bitcast=True))
-    v_hi = tl.where(m_hi < 2, m_hi.to(tl.float32) * 0.5, ((m_hi << 22) + (126 << 23)).to(tl.float32, bitcast=True))
-    v_lo = tl.where((b & 0x08) != 0, -v_lo, v_lo) * s
-    v_hi = tl.where((b & 0x80) != 0, -v_hi, v_hi) * s
-    return v_lo, v_hi
+    v_lo, v_hi = _e2m1_pairs(b, INTERP)
+    return v_lo * s, v_hi * s
+
+
+@triton.jit
+def _gemv_fp4(acc, w_ptr, s_ptr, rows64, rmask, row_bytes, row_scales, a_row, k0, NS: tl.constexpr,
+              INTERP: tl.constexpr):
+    """acc [R] + packed FP4 rows `rows64` . a[k0 : k0 + 32 NS] (a_row: fp32 or bf16 activations), each
+    32-element scale group summed unscaled (exact e2m1 x activation products) and then scaled."""
+    R: tl.constexpr = rows64.shape[0]
+    g = k0 // 32 + tl.arange(0, NS)
+    gmask = g < row_scales
+    byte = g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [NS, 16]
+    b = tl.load(w_ptr + rows64[:, None, None] * row_bytes + byte[None, :, :],
+                mask=rmask[:, None, None] & gmask[None, :, None], other=0)  # [R, NS, 16] uint8
+    lo, hi = _e2m1_pairs(b, INTERP)
+    av = tl.load(a_row + g[:, None] * 32 + tl.arange(0, 32)[None, :], mask=gmask[:, None], other=0.0)
+    ae, ao = tl.split(tl.reshape(av.to(tl.float32), (NS, 16, 2)))  # even / odd elements [NS, 16]
+    part = tl.sum(lo * ae[None, :, :] + hi * ao[None, :, :], axis=2)  # [R, NS]
+    e = tl.load(s_ptr + rows64[:, None] * row_scales + g[None, :], mask=rmask[:, None] & gmask[None, :],
+                other=0).to(tl.int32)
+    return acc + tl.sum(part * (e << 23).to(tl.float32, bitcast=True), axis=1)
 
 
 @triton.jit
@@ -193,13 +254,8 @@ def _gather_up_kernel(
     if e < E:
         rows_g = e * 2 * I + i.to(tl.int64)
         for k0 in range(0, D, BK):
-            kk = k0 + tl.arange(0, BK)
-            xv = tl.load(x_row + kk, mask=kk < D, other=0.0).to(tl.float32)
-            xe, xo = tl.split(tl.reshape(xv, (BK // 2, 2)))
-            lo, hi = _fp4_tile(w13_ptr, s13_ptr, rows_g, imask, D // 2, D // 32, k0, BK)
-            acc_g += tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1)
-            lo, hi = _fp4_tile(w13_ptr, s13_ptr, rows_g + I, imask, D // 2, D // 32, k0, BK)
-            acc_u += tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1)
+            acc_g = _gemv_fp4(acc_g, w13_ptr, s13_ptr, rows_g, imask, D // 2, D // 32, x_row, k0, BK // 32, INTERP)
+            acc_u = _gemv_fp4(acc_u, w13_ptr, s13_ptr, rows_g + I, imask, D // 2, D // 32, x_row, k0, BK // 32, INTERP)
     else:  # the shared expert, dense
         i64 = i.to(tl.int64)
         for k0 in range(0, D, BK):
@@ -221,38 +277,32 @@ def _gather_up_kernel(
 
 @triton.jit
 def _gather_down_kernel(
-    h_ptr, ids_ptr, w2_ptr, s2_ptr, sh2_ptr, y_ptr,
+    h_ptr, ids_ptr, w2_ptr, s2_ptr, sh2_ptr, out_ptr,
     D, I, S, E,
     BD: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """Program (t, d tile): y[t, d] = sum over the token's slots of round(h[t, slot] . w2[e, d])."""
+    """Program (t, d tile, slot): out[t, slot, d] = round(h[t, slot] . w2[e, d]) (the caller sums the slots)."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
+    slot = tl.program_id(2)
     dmask = d < D
     d64 = d.to(tl.int64)
-    y = tl.zeros((BD,), dtype=tl.float32)
-    for slot in range(S):
-        e = tl.load(ids_ptr + t * S + slot)
-        h_row = h_ptr + (t * S + slot) * I
-        acc = tl.zeros((BD,), dtype=tl.float32)
-        if e < E:
-            rows = e * D + d64
-            for k0 in range(0, I, BK):
-                kk = k0 + tl.arange(0, BK)
-                hv = tl.load(h_row + kk, mask=kk < I, other=0.0).to(tl.float32)
-                he, ho = tl.split(tl.reshape(hv, (BK // 2, 2)))
-                lo, hi = _fp4_tile(w2_ptr, s2_ptr, rows, dmask, I // 2, I // 32, k0, BK)
-                acc += tl.sum(lo * he[None, :] + hi * ho[None, :], axis=1)
-        else:
-            for k0 in range(0, I, BK):
-                kk = k0 + tl.arange(0, BK)
-                km = kk < I
-                hv = tl.load(h_row + kk, mask=km, other=0.0).to(tl.float32)
-                w = tl.load(sh2_ptr + d64[:, None] * I + kk[None, :], mask=dmask[:, None] & km[None, :],
-                            other=0.0).to(tl.float32)
-                acc += tl.sum(w * hv[None, :], axis=1)
-        y += _round(acc, IS_BF16, INTERP)
-    tl.store(y_ptr + t * D + d, y, mask=dmask)
+    e = tl.load(ids_ptr + t * S + slot)
+    h_row = h_ptr + (t * S + slot) * I
+    acc = tl.zeros((BD,), dtype=tl.float32)
+    if e < E:
+        rows = e * D + d64
+        for k0 in range(0, I, BK):
+            acc = _gemv_fp4(acc, w2_ptr, s2_ptr, rows, dmask, I // 2, I // 32, h_row, k0, BK // 32, INTERP)
+    else:
+        for k0 in range(0, I, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < I
+            hv = tl.load(h_row + kk, mask=km, other=0.0).to(tl.float32)
+            w = tl.load(sh2_ptr + d64[:, None] * I + kk[None, :], mask=dmask[:, None] & km[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w * hv[None, :], axis=1)
+    tl.store(out_ptr + (t * S + slot) * D + d, _round(acc, IS_BF16, INTERP), mask=dmask)
 
 
 @triton.jit
@@ -285,10 +335,10 @@ def _grouped_up_kernel(
             kk = k0 + tl.arange(0, BK)
             xa = tl.load(x_ptr + tok[:, None] * D + kk[None, :], mask=rmask[:, None] & (kk < D)[None, :], other=0.0)
             xe, xo = tl.split(tl.reshape(xa, (BM, BK // 2, 2)))
-            lo, hi = _fp4_tile(w13_ptr, s13_ptr, rows_g, nmask, D // 2, D // 32, k0, BK)
+            lo, hi = _fp4_tile(w13_ptr, s13_ptr, rows_g, nmask, D // 2, D // 32, k0, BK, INTERP)
             acc_g = _mma(xe, tl.trans(lo), acc_g, LOW)
             acc_g = _mma(xo, tl.trans(hi), acc_g, LOW)
-            lo, hi = _fp4_tile(w13_ptr, s13_ptr, rows_g + I, nmask, D // 2, D // 32, k0, BK)
+            lo, hi = _fp4_tile(w13_ptr, s13_ptr, rows_g + I, nmask, D // 2, D // 32, k0, BK, INTERP)
             acc_u = _mma(xe, tl.trans(lo), acc_u, LOW)
             acc_u = _mma(xo, tl.trans(hi), acc_u, LOW)
     else:
@@ -340,7 +390,7 @@ def _grouped_down_kernel(
             kk = k0 + tl.arange(0, BK)
             ha = tl.load(h_ptr + rows64[:, None] * I + kk[None, :], mask=rmask[:, None] & (kk < I)[None, :], other=0.0)
             he, ho = tl.split(tl.reshape(ha, (BM, BK // 2, 2)))
-            lo, hi = _fp4_tile(w2_ptr, s2_ptr, rows_w, nmask, I // 2, I // 32, k0, BK)
+            lo, hi = _fp4_tile(w2_ptr, s2_ptr, rows_w, nmask, I // 2, I // 32, k0, BK, INTERP)
             acc = _mma(he, tl.trans(lo), acc, LOW)
             acc = _mma(ho, tl.trans(hi), acc, LOW)
     else:
@@ -422,7 +472,9 @@ def tile_table(ids_s: torch.Tensor, E: int, BM: int):
 def _cfg(x, D, I, path):
     if not x.is_cuda:  # the interpreter pays per program: large tiles
         return {"BI": 64, "BK": 64, "BD": 64, "BM": 16, "BN": 64, "BKG": 64, "warps": 4, "stages": 1}
-    return {"BI": 16, "BK": 256, "BD": 16, "BM": None, "BN": 64, "BKG": 64, "warps": 4, "stages": 3}
+    # gather tiles measured on the H200 at V4.1 widths: 8 rows x 512 K for one or two tokens, 16 x 256 above
+    BI, BK = (8, 512) if x.shape[0] <= 2 else (16, 256)
+    return {"BI": BI, "BK": BK, "BD": BI, "BM": None, "BN": 64, "BKG": 64, "warps": 4, "stages": 3}
 
 
 def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=None, path="auto", cfg=None):
@@ -449,11 +501,12 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
         h = torch.empty(N, S, I, dtype=x.dtype, device=x.device)
         _gather_up_kernel[(N, S, triton.cdiv(I, c["BI"]))](
             x, ids_s, wts_s, w13, s13, sh13, h, D, I, S, E, lim,
-            BI=c["BI"], BK=c["BK"], IS_BF16=is_bf16, INTERP=_INTERP, num_warps=c["warps"])
-        _gather_down_kernel[(N, triton.cdiv(D, c["BD"]))](
-            h, ids_s, w2, s2, sh2, y, D, I, S, E,
-            BD=c["BD"], BK=c["BK"], IS_BF16=is_bf16, INTERP=_INTERP, num_warps=c["warps"])
-        return y
+            BI=c["BI"], BK=c["BK"], IS_BF16=is_bf16, INTERP=_INTERP, num_warps=c["warps"], num_stages=c["stages"])
+        out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
+        _gather_down_kernel[(N, triton.cdiv(D, c["BD"]), S)](
+            h, ids_s, w2, s2, sh2, out, D, I, S, E,
+            BD=c["BD"], BK=c["BK"], IS_BF16=is_bf16, INTERP=_INTERP, num_warps=c["warps"], num_stages=c["stages"])
+        return out.sum(dim=1)
     if path != "grouped":
         raise ValueError(f"moe_experts: path must be 'auto', 'gather' or 'grouped', got {path!r}")
     BM = c["BM"] or grouped_block_m(N, S, E)
