@@ -330,6 +330,14 @@ def top_level_bytes(model: Dsv4Model) -> dict[str, int]:
     return out
 
 
+def random_ids(config: Dsv4Config, shape, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+    """Random prompt token ids: the text ids below V4.1's image-span tokens, which the model rejects."""
+    image = config.image_token_id if config.is_v41 else None
+    high = min(config.vocab_size, image) if image is not None else config.vocab_size
+    return torch.randint(0, high, tuple(shape) if not isinstance(shape, int) else (shape,), generator=generator,
+                         device=device)
+
+
 def decode_bytes(model: Dsv4Model, state, context: int) -> int:
     """Bytes one batch-1 decode step reads: every weight a token touches as the model holds it (routed
     experts: top-k of them; shared expert bf16 copy and attention weights dequantized at load), plus the
@@ -419,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device != "meta" and torch.device(args.device).type == "cuda":
         print(f"GPU memory allocated: {torch.cuda.memory_allocated() / 1e9:.2f} GB")
     if args.tokens and args.device != "meta":
-        ids = torch.randint(0, c.vocab_size, (1, args.tokens), device=args.device)
+        ids = random_ids(c, (1, args.tokens), device=args.device)
         if c.is_v41 and c.image_token_id is not None:
             ids[ids == c.image_token_id] = c.eos_token_id
         t0 = time.perf_counter()

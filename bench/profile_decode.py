@@ -25,6 +25,8 @@ def add_arguments(p):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step before capturing it")
+    p.add_argument("--prefill-chunk", type=int, default=0,
+                   help="also profile a cold prefill of --context tokens in chunks of this many")
 
 
 ARGS = common.parse_args(__doc__, add_arguments)
@@ -36,7 +38,7 @@ if ARGS.smoke:
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from full_width import SMOKE_WIDTHS, build_random_model, decode_bytes, full_width_config  # noqa: E402
+from full_width import SMOKE_WIDTHS, build_random_model, decode_bytes, full_width_config, random_ids  # noqa: E402
 
 from dsv4.fast.model import make_fast  # noqa: E402
 from dsv4.fast.runner import Runner  # noqa: E402
@@ -53,6 +55,27 @@ def kernel_table(prof) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
+def profile_prefill(runner, activities, device, context: int) -> dict:
+    """A cold prefill of `context` tokens in --prefill-chunk chunks into a fresh slot: wall time (after a
+    warm-up run), then the kernels of one more run."""
+    ids = random_ids(runner.config, context)
+
+    def run():
+        slot = runner.allocate()
+        for a in range(0, context, ARGS.prefill_chunk):
+            runner.prefill(slot, ids[a : a + ARGS.prefill_chunk])
+        runner.release(slot)
+
+    ms = common.timed(run, device) * 1e3
+    with profile(activities=activities) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    rows = kernel_table(prof)
+    return {"ms": ms, "tokens_per_s": context / ms * 1e3, "kernel_sum_ms": sum(r["us"] for r in rows) / 1e3,
+            "table": rows[: ARGS.top]}
+
+
 def main():
     device = torch.device("cpu" if ARGS.smoke else "cuda")
     config = full_width_config(ARGS.arch, ARGS.layers, SMOKE_WIDTHS if ARGS.smoke else None)
@@ -61,8 +84,8 @@ def main():
     B = ARGS.batch
     if ARGS.compile:
         fast.decode_step = torch.compile(fast.decode_step)
-    runner = Runner(fast, max_seqs=B, max_len=context + 64)
-    ids = torch.randint(0, config.vocab_size, (context,))
+    runner = Runner(fast, max_seqs=B + 1, max_len=context + 64)
+    ids = random_ids(config, context)
     slots = [runner.allocate() for _ in range(B)]
     for a in range(0, context, 2048):
         runner.prefill(slots[0], ids[a : a + 2048])
@@ -80,18 +103,24 @@ def main():
             if device.type == "cuda":
                 torch.cuda.synchronize()
     rows = kernel_table(prof)
+    prefill = profile_prefill(runner, activities, device, context) if ARGS.prefill_chunk else None
     nbytes = decode_bytes(fast, runner.state, context)
     bw = common.copy_bandwidth(device)
     result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": ARGS.layers, "context": context, "batch": B, "compiled": ARGS.compile,
               "graph_step_ms": step_ms, "kernel_sum_ms": sum(r["us"] for r in rows) / 1e3, "kernels": len(rows),
               "kernel_launches": sum(r["calls"] for r in rows), "bytes_per_step_b1": nbytes,
-              "floor_ms_b1": nbytes / bw * 1e3, "table": rows[: ARGS.top]}
+              "floor_ms_b1": nbytes / bw * 1e3, "table": rows[: ARGS.top], "prefill": prefill}
     path = common.write_result(f"profile-decode-{ARGS.arch}-b{B}{'-compiled' if ARGS.compile else ''}", ARGS.smoke, result)
     print(path)
     print(f"graph step {step_ms:.3f} ms; kernels {result['kernel_sum_ms']:.3f} ms in {result['kernel_launches']} launches; "
           f"floor (B=1 bytes) {result['floor_ms_b1']:.3f} ms")
     for r in rows[: ARGS.top]:
         print(f"{r['us']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
+    if prefill:
+        print(f"prefill {context} in chunks of {ARGS.prefill_chunk}: {prefill['ms']:.1f} ms "
+              f"({prefill['tokens_per_s']:.0f} tok/s), kernels {prefill['kernel_sum_ms']:.1f} ms")
+        for r in prefill["table"]:
+            print(f"{r['us']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
 
 
 main()

@@ -46,16 +46,16 @@ if ARGS.smoke:  # whole models under the interpreter take hours: the smoke run c
 
 import torch  # noqa: E402
 
-from full_width import SMOKE_WIDTHS, build_random_model, decode_bytes, full_width_config  # noqa: E402
+from full_width import SMOKE_WIDTHS, build_random_model, decode_bytes, full_width_config, random_ids  # noqa: E402
 
 from dsv4.fast.model import make_fast  # noqa: E402
 from dsv4.fast.runner import Runner  # noqa: E402
 from dsv4.reference.cache import DenseCache  # noqa: E402
 
-def fill(runner, context: int, slots: int, vocab: int) -> list[int]:
+def fill(runner, context: int, slots: int) -> list[int]:
     """`slots` sequences holding the same `context` random tokens: one prefill, then prefix hits."""
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (context,), generator=g)
+    ids = random_ids(runner.config, context, g)
     first = runner.allocate()
     for a in range(0, context, ARGS.chunk):
         runner.prefill(first, ids[a : a + ARGS.chunk])
@@ -69,7 +69,7 @@ def fill(runner, context: int, slots: int, vocab: int) -> list[int]:
 def fast_rows(runner, device, context: int, batches: list[int]) -> dict:
     """Decode step time per batch size; each size decodes on from where the previous one stopped (a few
     tokens past `context`)."""
-    slots = fill(runner, context, max(batches), runner.config.vocab_size)
+    slots = fill(runner, context, max(batches))
     out = {}
     for B in batches:
         ids = torch.zeros(B, dtype=torch.int64, device=device)
@@ -82,7 +82,7 @@ def fast_rows(runner, device, context: int, batches: list[int]) -> dict:
 
 
 def fast_prefill(runner, device, context: int) -> dict:
-    ids = torch.randint(0, runner.config.vocab_size, (context,))
+    ids = random_ids(runner.config, context)
 
     def run():
         slot = runner.allocate()
@@ -113,7 +113,7 @@ def fast_results(config, device, context: int, ref_context: int, batches: list[i
 
 def reference_rows(model, device, context: int) -> dict:
     """Reference decode (batch 1) and prefill at `context`: chunked so its dense masks fit."""
-    ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
+    ids = random_ids(model.config, (1, context), device=device)
     cache = DenseCache(model.config.sliding_window)
 
     def prefill():
@@ -134,12 +134,12 @@ def reference_rows(model, device, context: int) -> dict:
     return {"prefill_tokens_per_s": context / pre, "decode_step_ms": dec * 1e3, "decode_tokens_per_s": 1 / dec}
 
 
-def transformers_rows(hf, device, context: int, vocab: int) -> dict:
+def transformers_rows(hf, device, context: int, config) -> dict:
     """transformers eager, bf16 weights; under bf16 autocast, because its mHC streams come out of the
     collapse in fp32 and meet bf16 projections (a dtype error otherwise)."""
     from transformers import DynamicCache
 
-    ids = torch.randint(0, vocab, (1, context), device=device)
+    ids = random_ids(config, (1, context), device=device)
     with torch.inference_mode(), torch.autocast(device.type, dtype=torch.bfloat16):
         cache = [None]
 
@@ -183,8 +183,8 @@ def main():
         if device.type == "cuda":
             torch.cuda.empty_cache()
         hf = transformers_model(build_random_model(config, device, torch.bfloat16, seed=0))
-        result["transformers"] = transformers_rows(hf, device, context, config.vocab_size)
-        result["transformers_at_ref_context"] = transformers_rows(hf, device, ref_context, config.vocab_size)
+        result["transformers"] = transformers_rows(hf, device, context, config)
+        result["transformers_at_ref_context"] = transformers_rows(hf, device, ref_context, config)
     result["wall_s"] = time.time() - t0
     path = common.write_result(f"runner-{ARGS.arch}", ARGS.smoke, result)
     print(path)

@@ -1,0 +1,111 @@
+"""Time to first token of a long prompt whose prefix is cached, three ways, on full-width layers
+(bench/full_width.py) through the fast runner, side by side in one run:
+
+- cold: the whole prompt prefilled (chunks of `--chunk` tokens);
+- hit, SWA bounded replay: a slot restored from the cached prefix's slot (compressed KV, index keys and
+  compressor carries copied), its windows rebuilt by recomputing the prefix's last `sliding_window` tokens,
+  then the new tokens prefilled (`Runner.resume` + `prefill`);
+- hit, replay off: the cached slot continued where it stopped (its windows were kept), then the new tokens.
+
+Each time ends when the first token's logits are on the device (synchronized). The prompt is
+`--prefix` cached tokens plus `--suffix` new ones (a multi-turn agent's next turn).
+
+    python bench/ttft.py --arch v41 --layers 4 --prefix 98304 --suffix 512
+    python bench/ttft.py --smoke
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+def add_arguments(p):
+    p.add_argument("--arch", default="v41", choices=["v41", "v4"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prefix", default="8192,32768,98304", help="cached prefix lengths (multiples of 128)")
+    p.add_argument("--suffix", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=8192)
+    p.add_argument("--reps", type=int, default=3)
+
+
+ARGS = common.parse_args(__doc__, add_arguments)
+if ARGS.smoke:
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+
+from full_width import SMOKE_WIDTHS, build_random_model, full_width_config, random_ids  # noqa: E402
+
+from dsv4.fast.model import make_fast  # noqa: E402
+from dsv4.fast.runner import Runner  # noqa: E402
+
+
+def prefill(runner, slot: int, ids: torch.Tensor) -> torch.Tensor:
+    for a in range(0, ids.numel(), ARGS.chunk):
+        logits = runner.prefill(slot, ids[a : a + ARGS.chunk])
+    return logits
+
+
+def measure(runner, device, prefix: int, suffix: int) -> dict:
+    """Seconds to the first token: cold, hit with bounded replay, hit with replay off (median of reps)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    g = torch.Generator().manual_seed(prefix)
+    ids = random_ids(runner.config, prefix + suffix, g)
+
+    def clock(fn):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t
+
+    times = {"cold": [], "hit_replay": [], "hit_no_replay": []}
+    for _ in range(ARGS.reps):
+        cached = runner.allocate()
+        prefill(runner, cached, ids[:prefix])  # the previous turn, left in its slot
+        slot = runner.allocate()
+        times["cold"].append(clock(lambda: prefill(runner, slot, ids)))
+        runner.release(slot)
+        slot = runner.allocate()
+
+        def replay_hit():
+            runner.resume(slot, cached, prefix)
+            prefill(runner, slot, ids[prefix:])
+
+        times["hit_replay"].append(clock(replay_hit))
+        runner.release(slot)
+        times["hit_no_replay"].append(clock(lambda: prefill(runner, cached, ids[prefix:])))
+        runner.release(cached)
+    out = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    out["replay_vs_cold"] = 1 - out["hit_replay"] / out["cold"]
+    out["no_replay_vs_cold"] = 1 - out["hit_no_replay"] / out["cold"]
+    return out
+
+
+def main():
+    device = torch.device("cpu" if ARGS.smoke else "cuda")
+    config = full_width_config(ARGS.arch, ARGS.layers, SMOKE_WIDTHS if ARGS.smoke else None)
+    prefixes = [256] if ARGS.smoke else [int(p) for p in ARGS.prefix.split(",")]
+    suffix = 32 if ARGS.smoke else ARGS.suffix
+    fast = make_fast(build_random_model(config, device, torch.bfloat16, seed=0))
+    runner = Runner(fast, max_seqs=2, max_len=max(prefixes) + suffix)
+    result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": ARGS.layers, "suffix": suffix,
+              "chunk": ARGS.chunk, "rows": {}}
+    for prefix in prefixes:
+        result["rows"][prefix] = measure(runner, device, prefix, suffix)
+    path = common.write_result(f"ttft-{ARGS.arch}", ARGS.smoke, result)
+    print(path)
+    print(f"{'prefix':>8} {'cold s':>9} {'hit+replay s':>13} {'hit, no replay s':>17} {'replay vs cold':>15}")
+    for prefix, r in result["rows"].items():
+        print(f"{prefix:8d} {r['cold']:9.3f} {r['hit_replay']:13.4f} {r['hit_no_replay']:17.4f} "
+              f"{-r['replay_vs_cold']:+15.1%}")
+
+
+main()
