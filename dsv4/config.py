@@ -266,6 +266,11 @@ class Dsv4Config:
         return start if start < self.num_hidden_layers else None
 
     @property
+    def compression_ratios(self) -> set[int]:
+        """The compress ratios the decoder layers use (0, a layer without a compressor, left out)."""
+        return {r for r in self.compress_ratios[: self.num_hidden_layers] if r}
+
+    @property
     def layer_roles(self) -> list[LayerRole]:
         return [self._role(i) for i in range(self.num_hidden_layers)]
 

@@ -1,5 +1,5 @@
 """Shared test set-up: tiny checkpoints built once per session, checkpoint editing, the tools as modules,
-a CI hypothesis profile, one torch thread.
+the fast model's kernel twins, a CI hypothesis profile, one torch thread.
 
 `CI=1` (or `--hypothesis-profile=ci`) selects the "ci" profile: no deadline (shared CI machines stall),
 derandomized (a failure reproduces on every run), few examples.
@@ -58,6 +58,21 @@ def tiny_v41_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_v41_dequantized_dir(tmp_path_factory) -> Path:
     return make_tiny_checkpoint("v41-flash", tmp_path_factory.mktemp("tiny-v41-dequantized"), dequantized=True)
+
+
+@pytest.fixture(scope="module", params=["v41", "v4"])
+def arch_dir(request, tiny_v41_dir, tiny_v4_dir) -> Path:
+    """Each tiny checkpoint in turn."""
+    return tiny_v41_dir if request.param == "v41" else tiny_v4_dir
+
+
+@pytest.fixture
+def kernel_twins(monkeypatch):
+    """The fast model off the GPU computes with its kernels' reference twins: the Triton interpreter
+    (on for the kernel tests) would take minutes per forward, and the kernel tests cover the kernels
+    against the same twins."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Static, preallocated model state for `max_seqs` sequence slots: what the fast runner decodes from.
 
 Every buffer is allocated once, so a decode step captured in a CUDA graph always finds its state at the
-same addresses; a slot's row ranges are fixed, and positions live in a device tensor (`lengths`).
+same addresses; a slot's row ranges are fixed, and positions live in a device tensor (`lengths`). A slot's
+rows are zeroed when it is allocated (`clear`), not before: slots never used cost no touched memory.
 
 Per slot (one extra slot, `scratch`, absorbs the writes of padded batch rows):
 - `tokens` [slots, max_len] and `lengths` [slots] (device; Engram look-backs and positions);
@@ -10,8 +11,13 @@ Per slot (one extra slot, `scratch`, absorbs the writes of padded batch rows):
 - per KV source, compressed entries (row g for the group ending at position (g + 1) * ratio - 1), and per
   index-key owner, MXFP4 index keys; `cap + POOL_BLOCK` rows per slot, row `cap` takes the writes of steps
   that complete no group;
-- per compressor, a ring of 2 * ratio raw fp32 projections (`kv`, `score`): the unfinished group and, for
-  V4's overlapping compressor, the last finished one.
+- per compressor, a ring of raw fp32 projections (`kv`, `score`), row p % R for position p: the unfinished
+  group and, for V4's overlapping compressor, the finished ones before it. R is 2 * ratio, except that an
+  overlapping compressor keeps `resume_span` tokens more than its group: R = ratio + max(ratio, resume_span
+  rounded up to a multiple of ratio), so a slot that has moved up to `resume_span` tokens past a group
+  boundary still holds the group before it, which `copy_prefix` needs to resume there. (V4-Flash at resume
+  span 128: a CSA layer's two ratio-4 rings grow from 8 to 132 rows, 1.2 MiB more per layer and slot, 25 MiB
+  per slot in all, a third more than the 76 MiB of a slot at 8K tokens; V4.1 has no overlapping compressor.)
 
 Stored forms (all exact round trips of what the reference model writes to its cache), when `packed`:
 - V4.1: window FP8 (e4m3, e8m0 per 32), compressed NVFP4 (e2m1 + e4m3 per 16), index keys MXFP4;
@@ -51,8 +57,10 @@ class Rows:
 
     @classmethod
     def allocate(cls, fmt: str, slots: int, n: int, dim: int, dtype: torch.dtype, device) -> Rows:
+        """Uninitialized: zero a slot (`zero_`) before its rows are read."""
+
         def empty(width, dt=torch.uint8):
-            return torch.zeros(slots, n, width, dtype=dt, device=device)
+            return torch.empty(slots, n, width, dtype=dt, device=device)
 
         if fmt == "fp8":
             return cls(fmt, empty(dim), empty(dim // 32), (torch.float8_e4m3fn, torch.float8_e8m0fnu))
@@ -95,6 +103,11 @@ class Rows:
         scale = None if self.scale is None else self.scale[slot, start:end]
         return self.decode(self.data[slot, start:end], scale, dtype)
 
+    def zero_(self, slot: int) -> None:
+        self.data[slot].zero_()
+        if self.scale is not None:
+            self.scale[slot].zero_()
+
     def flat(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[slots * n, width] views in the stored dtypes (a row id is slot * n + row), for the kernels."""
         scale = None if self.scale is None else self.scale.flatten(0, 1)
@@ -110,9 +123,13 @@ def group_capacity(max_len: int, ratio: int) -> int:
 
 
 class SlotState:
-    """The preallocated state of `max_seqs` sequences of up to `max_len` tokens (see the module doc)."""
+    """The preallocated state of `max_seqs` sequences of up to `max_len` tokens (see the module doc).
 
-    def __init__(self, config: Dsv4Config, max_seqs: int, max_len: int, dtype: torch.dtype, device, packed: bool = True):
+    `resume_span`: tokens a slot may move past a group boundary and still be resumed from there (the
+    overlapping compressors' ring length; default one group)."""
+
+    def __init__(self, config: Dsv4Config, max_seqs: int, max_len: int, dtype: torch.dtype, device, packed: bool = True,
+                 resume_span: int | None = None):
         c = self.config = config
         self.packed = packed
         self.max_seqs, self.max_len, self.dtype = max_seqs, max_len, dtype
@@ -122,7 +139,7 @@ class SlotState:
         slots = max_seqs + 1
         v41 = c.is_v41
         window_fmt, global_fmt, key_fmt = ("fp8" if v41 else "dense", "nvfp4" if v41 else "dense", "mxfp4") if packed else ("dense",) * 3
-        self.tokens = torch.zeros(slots, max_len, dtype=torch.int64, device=device)
+        self.tokens = torch.empty(slots, max_len, dtype=torch.int64, device=device)
         self.lengths = torch.zeros(slots, dtype=torch.int64, device=device)
         self.window_start = torch.zeros(slots, dtype=torch.int64, device=device)
         self.windows = {
@@ -131,12 +148,17 @@ class SlotState:
         }
         # what a window-only layer passes the attention kernel as its (empty) global store
         self.empty_global = Rows.allocate(global_fmt, 1, 1, c.head_dim, dtype, device)
+        self.empty_global.zero_(0)
         self.capacity: dict[int, int] = {}
         self.compressed: dict[int, Rows] = {}
         self.index_keys: dict[int, Rows] = {}
         self.carries: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.compressor_keys: list[str] = []
+        self.compressor_ratios: dict[str, int] = {}  # per compressor key
         self.overlapping: set[str] = set()
+        # the overlapping compressors' ratio (V4: 4) and the tokens their rings keep past a group; None
+        # without them (no compressor then needs the group before a resume point)
+        r = self.overlap_ratio = next((r for r in c.compression_ratios if overlaps(c, r)), None)
+        self.resume_span = None if r is None else max(r, -(-(resume_span or 0) // r) * r)
         for role in c.layer_roles:
             if not role.owns_compressor:
                 continue
@@ -148,15 +170,25 @@ class SlotState:
                 self.index_keys[i] = Rows.allocate(key_fmt, slots, cap + POOL_BLOCK, c.index_head_dim, dtype, device)
                 if not v41:  # V4's indexer runs its own ratio-4 overlapping compressor
                     self._carry(f"{i}.indexer.compressor", 4, c.index_head_dim)
+        self.clear(self.scratch)
+
+    @classmethod
+    def bytes_per_slot(cls, config: Dsv4Config, max_len: int, dtype: torch.dtype, packed: bool = True,
+                       resume_span: int | None = None) -> int:
+        """The bytes one slot of `max_len` tokens takes (a state of no slots holds just the scratch one)."""
+        return cls(config, 0, max_len, dtype, "meta", packed, resume_span).nbytes
 
     def _carry(self, key: str, ratio: int, dim: int) -> None:
-        """Ring buffers of a compressor of `ratio` over `dim`-wide entries (overlapping ones project twice as wide)."""
-        self.compressor_keys.append(key)
+        """Ring buffers of a compressor of `ratio` over `dim`-wide entries (overlapping ones project twice as
+        wide and keep `resume_span` tokens besides the unfinished group; see the module doc)."""
+        self.compressor_ratios[key] = ratio
+        rows, width = 2 * ratio, dim
         if overlaps(self.config, ratio):
             self.overlapping.add(key)
+            rows, width = ratio + self.resume_span, 2 * dim
         if ratio > 1:
-            shape = (self.max_seqs + 1, 2 * ratio, (2 if key in self.overlapping else 1) * dim)
-            self.carries[key] = tuple(torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in range(2))
+            shape = (self.max_seqs + 1, rows, width)
+            self.carries[key] = tuple(torch.empty(shape, dtype=torch.float32, device=self.device) for _ in range(2))
 
     @property
     def nbytes(self) -> int:
@@ -165,13 +197,20 @@ class SlotState:
         return total + sum(t.nbytes for pair in self.carries.values() for t in pair) + self.tokens.nbytes
 
     def clear(self, slot: int) -> None:
-        """Forget a slot's sequence (its buffers are overwritten before they are read again)."""
+        """Forget a slot's sequence and zero its rows (masked-off reads of unwritten rows then see zeros)."""
         self.lengths[slot] = 0
         self.window_start[slot] = 0
+        self.tokens[slot].zero_()
+        for rows in (*self.windows.values(), *self.compressed.values(), *self.index_keys.values()):
+            rows.zero_(slot)
+        for pair in self.carries.values():
+            for ring in pair:
+                ring[slot].zero_()
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Give slot `dst` slot `src`'s state at `length` (a block boundary of every ratio): tokens,
-        compressed KV, index keys and carries, but no window (a bounded replay rebuilds it)."""
+        compressed KV, index keys and carries, but no window (a bounded replay rebuilds it: the window
+        starts at `length`, i.e. is empty, until rows are written below it)."""
         self.tokens[dst, :length] = self.tokens[src, :length]
         for i, rows in (*self.compressed.items(), *self.index_keys.items()):
             n = length // self.config.compress_ratios[i]
@@ -192,14 +231,16 @@ class SlotCache:
         self.window_size = state.window_size
         self.length = int(state.lengths[slot])
         self._window_start = int(state.window_start[slot])
-        self._window_end = {layer: self.length for layer in state.windows}  # positions appended (None: reset)
+        # positions appended; None: the window is empty (a fresh or restored slot), its next rows start it
+        end = None if self._window_start >= self.length else self.length
+        self._window_end = {layer: end for layer in state.windows}
         self._rows = {}  # (kind, source) -> rows written
         for i in state.compressed:
             self._rows[("compressed", i)] = self.length // state.config.compress_ratios[i]
         for i in state.index_keys:
             self._rows[("index_keys", i)] = self.length // state.config.compress_ratios[i]
         # a resumed slot (prefix copy) continues its compressors at its length
-        self._next = {key: self.length for key in state.compressor_keys} if self.length else {}
+        self._next = {key: self.length for key in state.compressor_ratios} if self.length else {}
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -244,6 +285,8 @@ class SlotCache:
         """Windows restart at the next position written (a bounded replay's first)."""
         for layer in self._window_end:
             self._window_end[layer] = None
+        self._window_start = self.length
+        self.store.window_start[self.slot] = self.length
 
     # compressed KV and index keys
     def compressed(self, source: int) -> torch.Tensor | None:
@@ -279,7 +322,7 @@ class SlotCache:
         if key not in self.store.carries:
             return {"next": nxt}
         kv, score = self.store.carries[key]
-        ratio = kv.shape[1] // 2
+        ratio = self.store.compressor_ratios[key]
         g0 = nxt - nxt % ratio
         out = {"next": nxt, "kv": self._ring(kv, g0, nxt), "score": self._ring(score, g0, nxt)}
         if key in self.store.overlapping:
@@ -296,7 +339,7 @@ class SlotCache:
         self._to_ring(score, nxt - n, state["score"][0])
         prev = state.get("prev")
         if prev is not None:
-            ratio = kv.shape[1] // 2
+            ratio = self.store.compressor_ratios[key]
             g0 = nxt - n
             self._to_ring(kv, g0 - ratio, prev[0][0])
             self._to_ring(score, g0 - ratio, prev[1][0])

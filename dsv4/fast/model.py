@@ -205,24 +205,26 @@ class FastAttention(Attention):
 
 
 def _compressor_step(comp, x, pos, slots, carry) -> torch.Tensor:
-    """Compressor.forward for one token per row, on a ring of the last 2 * ratio raw projections.
+    """Compressor.forward for one token per row, on a ring of raw projections (row p % R for position p;
+    R >= 2 * ratio, see SlotState).
 
     Returns the normalized latent [B, d] of the group ending at pos (meaningful where (pos + 1) % ratio
     == 0; elsewhere the caller drops it)."""
     r, d = comp.ratio, comp.head_dim
     if r == 1:
         return comp.norm(comp.wkv(x))
-    kv_ring, score_ring = carry  # [slots, 2r, coff * d] fp32
+    kv_ring, score_ring = carry  # [slots, R, coff * d] fp32
+    R = kv_ring.shape[1]
     kv, score = comp.wkv(x), comp.wgate(x)
     if hasattr(comp, "ape"):
         score = score + comp.ape[pos % r]
-    kv_ring[slots, pos % (2 * r)] = kv
-    score_ring[slots, pos % (2 * r)] = score
+    kv_ring[slots, pos % R] = kv
+    score_ring[slots, pos % R] = score
     group = pos[:, None] - (r - 1) + torch.arange(r, device=x.device)  # [B, r]: the group ending at pos
     if comp.overlap:  # slots 0..r-1: the previous group's first halves (padding before group 0)
         group = torch.cat((group - r, group), dim=1)
-    kv = kv_ring[slots[:, None], group % (2 * r)]  # [B, r or 2r, coff * d]
-    score = score_ring[slots[:, None], group % (2 * r)]
+    kv = kv_ring[slots[:, None], group % R]  # [B, r or 2r, coff * d]
+    score = score_ring[slots[:, None], group % R]
     if comp.overlap:
         has_prev = (group[:, :r] >= 0)[..., None]
         kv = torch.cat((torch.where(has_prev, kv[:, :r, :d], 0.0), kv[:, r:, d:]), dim=1)

@@ -4,7 +4,7 @@
     slot = runner.allocate()
     logits = runner.prefill(slot, prompt_ids)              # module path, any length, chunked by the caller
     logits = runner.decode([slot, ...], next_ids)          # one token per sequence: a graph replay
-    runner.resume(slot, from_slot, length)                 # prefix hit: copy, then bounded replay
+    runner.resume(slot, from_slot, length)                 # prefix hit: restore (copy), then bounded replay
 
 Decode runs `FastModel.decode_step` for a batch padded up to the next captured size (padding rows use
 the scratch slot, whose writes nobody reads); the graph for each size is captured on first use. Without
@@ -20,7 +20,6 @@ import torch
 
 from dsv4.fast.cache import SlotCache, SlotState
 from dsv4.fast.model import FastModel
-from dsv4.reference.compressor import overlaps
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -35,6 +34,7 @@ class Runner:
         max_seqs: sequence slots; max_len: tokens per slot (prompt + generation).
         cuda_graphs: capture decode steps (default: on a CUDA device).
         batch_sizes: decode batch sizes to capture; a batch runs padded to the next one.
+        resume_span: how far a slot may move past a prefix and still be resumed from it (SlotState).
     """
 
     def __init__(
@@ -44,27 +44,50 @@ class Runner:
         max_len: int = 8192,
         cuda_graphs: bool | None = None,
         batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+        resume_span: int | None = None,
     ):
         if not isinstance(model, FastModel):
             raise TypeError("Runner drives a FastModel: pass dsv4.fast.model.make_fast(model)")
         self.model, self.config = model, model.config
         weight = model.embed.weight
-        self.state = SlotState(model.config, max_seqs, max_len, weight.dtype, weight.device, packed=model.quant_sim)
+        self.state = SlotState(model.config, max_seqs, max_len, weight.dtype, weight.device, model.quant_sim, resume_span)
         self.cuda_graphs = weight.is_cuda if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not weight.is_cuda:
             raise ValueError("cuda_graphs needs the model on a CUDA device")
         self.batch_sizes = sorted({b for b in batch_sizes if b < max_seqs} | {max_seqs})
         self._free = list(range(max_seqs))
         self._length = [0] * max_seqs  # host mirror of state.lengths, for bounds checks only
+        # what the overlapping compressors' rings hold (V4): the group before every group boundary from
+        # `_held_from` to the slot's end (decode steps write each position), and before the ends of
+        # earlier prefill forwards (`_marks`), while within resume_span; a prefill forward writes only
+        # the last groups it reaches, so a slot can be resumed at no other point
+        self._held_from = [0] * max_seqs
+        self._marks: list[set[int]] = [set() for _ in range(max_seqs)]
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
+    @classmethod
+    def for_memory(cls, model: FastModel, memory_bytes: int, max_len: int = 8192, resume_span: int | None = None,
+                   **kwargs) -> Runner:
+        """As many slots of `max_len` tokens as `memory_bytes` holds, the scratch slot included."""
+        weight = model.embed.weight
+        per_slot = SlotState.bytes_per_slot(model.config, max_len, weight.dtype, model.quant_sim, resume_span)
+        if memory_bytes < 2 * per_slot:
+            raise ValueError(f"{memory_bytes} bytes hold no sequence slot of {max_len} tokens "
+                             f"({per_slot} bytes each, and one more for the scratch slot)")
+        return cls(model, memory_bytes // per_slot - 1, max_len, resume_span=resume_span, **kwargs)
+
     # ------------------------------------------------------------------ slots
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
     def allocate(self) -> int:
         if not self._free:
             raise OutOfSlots(f"all {self.state.max_seqs} sequence slots are in use")
         slot = self._free.pop(0)
         self.state.clear(slot)
-        self._length[slot] = 0
+        self._length[slot] = self._held_from[slot] = 0
+        self._marks[slot] = set()
         return slot
 
     def release(self, slot: int) -> None:
@@ -84,31 +107,59 @@ class Runner:
         cache = SlotCache(self.state, slot)
         hidden = self.model.hidden_states(ids, cache=cache, start_pos=start)
         self._length[slot] = start + ids.shape[1]
+        self._rings_written(slot, start, self._length[slot])
         return self.model.logits(hidden[0, -1])
 
-    @torch.inference_mode()
-    def resume(self, slot: int, source: int, length: int) -> None:
-        """Start `slot` from `source`'s first `length` tokens as a prefix-cache hit does under SWA bounded
-        replay (`dsv4.reference.model.bounded_replay_state`): the compressed KV, index keys and carries
-        are copied, the windows rebuilt by recomputing the last `sliding_window` positions."""
-        W = self.config.sliding_window
-        if length < W or length > self._length[source]:
-            raise ValueError(f"a bounded replay resumes {W}..{self._length[source]} tokens, not {length}")
-        ratios = {r for r in self.config.compress_ratios[: self.config.num_hidden_layers] if r}
+    def _rings_written(self, slot: int, start: int, end: int) -> None:
+        """A forward over [start, end) wrote the raw projections of [g - ratio, end) to the overlapping
+        compressors' rings (the last finished group and the unfinished one)."""
+        r = self.state.overlap_ratio
+        if r is None:
+            return
+        g = end - end % r
+        if g - r > start:  # not contiguous with what the rings held before
+            self._held_from[slot] = g
+        self._marks[slot] = {m for m in self._marks[slot] if end - m <= self.state.resume_span} | {g}
+
+    def resumable(self, source: int, length: int) -> bool:
+        """Whether `restore` can start a slot from `source`'s first `length` tokens."""
+        return self._resume_problem(source, length) is None
+
+    def _resume_problem(self, source: int, length: int) -> str | None:
+        W, end = self.config.sliding_window, self._length[source]
+        if length < W or length > end:
+            return f"a bounded replay resumes {W}..{end} tokens, not {length}"
+        ratios = self.config.compression_ratios
         if any(length % r for r in ratios):
-            raise ValueError(f"resume at a multiple of every compression ratio {sorted(ratios)}, not {length}")
-        # overlapping compressors need the raw projections of the group before `length`: the ring keeps
-        # them until the source has moved on by another group
-        overlap = [r for r in ratios if overlaps(self.config, r)]
-        if overlap and self._length[source] - length > min(overlap):
-            raise ValueError(f"slot {source} has moved {self._length[source] - length} tokens past {length}; "
-                             "its overlapping compressors no longer hold that prefix's last group")
+            return f"resume at a multiple of every compression ratio {sorted(ratios)}, not {length}"
+        # overlapping compressors need the raw projections of the group before `length`
+        span = self.state.resume_span
+        if span is not None and end - length > span:
+            return (f"slot {source} has moved {end - length} tokens past {length}, beyond the resume span of {span}: "
+                    "its overlapping compressors no longer hold that prefix's last group")
+        if span is not None and length < self._held_from[source] and length not in self._marks[source]:
+            return (f"slot {source} passed position {length} inside a prefill forward: its overlapping compressors "
+                    "never held that prefix's last group")
+        return None
+
+    @torch.inference_mode()
+    def restore(self, slot: int, source: int, length: int) -> None:
+        """Give `slot` `source`'s first `length` tokens as a prefix-cache hit does under SWA bounded replay
+        (`dsv4.reference.model.bounded_replay_state`): the compressed KV, index keys and carries, and empty
+        windows; `prefill` the last `sliding_window` of those tokens at `length - sliding_window` next to
+        rebuild the windows. `slot` may be `source` (taken over in place)."""
+        problem = self._resume_problem(source, length)
+        if problem is not None:
+            raise ValueError(problem)
         self.state.copy_prefix(source, slot, length)
-        self._length[slot] = length
-        cache = SlotCache(self.state, slot)
-        cache.reset_windows()
-        tokens = self.state.tokens[slot : slot + 1, length - W : length]
-        self.model.hidden_states(tokens, cache=cache, start_pos=length - W)
+        self._length[slot] = self._held_from[slot] = length
+        self._marks[slot] = set()
+
+    def resume(self, slot: int, source: int, length: int) -> None:
+        """`restore`, then the bounded replay of the window before `length`."""
+        self.restore(slot, source, length)
+        W = self.config.sliding_window
+        self.prefill(slot, self.state.tokens[slot, length - W : length], start_pos=length - W)
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()

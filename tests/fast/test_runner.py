@@ -6,9 +6,8 @@ batches, and a prefix resumed under SWA bounded replay. With the packed KV forma
 from an FP8/FP4 rounding boundary can land on the other side in another summation order (a discrete
 jump of one code), so that path is held to a stated looser bound.
 
-Off the GPU the kernels compute with their reference twins here (the Triton interpreter would take
-minutes per forward; the kernel tests cover the kernels against the same twins). The `gpu` tests run
-the Triton kernels and CUDA graphs.
+Off the GPU the kernels compute with their reference twins here (conftest's `kernel_twins`). The `gpu`
+tests run the Triton kernels and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -25,15 +24,7 @@ EXACT = 1e-5  # of max |logit|: float32 summation order
 PACKED = 5e-2  # of max |logit|: a KV value crossing an FP8/FP4 rounding boundary moves by one code
 
 
-@pytest.fixture(autouse=True)
-def twins(monkeypatch):
-    if not torch.cuda.is_available():
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
-@pytest.fixture(scope="module", params=["v41", "v4"])
-def arch_dir(request, tiny_v41_dir, tiny_v4_dir):
-    return tiny_v41_dir if request.param == "v41" else tiny_v4_dir
+pytestmark = pytest.mark.usefixtures("kernel_twins")
 
 
 def models(path, packed: bool, dtype=torch.float32, device="cpu"):
@@ -104,6 +95,32 @@ def test_resume_is_the_bounded_replay_of_the_prefix(arch_dir):
     assert_close(runner.prefill(slot, ids[H:]), want, EXACT)
     token = want.argmax()
     assert_close(runner.decode([slot], token.view(1))[0], seq.run([int(token)]), EXACT)
+
+
+def test_resume_from_a_source_up_to_the_resume_span_past_the_prefix(tiny_v4_dir):
+    """V4's overlapping compressors need the raw projections of the group before the resume point: a
+    prefill forward ending there writes them, and rings of `resume_span` keep them while the source moves
+    on (prefill and decode) by that many tokens, and no further. A forward passing the point never
+    held them."""
+    ref, fast = models(tiny_v4_dir, packed=False)
+    H, span = 128, 20
+    runner = Runner(fast, max_seqs=3, max_len=H + 32, resume_span=span)
+    ids = prompt(H + span + 1, 6)
+    source, passed = runner.allocate(), runner.allocate()
+    runner.prefill(source, ids[:H])
+    runner.prefill(source, ids[H : H + 12])
+    for token in ids[H + 12 : H + span]:
+        runner.decode([source], torch.tensor([token]))
+    slot = runner.allocate()
+    runner.resume(slot, source, H)  # the source has moved `span` tokens on
+    seq = ReferenceSequence(ref, bounded_replay_state(ref, torch.tensor([ids[:H]])), H)
+    assert_close(runner.prefill(slot, ids[H : H + 5]), seq.run(ids[H : H + 5]), EXACT)
+    runner.decode([source], torch.tensor([ids[H + span]]))
+    with pytest.raises(ValueError, match="beyond the resume span of 20"):
+        runner.resume(slot, source, H)
+    runner.prefill(passed, ids[: H + 12])
+    with pytest.raises(ValueError, match="inside a prefill forward"):
+        runner.resume(slot, passed, H)
 
 
 def test_packed_kv_formats_stay_within_one_rounding_code(tiny_v41_dir):
