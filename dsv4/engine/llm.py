@@ -1,10 +1,12 @@
 """The offline engine: `LLM(model=...).generate(prompts, SamplingParams(...), session_ids=...)`.
 
 One engine step asks the scheduler for work (decode tokens and prefill chunks under a token budget),
-runs every piece through the model with that request's cache, samples where a piece ends on the
-last known token, and registers completed blocks with the prefix cache. Prefix hits restore the
-cached global KV; with SWA bounded replay (the default) the hit's last window is recomputed to rebuild
-the sliding windows, with it off the windows come from the cache and a hit reproduces a cold run.
+runs it through the model with each request's cache (an executor per implementation: the reference
+model over paged KV blocks, or the fast runner over sequence slots with the step's decodes batched),
+samples where a piece ends on the last known token, and commits what was computed to the prefix cache.
+Prefix hits restore the cached global KV; with SWA bounded replay (the default) the hit's last window is
+recomputed to rebuild the sliding windows, with it off the windows come from the cache and a hit
+reproduces a cold run.
 """
 
 from __future__ import annotations
@@ -17,25 +19,38 @@ from pathlib import Path
 
 import torch
 
+from dsv4.engine.executor import FastExecutor, ReferenceExecutor
 from dsv4.engine.request import Request, RequestOutput, SamplingParams
 from dsv4.engine.scheduler import Scheduler, Work
 from dsv4.sampling import sample
 
-IMPLS = ("reference",)
+IMPLS = ("reference", "fast")
+FAST_MAX_MODEL_LEN = 8192  # the fast engine's default slot length, at most the model's context
+HOST_SLOTS = 4  # the fast engine's default slot count without a GPU
 
 
 class LLM:
     """Args:
         model: checkpoint directory or Hugging Face repo id; None runs the embedded tiny V4.1 model.
-        impl: "reference" (the readable model; "fast" arrives with the fast runner).
+        impl: "reference" (the readable model over paged KV blocks, on the host) or "fast" (the kernels
+            of `dsv4.fast` over the fast runner's sequence slots, on the GPU when there is one: every
+            engine step's decodes run as one batched step, a CUDA graph per batch size).
         swa_bounded_replay: on a prefix hit recompute only the last window (default, as DeepSeek and
             vLLM); off caches the windows with the prefix and reproduces the cold run exactly.
-        enable_prefix_caching: reuse cached prefixes across requests and turns.
-        dtype: compute dtype; quant_sim: the official FP8/FP4 precision steps (the packed KV formats
-            store exactly what they produce).
-        kv_cache_memory: bytes of paged KV blocks; None takes `kv_cache_fraction` of the memory
-            available after loading (device memory on a GPU, host memory otherwise).
-        block_size: tokens per block (default: one window, rounded up to the compression ratios).
+        enable_prefix_caching: reuse cached prefixes across requests and turns ("reference": cached
+            blocks; "fast": retained slots, see `dsv4.engine.slot_cache`).
+        dtype: compute dtype (default float32; "fast" on a GPU: bfloat16).
+        quant_sim: the official FP8/FP4 precision steps (the packed KV formats store exactly what they
+            produce); "fast" keeps the packed KV and indexer formats but not the FP8 rounding of
+            activations (see `dsv4.fast.model.make_fast`).
+        kv_cache_memory: bytes of KV storage ("reference": paged blocks; "fast": slots of max_model_len
+            tokens each); None takes `kv_cache_fraction` of the memory available after loading (device
+            memory on a GPU, host memory otherwise), except "fast" without a GPU: 4 slots (there the
+            kernels' reference twins scan every slot's index keys each step).
+        block_size: tokens per block, the granularity of prefix hits (default: one window, rounded up to
+            the compression ratios).
+        max_model_len: the longest prompt + max_tokens served (default: the model's context; "fast":
+            at most 8192, as every slot holds that many tokens).
         max_num_batched_tokens / max_num_seqs: the scheduler's budget per step.
     """
 
@@ -45,17 +60,17 @@ class LLM:
         impl: str = "reference",
         swa_bounded_replay: bool = True,
         enable_prefix_caching: bool = True,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         quant_sim: bool = True,
         kv_cache_memory: int | None = None,
         kv_cache_fraction: float = 0.5,
         block_size: int | None = None,
+        max_model_len: int | None = None,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
         progress: bool = False,
     ):
         from dsv4.checkpoint import resolve_model_dir
-        from dsv4.engine.prefix_cache import KVManager
         from dsv4.reference.model import load_model
 
         if impl not in IMPLS:
@@ -64,22 +79,48 @@ class LLM:
             from dsv4.tiny import embedded_default_dir
 
             model = embedded_default_dir()
+        self.impl, self.device = impl, default_device(impl)
         self.model_dir = resolve_model_dir(model)
-        self.model = load_model(str(self.model_dir), dtype, quant_sim, progress)
+        self.model = load_model(str(self.model_dir), dtype or default_dtype(impl, self.device), quant_sim, progress)
         self.config = self.model.config
+        self.max_model_len = _max_model_len(self.config, impl, max_model_len)
         self.tokenizer = _tokenizer(self.model_dir)
         eos = self.config.eos_token_id
         self.eos = [] if eos is None else (eos if isinstance(eos, list) else [eos])
-        self.kv = KVManager(
-            self.model,
-            memory_bytes=kv_cache_memory or int(kv_cache_fraction * available_memory(self.model.embed.weight.device)),
-            block_size=block_size or default_block_size(self.config),
-            swa_bounded_replay=swa_bounded_replay,
-            enable_prefix_caching=enable_prefix_caching,
-        )
+        block_size = block_size or default_block_size(self.config)
+        if impl == "fast":
+            self.kv = self._slots(quant_sim, kv_cache_memory, kv_cache_fraction, block_size, swa_bounded_replay,
+                                  enable_prefix_caching)
+        else:
+            from dsv4.engine.prefix_cache import KVManager
+
+            memory = self._memory(kv_cache_memory, kv_cache_fraction)
+            self.kv = KVManager(self.model, memory, block_size, swa_bounded_replay, enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs)
+        self.executor = FastExecutor(self.kv) if impl == "fast" else ReferenceExecutor(self.model, self.scheduler)
         self._ids = itertools.count()
         self.last_num_cached_tokens = 0  # of the last streamed request, for the CLI's chat report
+
+    def _slots(self, quant_sim, memory, fraction, block_size, replay, prefix_caching):
+        """The fast model (in place of the reference one) on its device, and its runner's slots as the KV
+        manager."""
+        from dsv4.engine.slot_cache import SlotKV
+        from dsv4.fast.model import make_fast
+        from dsv4.fast.runner import Runner
+
+        self.model = make_fast(self.model.to(self.device), packed_kv=quant_sim)
+        # the rings keep a block past a retained slot's end, so it serves hits at its last block boundary
+        if memory is None and self.device.type != "cuda":
+            # the kernels' host twins read every slot's index keys each step: more slots cost time
+            runner = Runner(self.model, HOST_SLOTS, self.max_model_len, resume_span=block_size)
+        else:
+            runner = Runner.for_memory(self.model, self._memory(memory, fraction), self.max_model_len,
+                                       resume_span=block_size)
+        return SlotKV(runner, block_size, replay, prefix_caching)
+
+    def _memory(self, requested: int | None, fraction: float) -> int:
+        """KV bytes: as requested, or `fraction` of the memory available now."""
+        return requested or int(fraction * available_memory(self.device))
 
     # ------------------------------------------------------------------ public API
     def generate(
@@ -130,8 +171,9 @@ class LLM:
             ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
             self._check_prompt(ids, sp)
             if session is not None:
-                self.kv.pin(session)  # a session's latest blocks stay warm for its next turn
-            req = Request(str(next(self._ids)), ids, sp, self.eos, prompt if isinstance(prompt, str) else None, session)
+                self.kv.pin(session)  # a session's latest blocks (slot) stay warm for its next turn
+            text = prompt if isinstance(prompt, str) else None
+            req = Request(str(next(self._ids)), ids, sp, self.eos, text, session, self.device)
             self.scheduler.add(req)
             requests.append(req)
         return requests
@@ -142,47 +184,33 @@ class LLM:
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary of {self.config.vocab_size}")
-        limit = self.config.max_position_embeddings
+        limit = self.max_model_len
         if len(ids) + sp.max_tokens > limit:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds the context of {limit}")
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds the context of "
+                             f"{limit} (max_model_len)")
 
     def _run(self) -> Iterator[tuple[Request, int]]:
         while self.scheduler.has_work:
-            for work in self.scheduler.schedule():
-                token = self._execute(work)
+            for work, logits in self.executor.run(self.scheduler.schedule()):
+                token = self._complete(work, logits)
                 if token is not None:
                     yield work.request, token
 
-    @torch.inference_mode()
-    def _execute(self, work: Work) -> int | None:
-        from dsv4.engine.pool import OutOfBlocks
-
+    def _complete(self, work: Work, logits: torch.Tensor | None) -> int | None:
+        """Record a computed work (logits [vocab] where it samples); returns the token it sampled."""
         req = work.request
-        if req.cache is None:  # preempted earlier in this step
-            return None
-        ids = torch.tensor([req.token_ids[work.start : work.end]])
-        try:
-            hidden = self.model.hidden_states(ids, cache=req.cache, start_pos=work.start)
-        except OutOfBlocks:
-            if len(self.scheduler.running) == 1:
-                raise RuntimeError(f"request {req.request_id} needs more KV memory than the engine has") from None
-            self.scheduler.running.remove(req)
-            self.scheduler.running.append(req)  # make it the newest, then give its memory back
-            self.scheduler.preempt_newest()
-            return None
         if work.replay:
             req.replay_from = None
             return None
         req.computed = work.end
         self.kv.commit(req.cache, req.computed)
-        if not work.samples:
+        if logits is None:
             return None
-        logits = self.model.logits(hidden[:, -1])
         image = self.config.image_token_id if self.config.is_v41 else None
         if image is not None and image < logits.shape[-1]:
-            logits[..., image] = float("-inf")  # image input is not supported: never emit an image token
+            logits[image] = float("-inf")  # image input is not supported: never emit an image token
         sp = req.params
-        token = int(sample(logits, sp.temperature, sp.top_k, sp.top_p, req.generator))
+        token = int(sample(logits[None], sp.temperature, sp.top_k, sp.top_p, req.generator))
         req.append(token)
         if req.finished:
             self.scheduler.finish(req)
@@ -202,9 +230,27 @@ def available_memory(device: torch.device) -> int:
         return 1 << 30
 
 
+def default_device(impl: str) -> torch.device:
+    """The fast implementation runs on the GPU when there is one, the reference model on the host."""
+    return torch.device("cuda" if impl == "fast" and torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(impl: str, device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if impl == "fast" and device.type == "cuda" else torch.float32
+
+
+def _max_model_len(config, impl: str, requested: int | None) -> int:
+    context = config.max_position_embeddings
+    if requested is None:
+        return min(context, FAST_MAX_MODEL_LEN) if impl == "fast" else context
+    if not 0 < requested <= context:
+        raise ValueError(f"max_model_len must be in 1..{context} (the model's context), got {requested}")
+    return requested
+
+
 def default_block_size(config) -> int:
     """One sliding window of tokens, rounded up to a multiple of every compression ratio."""
-    lcm = math.lcm(1, *(r for r in config.compress_ratios[: config.num_hidden_layers] if r))
+    lcm = math.lcm(1, *config.compression_ratios)
     return -(-config.sliding_window // lcm) * lcm
 
 

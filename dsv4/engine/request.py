@@ -76,12 +76,13 @@ class Request:
     """One prompt in flight: its tokens, progress, cache and sampling state."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, eos: list[int],
-                 prompt_text: str | None = None, session_id: str | None = None):
+                 prompt_text: str | None = None, session_id: str | None = None, device: torch.device | str = "cpu"):
         self.request_id, self.prompt_text, self.session_id = request_id, prompt_text, session_id
         self.prompt_ids, self.params = list(prompt_ids), params
         self.output_ids: list[int] = []
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        # on the device the logits are sampled on (a seed's draws differ between CPU and GPU)
+        self.generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.cache = None  # the KV manager's cache while running
         self.computed = 0  # positions whose state is in the cache

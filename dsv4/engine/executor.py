@@ -1,0 +1,95 @@
+"""How an engine step's work runs through a model, one executor per implementation.
+
+`run(works)` computes each Work's positions into its request's cache and yields (work, logits) as each
+is done: logits [vocab] fp32 of the work's last position when the work samples, else None. Works of
+requests preempted earlier in the step are skipped. The engine commits, samples and finishes each
+request as its result arrives, before the next work runs (so a finished request's memory is free for
+the rest of the step).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from dsv4.engine.pool import OutOfBlocks
+from dsv4.engine.scheduler import Scheduler, Work
+
+if TYPE_CHECKING:  # the reference engine never imports the fast runner's kernels
+    from dsv4.engine.slot_cache import SlotKV
+
+
+class ReferenceExecutor:
+    """The reference model over each request's paged cache, one work at a time. A request whose KV
+    blocks run out is preempted: the newest running request gives its memory back and waits again."""
+
+    def __init__(self, model, scheduler: Scheduler):
+        self.model, self.scheduler = model, scheduler
+
+    @torch.inference_mode()
+    def run(self, works: Sequence[Work]) -> Iterator[tuple[Work, torch.Tensor | None]]:
+        for work in works:
+            req = work.request
+            if req.cache is None:  # preempted earlier in this step
+                continue
+            ids = torch.tensor([req.token_ids[work.start : work.end]])
+            try:
+                hidden = self.model.hidden_states(ids, cache=req.cache, start_pos=work.start)
+            except OutOfBlocks:
+                self._preempt(req)
+                continue
+            yield work, self.model.logits(hidden[0, -1]) if work.samples else None
+
+    def _preempt(self, req) -> None:
+        running = self.scheduler.running
+        if len(running) == 1:
+            raise RuntimeError(f"request {req.request_id} needs more KV memory than the engine has")
+        running.remove(req)
+        running.append(req)  # make it the newest, then give its memory back
+        self.scheduler.preempt_newest()
+
+
+class FastExecutor:
+    """The fast runner over each request's slot (`SlotKV`): every single-token work of the step (the
+    decodes) in one batched `Runner.decode`, then each prefill chunk and window replay through the
+    module path. Slots hold whole sequences, so nothing is ever preempted."""
+
+    def __init__(self, kv: SlotKV):
+        self.runner, self.block_size = kv.runner, kv.block_size
+
+    def run(self, works: Sequence[Work]) -> Iterator[tuple[Work, torch.Tensor | None]]:
+        steps = [w for w in works if _is_step(w)]
+        if steps:
+            ids = [w.request.token_ids[w.start] for w in steps]
+            slots = [w.request.cache.slot for w in steps]
+            logits = self.runner.decode(slots, torch.tensor(ids, device=self.runner.state.device))  # [B, vocab]
+            for work, token, row in zip(steps, ids, logits):
+                work.request.cache.record(work.start, [token])
+                yield work, row if work.samples else None
+        for work in works:
+            if not _is_step(work):
+                logits = self._prefill(work)
+                yield work, logits if work.samples else None
+
+    def _prefill(self, work: Work) -> torch.Tensor:
+        """Run a chunk (or replay) into its slot -> logits [vocab] of its last position. With overlapping
+        compressors (V4), a chunk passing a block boundary runs as two forwards split there: only a
+        forward ending at a boundary leaves that prefix's last group in the rings, which a later hit at
+        the boundary (the retained slot's last, typically) needs."""
+        seq, tokens = work.request.cache, work.request.token_ids
+        cuts = [work.start, work.end]
+        boundary = (work.end - 1) // self.block_size * self.block_size
+        if not work.replay and self.runner.state.overlap_ratio is not None and boundary > work.start:
+            cuts.insert(1, boundary)
+        for start, end in itertools.pairwise(cuts):
+            logits = self.runner.prefill(seq.slot, tokens[start:end], start_pos=start)
+            seq.record(start, tokens[start:end])
+        return logits
+
+
+def _is_step(work: Work) -> bool:
+    """One token appended to a slot that already holds a prompt: what a batched decode step computes."""
+    return not work.replay and work.end - work.start == 1 and work.start > 0

@@ -1,0 +1,120 @@
+"""LLM(impl="fast") against LLM(impl="reference"): the same requests through both engines.
+
+Rounding-free (fp32, quant_sim off), the two engines compute the same function in different summation
+orders and chunkings, so greedy tokens agree: batched decode against one request at a time, chunked
+prefill, and prefix hits (retained slots against cached blocks) with SWA bounded replay on and off.
+Off the GPU the kernels compute with their reference twins (conftest's `kernel_twins`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.config import Dsv4Config
+from dsv4.engine.llm import LLM, default_block_size
+from dsv4.engine.request import SamplingParams
+from dsv4.fast.cache import SlotState
+
+MAX_LEN = 256  # tokens per slot: small slots keep the twins' per-step scans short
+
+
+pytestmark = pytest.mark.usefixtures("kernel_twins")
+
+
+def reference_engine(path, **kwargs) -> LLM:
+    return LLM(path, impl="reference", dtype=torch.float32, quant_sim=False, **kwargs)
+
+
+def fast_engine(path, slots: int, **kwargs) -> LLM:
+    """A fast engine whose KV memory holds exactly `slots` slots of MAX_LEN tokens."""
+    config = Dsv4Config.from_json(path)
+    per_slot = SlotState.bytes_per_slot(config, MAX_LEN, torch.float32, False, default_block_size(config))
+    return LLM(path, impl="fast", dtype=torch.float32, quant_sim=False, max_model_len=MAX_LEN,
+               kv_cache_memory=(slots + 1) * per_slot, **kwargs)  # one more: the runner's scratch slot
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_batched_decode_and_chunked_prefill_equal_the_reference_engine(arch_dir):
+    prompts = [prompt(1, 37), prompt(2, 5), prompt(3, 150), prompt(4, 70)]  # V4: 150 passes a block boundary
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    fast = fast_engine(arch_dir, slots=6, max_num_batched_tokens=40)
+    assert fast.kv.runner.state.max_seqs == 6
+    want = reference_engine(arch_dir, max_num_batched_tokens=40).generate(prompts, sp)
+    got = fast.generate(prompts, sp)
+    assert tokens(got) == tokens(want)
+    assert [o.outputs[0].finish_reason for o in got] == ["length"] * 4
+    assert [o.num_cached_tokens for o in got] == [0] * 4
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["bounded-replay", "no-replay"])
+def test_a_sessions_second_turn_resumes_its_retained_slot(arch_dir, replay):
+    """Turn 2 extends turn 1 (prompt + reply): with bounded replay it hits at the last block boundary
+    turn 1 computed, as the reference engine's cached blocks do; without, it continues the slot exactly
+    where turn 1 stopped. Either way its tokens are the reference engine's. The fast engine prefills
+    turn 1 in one chunk (V4: past a block boundary, where its rings must still hold the group before),
+    the reference engine in chunks ending on block boundaries, where its blocks are resumable."""
+    ref = reference_engine(arch_dir, swa_bounded_replay=replay, max_num_batched_tokens=64)
+    fast = fast_engine(arch_dir, slots=3, swa_bounded_replay=replay)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    turn1 = prompt(5, 40 if fast.config.is_v41 else 140)  # V4's blocks are 128 tokens
+    outs = {}
+    for name, llm in (("ref", ref), ("fast", fast)):
+        first = llm.generate(turn1, sp, session_ids="s")[0]
+        turn2 = turn1 + first.outputs[0].token_ids + prompt(6, 9)
+        outs[name] = (first, llm.generate(turn2, sp, session_ids="s")[0])
+    assert tokens(outs["fast"]) == tokens(outs["ref"])
+    computed = len(turn1) + sp.max_tokens - 1  # the last sampled token was never run
+    block = fast.kv.block_size
+    hit = outs["fast"][1].num_cached_tokens
+    assert hit == (computed // block * block if replay else computed) and hit > 0
+    if replay:
+        assert hit == outs["ref"][1].num_cached_tokens
+
+
+def test_requests_sharing_a_retained_prefix_each_copy_it(tiny_v41_dir):
+    """Requests sharing a finished one's prefix all hit its retained slot: each resumes in a copy, so the
+    slot stays retained for the next. (V4.1: at any block boundary the slot passed.)"""
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    base = prompt(7, 40)
+    fast = fast_engine(tiny_v41_dir, slots=4)
+    ref = reference_engine(tiny_v41_dir)
+    runs = {}
+    for name, llm in (("ref", ref), ("fast", fast)):
+        done = llm.generate(base, sp)[0]
+        history = base + done.outputs[0].token_ids
+        runs[name] = llm.generate([history + prompt(8, 5), history + prompt(9, 7), base[:25] + prompt(10, 6)], sp)
+    assert tokens(runs["fast"]) == tokens(runs["ref"])
+    assert [o.num_cached_tokens for o in runs["fast"]] == [32, 32, 16]
+    assert fast.kv.num_retained == 4
+
+
+def test_retained_slots_are_evicted_least_recently_used_a_live_session_last(tiny_v41_dir):
+    fast = fast_engine(tiny_v41_dir, slots=3, max_num_seqs=2)
+    ref = reference_engine(tiny_v41_dir)
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    turn1 = prompt(20, 40)
+    out1 = fast.generate(turn1, sp, session_ids="keep")[0]
+    traffic = [prompt(30 + i, 30) for i in range(4)]  # two at a time: four slots wanted, three exist
+    assert tokens(fast.generate(traffic, sp)) == tokens(ref.generate(traffic, sp))
+    assert fast.kv.num_retained == 3
+    turn2 = turn1 + out1.outputs[0].token_ids + prompt(21, 5)
+    assert fast.generate(turn2, sp, session_ids="keep")[0].num_cached_tokens == 32
+    fast.end_session("keep")
+    fast.generate([prompt(40 + i, 30) for i in range(3)], sp)
+    assert fast.generate(turn2 + prompt(22, 3), sp)[0].num_cached_tokens == 0
+
+
+def test_requests_longer_than_max_model_len_are_rejected(tiny_v41_dir):
+    fast = fast_engine(tiny_v41_dir, slots=1)
+    with pytest.raises(ValueError, match=r"exceeds the context of 256 \(max_model_len\)"):
+        fast.generate(prompt(1, 250), SamplingParams(max_tokens=7))
+    with pytest.raises(ValueError, match="max_model_len must be in 1..4096"):
+        LLM(tiny_v41_dir, impl="fast", max_model_len=5000)
