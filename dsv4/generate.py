@@ -167,7 +167,7 @@ def chat(llm, args: argparse.Namespace) -> None:
     for turn, line in enumerate(sys.stdin, start=1):
         if not line.strip():
             continue
-        ids = conversation.add_user(line.strip())
+        ids = list(conversation.add_user(line.strip()))  # a copy: add_reply extends the conversation's ids
         reply = stream(llm, ids, args, session="chat")
         conversation.add_reply(reply)
         print(f"[turn {turn}: {llm.last_num_cached_tokens} of {len(ids)} prompt tokens from the prefix cache]",
