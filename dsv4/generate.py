@@ -8,6 +8,7 @@ previous turns' prefix from the cache. Bad input ends in a one-line error, not a
     python -m dsv4.generate --prompt "Hello" --max-new-tokens 32
     echo "Hello" | python -m dsv4.generate --model /path/to/DeepSeek-V4-Flash --temperature 0.7 --seed 1
     python -m dsv4.generate --chat < conversation.txt          # one user turn per line
+    python -m dsv4.generate --impl fast --prompt "Hello"       # the kernels and the fast runner
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import torch
 
 from dsv4.config import ConfigError
+from dsv4.engine.llm import FAST_MAX_MODEL_LEN, IMPLS, LLM
 
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
 
@@ -37,8 +39,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--impl", choices=("reference",), default="reference")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--impl", choices=IMPLS, default="reference",
+                   help="reference: the readable model; fast: the kernels and batched slots (GPU when present)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="default float32 (fast on a GPU: bfloat16)")
+    p.add_argument("--max-model-len", type=int, help="longest prompt + new tokens (default: the model's context; "
+                   f"fast: at most {FAST_MAX_MODEL_LEN})")
     p.add_argument("--no-quant-sim", action="store_true", help="full precision instead of the official FP8/FP4 steps")
     p.add_argument("--no-swa-bounded-replay", action="store_true",
                    help="cache sliding windows with prefixes instead of replaying the last window on a hit")
@@ -62,12 +68,10 @@ def sampling(args: argparse.Namespace):
     return SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
 
 
-def build_engine(args: argparse.Namespace):
-    from dsv4.engine.llm import LLM
-
-    dtype = getattr(torch, args.dtype)
+def build_engine(args: argparse.Namespace) -> LLM:
+    dtype = getattr(torch, args.dtype) if args.dtype else None
     return LLM(args.model, impl=args.impl, swa_bounded_replay=not args.no_swa_bounded_replay, dtype=dtype,
-               quant_sim=not args.no_quant_sim, progress=not args.quiet)
+               quant_sim=not args.no_quant_sim, max_model_len=args.max_model_len, progress=not args.quiet)
 
 
 def prompt_ids(llm, text: str) -> list[int]:

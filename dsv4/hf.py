@@ -6,8 +6,9 @@ from the Hugging Face hub. `save_pretrained` writes the official tensor names wi
 which `AutoModelForCausalLM.from_pretrained` maps back to `Dsv4ForCausalLM` once `dsv4` is imported.
 This is the only module of the package that imports transformers.
 
-The reference model has no KV cache: every generation step recomputes the whole sequence. It defines
-the semantics; the engine (`dsv4.LLM`) is the way to serve.
+The model has no KV cache here: every generation step recomputes the whole sequence. The reference
+implementation defines the semantics, `impl="fast"` computes it with the kernels of `dsv4.fast`; the
+engine (`dsv4.LLM`) is the way to serve.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from dsv4.config import Dsv4Config as ModelConfig
+from dsv4.engine.llm import IMPLS, default_device
 from dsv4.reference.model import Dsv4Model, load_model
-
-IMPLS = ("reference",)
 
 
 class Dsv4Config(PretrainedConfig):
@@ -66,6 +66,8 @@ class Dsv4ForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if impl == "fast" and model is None:
+            raise ValueError("impl='fast' needs loaded weights: use Dsv4ForCausalLM.from_pretrained(..., impl='fast')")
         self.impl = impl
         self.model = model if model is not None else Dsv4Model(config.model_config, config.dtype or torch.bfloat16)
         self.generation_config.use_cache = False
@@ -80,6 +82,7 @@ class Dsv4ForCausalLM(PreTrainedModel, GenerationMixin):
         dtype: torch.dtype | str | None = None,
         quant_sim: bool = True,
         decoder_replay: bool = False,
+        device: torch.device | str | None = None,
         progress: bool = True,
         **kwargs,
     ) -> "Dsv4ForCausalLM":
@@ -87,11 +90,20 @@ class Dsv4ForCausalLM(PreTrainedModel, GenerationMixin):
 
         `quant_sim=False` computes in full precision (as transformers does); `decoder_replay=True` runs
         V4.1's decoder layers over the prompt's last window only, so logits cover those positions.
+        `impl="fast"` runs the kernels (`dsv4.fast.model.make_fast`; MXFP4 experts, i.e. official-format
+        checkpoints): quant_sim then keeps the packed KV and indexer formats but not the FP8 rounding of
+        activations, and the model is placed on `device` at load (default: the GPU when there is one),
+        where its re-laid-out weights stay.
         """
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         dtype = _as_dtype(dtype or torch_dtype) or torch.bfloat16
         model = load_model(str(path_or_repo_id), dtype, quant_sim, progress, decoder_replay)
+        model = model.to(device or default_device(impl))
+        if impl == "fast":
+            from dsv4.fast.model import make_fast
+
+            model = make_fast(model, packed_kv=quant_sim)
         config = Dsv4Config.from_model_config(model.config)
         config.dtype = dtype
         return cls(config, model=model, impl=impl).eval()
@@ -135,6 +147,8 @@ class Dsv4ForCausalLM(PreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast:
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("padded batches are not supported by the reference model; pass equal-length prompts")
+        if self.impl == "fast":  # the fast module path runs one sequence at a time
+            return CausalLMOutputWithPast(logits=torch.cat([self.model(row[None]) for row in input_ids]))
         return CausalLMOutputWithPast(logits=self.model(input_ids))
 
 

@@ -36,6 +36,7 @@ def test_sampling_is_seeded(capsys):
         (["--prompt", "x", "--top-p", "0"], "--top-p"),
         (["--prompt", "x", "--temperature", "-1"], "--temperature"),
         (["--prompt", "x", "--max-new-tokens", str(1 << 21)], "exceeds the context"),
+        (["--prompt", "x", "--max-model-len", "0"], "max_model_len must be in"),
     ],
 )
 def test_bad_input_is_one_line(argv, message, capsys):
@@ -63,6 +64,13 @@ def test_twenty_turn_chat_hits_the_prefix_cache_from_turn_two():
     assert len(reports) == 20
     cached = [int(line.split(":")[1].split()[0]) for line in reports]
     assert cached[0] == 0 and all(c > 0 for c in cached[1:]), reports
+
+
+@pytest.mark.usefixtures("kernel_twins")
+def test_fast_impl_generates(capsys):
+    assert main(["--impl", "fast", "--prompt", "Hello", "--max-new-tokens", "3", "--max-model-len", "64", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "3 new" in err
 
 
 def test_no_swa_bounded_replay_flag(capsys):
