@@ -3,8 +3,9 @@
 The property tests run the kernel on CPU through the Triton interpreter (TRITON_INTERPRET=1 before
 triton.language is imported; tests/conftest.py sets it when there is no GPU). Scores are drawn to make ties
 common: small integer values (with -0.0 next to 0.0), relu zeros, duplicated threshold values, -inf
-entries and whole -inf rows, NaN. Equality is exact: same ids, same order, same -1s. The `gpu` tests run
-the same comparisons on CUDA at T = 16384 and 262144, k = 512.
+entries and whole -inf rows, NaN. Equality is exact: same ids, same order, same -1s. Rows long enough
+go through two stages (per-chunk top-k, then a top-k of the candidates); the two-stage tests force it at
+small sizes. The `gpu` tests run the same comparisons on CUDA at T = 16384 and 262144, k = 512 (both two-stage).
 """
 
 from __future__ import annotations
@@ -146,6 +147,29 @@ def test_topk_select_pool_cut_tie_uses_entry_ids():
         assert torch.equal(got, tk.twin_topk_select_pool(x, blocks, bs, k)), k
         want = top_entries(scatter_pool(x, blocks, bs, (3 * nb + 1000) * bs), k)
         assert torch.equal(got, want), k
+
+
+@needs_interp
+@PROPERTY
+@given(S=st.integers(1, 3), T=st.integers(1, 300), k=st.integers(1, 40), chunk=st.sampled_from([16, 32, 64]),
+       kind=KINDS, neg_inf=st.sampled_from([0.0, 0.3, 0.95]), nan=st.sampled_from([0.0, 0.05]),
+       seed=st.integers(0, 2**31 - 1))
+def test_two_stage_select_matches_top_entries(S, T, k, chunk, kind, neg_inf, nan, seed):
+    """Long rows go through per-chunk top-k then a top-k of the candidates: the same picks, ties and -1s."""
+    x = make_scores(S, T, kind, seed, neg_inf=neg_inf, nan=nan)
+    K = min(k, T)
+    assert torch.equal(tk._select(x, None, 1, K, chunk=chunk), top_entries(x, k))
+
+
+@needs_interp
+@PROPERTY
+@given(S=st.integers(1, 3), nb=st.integers(1, 40), bs=st.sampled_from([1, 4, 8]), k=st.integers(1, 40),
+       chunks=st.integers(1, 4), kind=KINDS, neg_inf=st.sampled_from([0.0, 0.5]), seed=st.integers(0, 2**31 - 1))
+def test_two_stage_select_pool_matches_twin(S, nb, bs, k, chunks, kind, neg_inf, seed):
+    x, blocks = make_pool(S, nb + 13, nb, bs, kind, seed, neg_inf)
+    K = min(k, x.shape[1])
+    chunk = chunks * 16 * bs  # whole blocks per chunk
+    assert torch.equal(tk._select(x, blocks, bs, K, chunk=chunk), tk.twin_topk_select_pool(x, blocks, bs, k))
 
 
 def _gpu_check(T: int, k: int, S: int, kind: str, neg_inf: float = 0.0):

@@ -30,6 +30,7 @@ after the first come from L2 for rows up to a few MB.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dsv4.fast.kernels import use_triton
 from dsv4.reference.indexer import top_entries
@@ -45,6 +46,8 @@ __all__ = ["topk_select", "topk_select_pool", "twin_topk_select_pool"]
 # (BLOCK columns per chunk, num_warps) on a GPU; the interpreter takes bigger chunks (fewer numpy calls)
 GPU_BLOCK, GPU_WARPS = 4096, 8
 INTERP_BLOCK = 1024
+# one program per row reads the row five times: rows this much longer than a chunk go through two stages
+TWO_STAGE_MIN_CHUNK = 4096
 
 
 if triton is not None:
@@ -58,19 +61,23 @@ if triton is not None:
 
     @triton.jit
     def _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL: tl.constexpr):
-        """(key, ent, inb) for columns `cols`: order-preserving int32 keys (-inf past T and in -1 blocks), the
-        entry id of each column (the column itself when not POOL; -1 in -1 blocks), and cols < T."""
+        """(key, ent, inb) for columns `cols`: order-preserving int32 keys (-inf past T and where the entry is
+        -1), the entry id of each column (POOL 0: the column; 1: from the block table; 2: read from blk_ptr
+        per column; -1 in -1 blocks), and cols < T."""
         inb = cols < T
         x = tl.load(s_ptr + row_off + cols, mask=inb, other=float("-inf"))
         bits = x.to(tl.int32, bitcast=True)
         bits = tl.where(bits == INT_MIN, 0, bits)  # -0.0 -> +0.0
         bits = tl.where(x != x, 2143289344, bits)  # noqa: PLR0124 -- any NaN -> 0x7FC00000
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        if POOL:
+        if POOL == 1:
             slot = cols // block_size
             blk = tl.load(blk_ptr + blk_off + slot, mask=inb, other=-1)
             ent = tl.where(blk >= 0, blk * block_size + (cols - slot * block_size), -1)
             key = tl.where(blk >= 0, key, NEG_KEY)
+        elif POOL == 2:  # explicit entry ids per column (a second stage's candidates)
+            ent = tl.load(blk_ptr + blk_off + cols, mask=inb, other=-1).to(tl.int32)
+            key = tl.where(ent >= 0, key, NEG_KEY)
         else:
             ent = cols
         return key, ent, inb
@@ -115,7 +122,9 @@ if triton is not None:
 
     @triton.jit
     def _topk_kernel(s_ptr, blk_ptr, out_ptr, T, K, block_size, stride_s, stride_b, stride_o,
-                     POOL: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr):
+                     POOL: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr, KEEP_ALL: tl.constexpr):
+        """One row per program. KEEP_ALL (a first stage): the columns of all K picks, -inf and NaN ones
+        included, in column order."""
         row = tl.program_id(0)
         row_off = row.to(tl.int64) * stride_s
         blk_off = row.to(tl.int64) * stride_b
@@ -147,18 +156,20 @@ if triton is not None:
                 si = sel.to(tl.int32)
                 pos = carry + tl.cumsum(si, axis=0) - si
                 valid = (key != NEG_KEY) & (key != NAN_KEY)
-                tl.store(out + pos, tl.where(valid, ent, -1).to(tl.int64), mask=sel)
+                picked = cols if KEEP_ALL else tl.where(valid, ent, -1)
+                tl.store(out + pos, picked.to(tl.int64), mask=sel)
                 eq_carry += tl.sum(eq, axis=0)
                 carry += tl.sum(si, axis=0)
-            tl.debug_barrier()  # the compaction's stores, made by other threads of this program
-            kk = tl.arange(0, KP)
-            ids = tl.load(out + kk, mask=kk < K, other=2147483647).to(tl.int32)
-            tl.store(out + kk, tl.sort(ids).to(tl.int64), mask=kk < K)
+            if not KEEP_ALL:
+                tl.debug_barrier()  # the compaction's stores, made by other threads of this program
+                kk = tl.arange(0, KP)
+                ids = tl.load(out + kk, mask=kk < K, other=2147483647).to(tl.int32)
+                tl.store(out + kk, tl.sort(ids).to(tl.int64), mask=kk < K)
         else:
             # picks that are not selectable (-inf or NaN) lead as -1s; valid picks follow in column order
             n_valid = (K - need) - tl.where(thr != NAN_KEY, n_nan, 0) + tl.where(thr_valid, need, 0)
-            m = K - n_valid
-            for c in range(0, K, BLOCK):
+            m = 0 if KEEP_ALL else K - n_valid
+            for c in range(0, m, BLOCK):
                 pos = c + ar
                 tl.store(out + pos, tl.full((BLOCK,), -1, tl.int64), mask=pos < m)
             eq_carry = tl.zeros((), tl.int32)
@@ -169,7 +180,7 @@ if triton is not None:
                 eq = (inb & (key == thr)).to(tl.int32)
                 rank = eq_carry + tl.cumsum(eq, axis=0) - eq
                 sel = (inb & (key > thr)) | ((eq != 0) & (rank < need))
-                vs = (sel & (key != NEG_KEY) & (key != NAN_KEY)).to(tl.int32)
+                vs = (sel if KEEP_ALL else sel & (key != NEG_KEY) & (key != NAN_KEY)).to(tl.int32)
                 pos = m + carry + tl.cumsum(vs, axis=0) - vs
                 tl.store(out + pos, cols.to(tl.int64), mask=vs != 0)
                 eq_carry += tl.sum(eq, axis=0)
@@ -181,7 +192,10 @@ def _pow2(n: int) -> int:
 
 
 def _launch(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, K: int,
-            block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+            block: int | None = None, num_warps: int | None = None, pool: int | None = None,
+            keep_all: bool = False) -> torch.Tensor:
+    """One program per row of scores [S, T]; `pool`: 0 dense, 1 `blocks` is a block table, 2 `blocks` holds
+    an entry id per column (default: 1 with blocks, else 0)."""
     S, T = scores.shape
     out = torch.empty((S, K), dtype=torch.int64, device=scores.device)
     if S == 0 or K == 0:
@@ -194,13 +208,55 @@ def _launch(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, 
     block = min(block, max(16, _pow2(T)))
     if num_warps is None:
         num_warps = GPU_WARPS if block >= 2048 else 4
-    pool = blocks is not None
+    pool = (0 if blocks is None else 1) if pool is None else pool
     blk = blocks.to(torch.int32).contiguous() if pool else out  # out: a dummy pointer when not pooled
     _topk_kernel[(S,)](
         s, blk, out, T, K, block_size, s.stride(0), blk.stride(0) if pool else 0, out.stride(0),
-        POOL=pool, BLOCK=block, KP=_pow2(K) if pool else 16, num_warps=num_warps,
+        POOL=pool, BLOCK=block, KP=_pow2(K) if pool else 16, KEEP_ALL=keep_all, num_warps=num_warps,
     )
     return out
+
+
+def two_stage_chunk(T: int, K: int, block_size: int = 1) -> int | None:
+    """Columns per first-stage chunk for a row of T (a multiple of block_size, about sqrt(T K) so both
+    stages are about as long), or None when one pass is better (short rows, or k not below a chunk)."""
+    chunk = -(-max(TWO_STAGE_MIN_CHUNK, _pow2(int((T * K) ** 0.5))) // block_size) * block_size
+    return chunk if T > 2 * chunk and K < chunk else None
+
+
+def _select(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, K: int,
+            chunk: int | None = None) -> torch.Tensor:
+    """The kernel's selection, in two stages for long rows (`chunk` overrides `two_stage_chunk`).
+
+    Stage one cuts each row into chunks of `chunk` columns (whole blocks; the tail padded with -inf or -1
+    blocks) and keeps each chunk's top K, -inf and NaN picks included, as columns in order; stage two
+    selects the top K of those candidates, each carrying its entry id, so ties still go to the lower entry
+    id and -inf/NaN picks still come out as -1. Exact: the row's top K (a total order: score, then entry
+    id) is among the union of its chunks' top K."""
+    S, T = scores.shape
+    chunk = two_stage_chunk(T, K, block_size) if chunk is None else chunk
+    if chunk is None or T <= chunk or K >= chunk:
+        return _launch(scores, blocks, block_size, K)
+    C = -(-T // chunk)
+    padded = F.pad(scores.float(), (0, C * chunk - T), value=float("-inf"))  # [S, C * chunk]
+    if blocks is None:
+        ent = torch.arange(C * chunk, device=scores.device).expand(S, -1)
+        ent = torch.where(ent < T, ent, -1)
+    else:  # the entry id of every padded column (-1 past the row's blocks)
+        nb = C * chunk // block_size
+        blk = F.pad(blocks.long()[:, :nb], (0, max(0, nb - blocks.shape[1])), value=-1)
+        ent = blk.unsqueeze(-1) * block_size + torch.arange(block_size, device=scores.device)
+        ent = torch.where(blk.unsqueeze(-1) >= 0, ent, -1).flatten(1)
+        ent = torch.where(torch.arange(C * chunk, device=scores.device) < T, ent, -1)
+    first = _launch(padded.view(S * C, chunk), None if blocks is None else blk.view(S * C, -1), block_size, K,
+                    keep_all=True)  # [S * C, K] columns within each chunk
+    cand = (first.view(S, C, K) + torch.arange(C, device=scores.device).view(1, C, 1) * chunk).flatten(1)
+    cand_ent = ent.gather(1, cand)  # [S, C * K]
+    cand_scores = padded.gather(1, cand).masked_fill(cand_ent < 0, float("-inf"))
+    if blocks is None:  # positions in `cand` are in column order: the dense kernel's ties and order hold
+        pos = _launch(cand_scores, None, 1, K)
+        return torch.where(pos >= 0, cand.gather(1, pos.clamp(min=0)), -1)
+    return _launch(cand_scores, cand_ent, 1, K, pool=2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,7 +279,7 @@ def topk_select(scores: torch.Tensor, k: int) -> torch.Tensor:
     _check_scores(scores, k)
     if not use_triton(scores):
         return top_entries(scores.float(), k)
-    return _launch(scores, None, 1, min(k, scores.shape[1]))
+    return _select(scores, None, 1, min(k, scores.shape[1]))
 
 
 @topk_select.register_fake
@@ -256,7 +312,7 @@ def topk_select_pool(scores: torch.Tensor, blocks: torch.Tensor, block_size: int
         raise ValueError(f"blocks {tuple(blocks.shape)} x {block_size} do not cover scores {tuple(scores.shape)}")
     if not use_triton(scores):
         return twin_topk_select_pool(scores, blocks, block_size, k)
-    return _launch(scores, blocks, block_size, min(k, E))
+    return _select(scores, blocks, block_size, min(k, E))
 
 
 @topk_select_pool.register_fake
