@@ -96,7 +96,7 @@ def test_tiny_v41_checkpoint_loads_runs_and_generates(tiny_v41_dir):
 
 @pytest.mark.usefixtures("kernel_twins")
 def test_fast_impl_logits_match_the_reference(arch_dir):
-    """impl="fast" (the kernels; their reference twins off the GPU) computes the reference's function:
+    """impl="fast" (on the host: the kernels' reference twins) computes the reference's function:
     rounding-free (fp32, quant_sim off) the logits agree to float32 summation order (1e-5 of the largest)
     and greedy generation picks the same tokens. With the packed KV formats on, a value a hair from an
     FP8/FP4 rounding boundary can land on the other side of it in another summation order: V4.1 stays

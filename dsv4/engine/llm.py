@@ -39,7 +39,8 @@ class LLM:
             vLLM); off caches the windows with the prefix and reproduces the cold run exactly.
         enable_prefix_caching: reuse cached prefixes across requests and turns ("reference": cached
             blocks; "fast": retained slots, see `dsv4.engine.slot_cache`).
-        dtype: compute dtype (default float32; "fast" on a GPU: bfloat16).
+        device: where the model runs (default: "fast" on the GPU when there is one, else the host).
+        dtype: compute dtype (default float32; "fast" on a GPU: bfloat16, its kernels' operand type).
         quant_sim: the official FP8/FP4 precision steps (the packed KV formats store exactly what they
             produce); "fast" keeps the packed KV and indexer formats but not the FP8 rounding of
             activations (see `dsv4.fast.model.make_fast`).
@@ -60,6 +61,7 @@ class LLM:
         impl: str = "reference",
         swa_bounded_replay: bool = True,
         enable_prefix_caching: bool = True,
+        device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         quant_sim: bool = True,
         kv_cache_memory: int | None = None,
@@ -79,9 +81,10 @@ class LLM:
             from dsv4.tiny import embedded_default_dir
 
             model = embedded_default_dir()
-        self.impl, self.device = impl, default_device(impl)
+        self.impl, self.device = impl, torch.device(device) if device else default_device(impl)
         self.model_dir = resolve_model_dir(model)
-        self.model = load_model(str(self.model_dir), dtype or default_dtype(impl, self.device), quant_sim, progress)
+        dtype = dtype or default_dtype(impl, self.device)
+        self.model = load_model(str(self.model_dir), dtype, quant_sim, progress).to(self.device)
         self.config = self.model.config
         self.max_model_len = _max_model_len(self.config, impl, max_model_len)
         self.tokenizer = _tokenizer(self.model_dir)
@@ -108,7 +111,7 @@ class LLM:
         from dsv4.fast.model import make_fast
         from dsv4.fast.runner import Runner
 
-        self.model = make_fast(self.model.to(self.device), packed_kv=quant_sim)
+        self.model = make_fast(self.model, packed_kv=quant_sim)
         # the rings keep a block past a retained slot's end, so it serves hits at its last block boundary
         if memory is None and self.device.type != "cuda":
             # the kernels' host twins read every slot's index keys each step: more slots cost time

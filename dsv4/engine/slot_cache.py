@@ -47,8 +47,8 @@ class SlotKV:
 
     Args:
         runner: the fast runner; each of its slots holds one sequence.
-        block_size: bounded-replay hits are cut at multiples of it (a multiple of every compress ratio;
-            at most the runner's resume_span past where the slot stopped).
+        block_size: bounded-replay hits are cut at multiples of it (a multiple of every compress ratio);
+            a runner made with resume_span >= block_size lets a slot serve a hit at its last boundary.
         swa_bounded_replay, enable_prefix_caching: as for KVManager.
     """
 

@@ -3,7 +3,8 @@
 Rounding-free (fp32, quant_sim off), the two engines compute the same function in different summation
 orders and chunkings, so greedy tokens agree: batched decode against one request at a time, chunked
 prefill, and prefix hits (retained slots against cached blocks) with SWA bounded replay on and off.
-Off the GPU the kernels compute with their reference twins (conftest's `kernel_twins`).
+The fast engine runs on the host here, its kernels computing with their reference twins (conftest's
+`kernel_twins`): on the GPU the kernels take bf16 operands, so no fp32 comparison holds there.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ def reference_engine(path, **kwargs) -> LLM:
 
 
 def fast_engine(path, slots: int, **kwargs) -> LLM:
-    """A fast engine whose KV memory holds exactly `slots` slots of MAX_LEN tokens."""
+    """A fast engine on the host (the GPU kernels compute in bf16) whose KV memory holds exactly `slots`
+    slots of MAX_LEN tokens."""
     config = Dsv4Config.from_json(path)
     per_slot = SlotState.bytes_per_slot(config, MAX_LEN, torch.float32, False, default_block_size(config))
-    return LLM(path, impl="fast", dtype=torch.float32, quant_sim=False, max_model_len=MAX_LEN,
+    return LLM(path, impl="fast", device="cpu", dtype=torch.float32, quant_sim=False, max_model_len=MAX_LEN,
                kv_cache_memory=(slots + 1) * per_slot, **kwargs)  # one more: the runner's scratch slot
 
 
@@ -117,4 +119,4 @@ def test_requests_longer_than_max_model_len_are_rejected(tiny_v41_dir):
     with pytest.raises(ValueError, match=r"exceeds the context of 256 \(max_model_len\)"):
         fast.generate(prompt(1, 250), SamplingParams(max_tokens=7))
     with pytest.raises(ValueError, match="max_model_len must be in 1..4096"):
-        LLM(tiny_v41_dir, impl="fast", max_model_len=5000)
+        LLM(tiny_v41_dir, impl="fast", device="cpu", max_model_len=5000)
