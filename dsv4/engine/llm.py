@@ -39,7 +39,7 @@ class LLM:
             vLLM); off caches the windows with the prefix and reproduces the cold run exactly.
         enable_prefix_caching: reuse cached prefixes across requests and turns ("reference": cached
             blocks; "fast": retained slots, see `dsv4.engine.slot_cache`).
-        device: where the model runs (default: "fast" on the GPU when there is one, else the host).
+        device: where "fast" runs (default: the GPU when there is one); "reference" runs on the host.
         dtype: compute dtype (default float32; "fast" on a GPU: bfloat16, its kernels' operand type).
         quant_sim: the official FP8/FP4 precision steps (the packed KV formats store exactly what they
             produce); "fast" keeps the packed KV and indexer formats but not the FP8 rounding of
@@ -82,6 +82,8 @@ class LLM:
 
             model = embedded_default_dir()
         self.impl, self.device = impl, torch.device(device) if device else default_device(impl)
+        if impl == "reference" and self.device.type != "cpu":
+            raise ValueError(f"impl='reference' runs on the host, not on {self.device}: device is for impl='fast'")
         self.model_dir = resolve_model_dir(model)
         dtype = dtype or default_dtype(impl, self.device)
         self.model = load_model(str(self.model_dir), dtype, quant_sim, progress).to(self.device)

@@ -114,9 +114,11 @@ def test_retained_slots_are_evicted_least_recently_used_a_live_session_last(tiny
     assert fast.generate(turn2 + prompt(22, 3), sp)[0].num_cached_tokens == 0
 
 
-def test_requests_longer_than_max_model_len_are_rejected(tiny_v41_dir):
+def test_bad_arguments_fail_clearly(tiny_v41_dir):
     fast = fast_engine(tiny_v41_dir, slots=1)
     with pytest.raises(ValueError, match=r"exceeds the context of 256 \(max_model_len\)"):
         fast.generate(prompt(1, 250), SamplingParams(max_tokens=7))
     with pytest.raises(ValueError, match="max_model_len must be in 1..4096"):
         LLM(tiny_v41_dir, impl="fast", device="cpu", max_model_len=5000)
+    with pytest.raises(ValueError, match="runs on the host"):
+        LLM(tiny_v41_dir, device="cuda")
