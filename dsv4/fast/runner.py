@@ -33,6 +33,8 @@ class Runner:
         model: a FastModel (`dsv4.fast.model.make_fast`) on its device.
         max_seqs: sequence slots; max_len: tokens per slot (prompt + generation).
         cuda_graphs: capture decode steps (default: on a CUDA device).
+        compile: run the decode step through torch.compile, which fuses the torch glue between the kernels
+            into a few Triton kernels (default: on a CUDA device; each captured batch size compiles once).
         batch_sizes: decode batch sizes to capture; a batch runs padded to the next one.
         resume_span: how far a slot may move past a prefix and still be resumed from it (SlotState).
     """
@@ -45,6 +47,7 @@ class Runner:
         cuda_graphs: bool | None = None,
         batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
         resume_span: int | None = None,
+        compile: bool | None = None,
     ):
         if not isinstance(model, FastModel):
             raise TypeError("Runner drives a FastModel: pass dsv4.fast.model.make_fast(model)")
@@ -54,6 +57,8 @@ class Runner:
         self.cuda_graphs = weight.is_cuda if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not weight.is_cuda:
             raise ValueError("cuda_graphs needs the model on a CUDA device")
+        compile = weight.is_cuda if compile is None else compile
+        self._step = torch.compile(model.decode_step, dynamic=False) if compile else model.decode_step
         self.batch_sizes = sorted({b for b in batch_sizes if b < max_seqs} | {max_seqs})
         self._free = list(range(max_seqs))
         self._length = [0] * max_seqs  # host mirror of state.lengths, for bounds checks only
@@ -182,7 +187,7 @@ class Runner:
         padded = torch.zeros(size, dtype=torch.int64, device=self.state.device)
         padded[:B] = ids
         if not self.cuda_graphs:
-            return self.model.decode_step(padded, slot_ids, self.state)[:B]
+            return self._step(padded, slot_ids, self.state)[:B]
         graph, static_ids, static_slots, logits = self._graph(size)
         static_ids.copy_(padded)
         static_slots.copy_(slot_ids)
@@ -197,10 +202,10 @@ class Runner:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # compile the kernels and warm the allocator outside the capture
                 for _ in range(2):
-                    self.model.decode_step(ids, slots, self.state)
+                    self._step(ids, slots, self.state)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                logits = self.model.decode_step(ids, slots, self.state)
+                logits = self._step(ids, slots, self.state)
             self._graphs[size] = (graph, ids, slots, logits)
         return self._graphs[size]
