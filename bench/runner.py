@@ -14,10 +14,12 @@ Models: `bench/full_width.py` (real dimensions, random weights in the released f
     python bench/runner.py --arch v41 --layers 4 --context 8192
     python bench/runner.py --arch v4 --layers 2 --context 8192 --transformers
     python bench/runner.py --smoke          # tiny widths on CPU, to check the script
+    python bench/runner.py --replot bench/results/runner-v41.json   # the PNG again, from the JSON
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -36,6 +38,7 @@ def add_arguments(p):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--transformers", action="store_true")
     p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a result file")
 
 
 ARGS = common.parse_args(__doc__, add_arguments)
@@ -157,7 +160,37 @@ def transformers_rows(hf, device, context: int, config) -> dict:
     return {"prefill_tokens_per_s": context / pre, "decode_step_ms": dec * 1e3, "decode_tokens_per_s": 1 / dec}
 
 
+def plot(result: dict, path) -> None:
+    """Decode step time per batch size against the batch-1 roofline floor; tokens/s of every measured path."""
+    rows = {int(b): r for b, r in result["fast_decode"].items()}  # JSON keys come back as strings
+
+    def draw(fig, axes):
+        axes[0].plot(list(rows), [r["step_ms"] for r in rows.values()], "o-", label="fast (CUDA graphs)")
+        axes[0].axhline(result["roofline"]["floor_ms"], color="gray", ls="--", label="batch-1 roofline floor")
+        axes[0].set_xscale("log", base=2)
+        axes[0].set(xlabel="decode batch", ylabel="ms per step", ylim=(0, None), title="decode step")
+        axes[0].legend()
+        paths = {"fast": (rows[min(rows)]["tokens_per_s"], result["fast_prefill"]["tokens_per_s"])}
+        if "transformers" in result:
+            t = result["transformers"]
+            paths["transformers eager"] = (t["decode_tokens_per_s"], t["prefill_tokens_per_s"])
+        names = list(paths)
+        for i, (label, k) in enumerate((("batch-1 decode", 0), (f"prefill {result['context'] // 1024}K", 1))):
+            axes[1].bar([j + (i - 0.5) * 0.4 for j in range(len(names))], [paths[n][k] for n in names], 0.4, label=label)
+        axes[1].set_yscale("log")
+        axes[1].set_xticks(range(len(names)), names)
+        axes[1].set(ylabel="tokens/s", title=f"at {result['context'] // 1024}K context")
+        axes[1].legend()
+        fig.suptitle(f"{result['arch']} layers {result['layers']}, full width, {result['gpu']}, commit {result['commit']}")
+
+    common.save_figure(path, draw)
+
+
 def main():
+    if ARGS.replot:
+        path = Path(ARGS.replot)
+        plot(json.loads(path.read_text()), path.with_suffix(".png"))
+        return
     device = torch.device("cpu" if ARGS.smoke else "cuda")
     overrides = SMOKE_WIDTHS if ARGS.smoke else None
     context = 128 if ARGS.smoke else ARGS.context
@@ -187,6 +220,7 @@ def main():
         result["transformers_at_ref_context"] = transformers_rows(hf, device, ref_context, config)
     result["wall_s"] = time.time() - t0
     path = common.write_result(f"runner-{ARGS.arch}", ARGS.smoke, result)
+    plot(result, path.with_suffix(".png"))
     print(path)
     n = len(config.layer_roles)
     print(f"{ARGS.arch} {n} layers {result['layers']}, context {context}")

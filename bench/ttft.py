@@ -12,10 +12,12 @@ Each time ends when the first token's logits are on the device (synchronized). T
 
     python bench/ttft.py --arch v41 --layers 4 --prefix 98304 --suffix 512
     python bench/ttft.py --smoke
+    python bench/ttft.py --replot bench/results/ttft-v41.json   # the PNG again, from the JSON
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -31,6 +33,7 @@ def add_arguments(p):
     p.add_argument("--suffix", type=int, default=512)
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a result file")
 
 
 ARGS = common.parse_args(__doc__, add_arguments)
@@ -89,7 +92,38 @@ def measure(runner, device, prefix: int, suffix: int) -> dict:
     return out
 
 
+def plot(result: dict, path: Path) -> None:
+    """Seconds to the first token per cached prefix length (log scale), and the hit's saving over cold."""
+    prefixes = list(result["rows"])
+    rows = [result["rows"][p] for p in prefixes]
+
+    def draw(fig, axes):
+        labels = ("cold", "hit_replay", "hit_no_replay")
+        names = ("cold prefill", "hit, bounded replay", "hit, replay off")
+        width = 0.27
+        for i, (key, name) in enumerate(zip(labels, names)):
+            axes[0].bar([j + (i - 1) * width for j in range(len(rows))], [r[key] for r in rows], width, label=name)
+        axes[0].set_yscale("log")
+        axes[0].set_xticks(range(len(rows)), [f"{int(p) // 1024}K" for p in prefixes])
+        axes[0].set(xlabel="cached prefix (tokens)", ylabel="time to first token (s)")
+        axes[0].legend()
+        axes[1].plot([int(p) // 1024 for p in prefixes], [100 * r["replay_vs_cold"] for r in rows], "o-",
+                     label="hit, bounded replay")
+        axes[1].plot([int(p) // 1024 for p in prefixes], [100 * r["no_replay_vs_cold"] for r in rows], "s-",
+                     label="hit, replay off")
+        axes[1].axhline(70, color="gray", ls="--", label="goal: 70% lower")
+        axes[1].set(xlabel="cached prefix (K tokens)", ylabel="lower than cold (%)", ylim=(0, 100))
+        axes[1].legend()
+        fig.suptitle(f"{result['arch']} {result['layers']} full-width layers, {result['suffix']} new tokens, {result['gpu']}")
+
+    common.save_figure(path, draw)
+
+
 def main():
+    if ARGS.replot:
+        path = Path(ARGS.replot)
+        plot(json.loads(path.read_text()), path.with_suffix(".png"))
+        return
     device = torch.device("cpu" if ARGS.smoke else "cuda")
     config = full_width_config(ARGS.arch, ARGS.layers, SMOKE_WIDTHS if ARGS.smoke else None)
     prefixes = [256] if ARGS.smoke else [int(p) for p in ARGS.prefix.split(",")]
@@ -101,6 +135,7 @@ def main():
     for prefix in prefixes:
         result["rows"][prefix] = measure(runner, device, prefix, suffix)
     path = common.write_result(f"ttft-{ARGS.arch}", ARGS.smoke, result)
+    plot(result, path.with_suffix(".png"))
     print(path)
     print(f"{'prefix':>8} {'cold s':>9} {'hit+replay s':>13} {'hit, no replay s':>17} {'replay vs cold':>15}")
     for prefix, r in result["rows"].items():
