@@ -34,7 +34,9 @@ class Runner:
         max_seqs: sequence slots; max_len: tokens per slot (prompt + generation).
         cuda_graphs: capture decode steps (default: on a CUDA device).
         compile: run the decode step through torch.compile, which fuses the torch glue between the kernels
-            into a few Triton kernels (default: on a CUDA device; each captured batch size compiles once).
+            into a few Triton kernels (default: on a CUDA device; each captured batch size compiles once); a
+            string names the torch.compile backend instead of inductor (the tests trace with "aot_eager" on
+            the host, where inductor's C++ code cannot hold the float8_e8m0fnu scales).
         batch_sizes: decode batch sizes to capture; a batch runs padded to the next one.
         resume_span: how far a slot may move past a prefix and still be resumed from it (SlotState).
     """
@@ -47,7 +49,7 @@ class Runner:
         cuda_graphs: bool | None = None,
         batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
         resume_span: int | None = None,
-        compile: bool | None = None,
+        compile: bool | str | None = None,
     ):
         if not isinstance(model, FastModel):
             raise TypeError("Runner drives a FastModel: pass dsv4.fast.model.make_fast(model)")
@@ -58,7 +60,8 @@ class Runner:
         if self.cuda_graphs and not weight.is_cuda:
             raise ValueError("cuda_graphs needs the model on a CUDA device")
         compile = weight.is_cuda if compile is None else compile
-        self._step = torch.compile(model.decode_step, dynamic=False) if compile else model.decode_step
+        backend = compile if isinstance(compile, str) else "inductor"
+        self._step = torch.compile(model.decode_step, backend=backend, dynamic=False) if compile else model.decode_step
         self.batch_sizes = sorted({b for b in batch_sizes if b < max_seqs} | {max_seqs})
         self._free = list(range(max_seqs))
         self._length = [0] * max_seqs  # host mirror of state.lengths, for bounds checks only
