@@ -345,6 +345,10 @@ def make_fast(model: Dsv4Model, packed_kv: bool = True) -> FastModel:
     device first: the re-laid-out weights and RoPE frequencies are made where the weights are."""
     if model.embed.weight.is_meta:
         raise ValueError("make_fast needs a loaded model (its weights are still on the meta device)")
+    if model.embed.weight.is_cuda and model.embed.weight.dtype != torch.bfloat16:
+        # the kernels' tensor-core paths take bf16 operands: another dtype would not compute what it says
+        raise ValueError(f"the fast model on CUDA computes in bfloat16; load the model in bfloat16, not "
+                         f"{model.embed.weight.dtype}")
     model.__class__ = FastModel
     device = model.embed.weight.device
     for block in model.layers:

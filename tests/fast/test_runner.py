@@ -206,3 +206,11 @@ def test_cuda_graphs_change_nothing(tiny_v41_dir):
     # logits within the packed-format bound
     uncompiled = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 8, outputs[True].argmax(-1))
     assert_close(outputs[True], uncompiled, PACKED)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fast_model_on_cuda_refuses_float32(tiny_v41_dir):
+    """Its kernels take bf16 operands: a float32 fast model on the GPU would not compute in float32."""
+    with pytest.raises(ValueError, match="computes in bfloat16"):
+        make_fast(load_model(str(tiny_v41_dir), torch.float32, progress=False).cuda())
