@@ -176,6 +176,12 @@ def write_result(name: str, smoke: bool, result: dict) -> Path:
     return path
 
 
+def replot(result_json: str, plot: Callable[[dict, Path], None]) -> None:
+    """Redraw a result's PNG (beside its JSON) from the JSON alone: `plot(result, png_path)`."""
+    path = Path(result_json)
+    plot(json.loads(path.read_text()), path.with_suffix(".png"))
+
+
 def save_figure(path: Path, draw: Callable[[Any, Any], None], ncols: int = 2,
                 figsize: tuple[float, float] = (11, 4)) -> bool:
     """A row of `ncols` plots, filled in by draw(fig, axes), saved as a PNG at `path`; False (and nothing written)

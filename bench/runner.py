@@ -19,7 +19,6 @@ Models: `bench/full_width.py` (real dimensions, random weights in the released f
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -188,9 +187,7 @@ def plot(result: dict, path) -> None:
 
 def main():
     if ARGS.replot:
-        path = Path(ARGS.replot)
-        plot(json.loads(path.read_text()), path.with_suffix(".png"))
-        return
+        return common.replot(ARGS.replot, plot)
     device = torch.device("cpu" if ARGS.smoke else "cuda")
     overrides = SMOKE_WIDTHS if ARGS.smoke else None
     context = 128 if ARGS.smoke else ARGS.context

@@ -17,7 +17,6 @@ Each time ends when the first token's logits are on the device (synchronized). T
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -121,9 +120,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main():
     if ARGS.replot:
-        path = Path(ARGS.replot)
-        plot(json.loads(path.read_text()), path.with_suffix(".png"))
-        return
+        return common.replot(ARGS.replot, plot)
     device = torch.device("cpu" if ARGS.smoke else "cuda")
     config = full_width_config(ARGS.arch, ARGS.layers, SMOKE_WIDTHS if ARGS.smoke else None)
     prefixes = [256] if ARGS.smoke else [int(p) for p in ARGS.prefix.split(",")]
