@@ -463,6 +463,17 @@ def test_index_scores_hand_case():
     got = index_scores(qr.unflatten(-1, (2, 64)), keys, weights)
     assert got.dtype == torch.float32
     assert got.tolist() == [HAND_SCORES]
+    # a byte budget below one query's products: one query at a time, the same scores
+    assert index_scores(qr.unflatten(-1, (2, 64)), keys, weights, max_bytes=1).tolist() == [HAND_SCORES]
+
+
+def test_index_scores_in_query_pieces_equal_one_pass():
+    """Long chunks over long contexts form the per-head products a few queries at a time: same scores."""
+    g = torch.Generator().manual_seed(0)
+    q, keys, w = torch.randn(2, 9, 4, 16, generator=g), torch.randn(2, 30, 16, generator=g), torch.rand(2, 9, 4, generator=g)
+    whole = index_scores(q, keys, w)
+    for budget in (1, 2 * 4 * 30 * 4 * 2, 2 * 4 * 30 * 4 * 5):  # 1, 2 and 5 queries per piece
+        assert torch.equal(index_scores(q, keys, w, max_bytes=budget), whole)
 
 
 @pytest.mark.parametrize("topk", [2, 3])

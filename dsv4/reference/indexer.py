@@ -66,13 +66,21 @@ def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values[..., :k], indices[..., :k]
 
 
-def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, max_bytes: int = 1 << 30) -> torch.Tensor:
     """score[b, s, t] = sum_h weights[b, s, h] * relu(q[b, s, h] . keys[b, t]), fp32.
 
-    q: [B, S, H, d]; keys: [B, T, d]; weights: [B, S, H] (already scaled).
+    q: [B, S, H, d]; keys: [B, T, d]; weights: [B, S, H] (already scaled). The per-head products
+    [B, S, H, T] are formed for as many queries at a time as fit `max_bytes` (a long prefill chunk over a
+    long context would need tens of GB at once); each score is the same sum either way.
     """
-    dots = torch.einsum("bshd,btd->bsht", q, keys.to(q.dtype))
-    return (dots.relu() * weights.unsqueeze(-1)).sum(2).float()
+    B, S, H, _ = q.shape
+    keys = keys.to(q.dtype)
+    step = max(1, max_bytes // max(1, B * H * keys.shape[1] * q.element_size()))
+    out = []
+    for a in range(0, S, step):
+        dots = torch.einsum("bshd,btd->bsht", q[:, a : a + step], keys)
+        out.append((dots.relu() * weights[:, a : a + step].unsqueeze(-1)).sum(2).float())
+    return torch.cat(out, dim=1) if len(out) != 1 else out[0]
 
 
 def top_entries(score: torch.Tensor, k: int) -> torch.Tensor:
