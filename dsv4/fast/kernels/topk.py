@@ -240,23 +240,26 @@ def _select(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, 
     C = -(-T // chunk)
     padded = F.pad(scores.float(), (0, C * chunk - T), value=float("-inf"))  # [S, C * chunk]
     if blocks is None:
-        ent = torch.arange(C * chunk, device=scores.device).expand(S, -1)
-        ent = torch.where(ent < T, ent, -1)
-    else:  # the entry id of every padded column (-1 past the row's blocks)
-        nb = C * chunk // block_size
-        blk = F.pad(blocks.long()[:, :nb], (0, max(0, nb - blocks.shape[1])), value=-1)
-        ent = blk.unsqueeze(-1) * block_size + torch.arange(block_size, device=scores.device)
-        ent = torch.where(blk.unsqueeze(-1) >= 0, ent, -1).flatten(1)
-        ent = torch.where(torch.arange(C * chunk, device=scores.device) < T, ent, -1)
-    first = _launch(padded.view(S * C, chunk), None if blocks is None else blk.view(S * C, -1), block_size, K,
-                    keep_all=True)  # [S * C, K] columns within each chunk
-    cand = (first.view(S, C, K) + torch.arange(C, device=scores.device).view(1, C, 1) * chunk).flatten(1)
-    cand_ent = ent.gather(1, cand)  # [S, C * K]
-    cand_scores = padded.gather(1, cand).masked_fill(cand_ent < 0, float("-inf"))
-    if blocks is None:  # positions in `cand` are in column order: the dense kernel's ties and order hold
-        pos = _launch(cand_scores, None, 1, K)
+        first = _launch(padded.view(S * C, chunk), None, 1, K, keep_all=True)  # [S * C, K] columns in each chunk
+        cand = _candidate_columns(first, S, C, chunk)
+        # positions in `cand` are in column order: the dense kernel's ties and order hold
+        pos = _launch(padded.gather(1, cand), None, 1, K)
         return torch.where(pos >= 0, cand.gather(1, pos.clamp(min=0)), -1)
+    nb = C * chunk // block_size  # blocks of the padded row, -1 past the row's own
+    blk = F.pad(blocks.long()[:, :nb], (0, max(0, nb - blocks.shape[1])), value=-1)
+    first = _launch(padded.view(S * C, chunk), blk.view(S * C, -1), block_size, K, keep_all=True)
+    cand = _candidate_columns(first, S, C, chunk)
+    # each candidate's entry id (-1 in a -1 block or past the row), and its score (-inf there)
+    cand_blk = blk.gather(1, cand // block_size)
+    cand_ent = torch.where((cand_blk >= 0) & (cand < T), cand_blk * block_size + cand % block_size, -1)
+    cand_scores = padded.gather(1, cand).masked_fill(cand_ent < 0, float("-inf"))
     return _launch(cand_scores, cand_ent, 1, K, pool=2)
+
+
+def _candidate_columns(first: torch.Tensor, S: int, C: int, chunk: int) -> torch.Tensor:
+    """A first stage's picks [S * C, K] (columns within each chunk) -> row columns [S, C * K], ascending."""
+    K = first.shape[1]
+    return (first.view(S, C, K) + torch.arange(C, device=first.device).view(1, C, 1) * chunk).flatten(1)
 
 
 # --------------------------------------------------------------------------------------------------
