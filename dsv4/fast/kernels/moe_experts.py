@@ -306,6 +306,17 @@ def _gather_down_kernel(
 
 
 @triton.jit
+def _tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, order_ptr, BM: tl.constexpr):
+    """This program's grouped tile: (expert, or -1 for an empty tile; sorted rows [BM]; their mask; each row's
+    token * S + slot)."""
+    p = tl.program_id(0)
+    e = tl.load(tile_e_ptr + p).to(tl.int64)
+    rows = tl.load(tile_r0_ptr + p) + tl.arange(0, BM)
+    rmask = rows < tl.load(tile_r1_ptr + p)  # an empty tile's range lies inside the table too
+    return e, rows, rmask, tl.load(order_ptr + rows, mask=rmask, other=0)
+
+
+@triton.jit
 def _grouped_up_kernel(
     x_ptr, order_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, w13_ptr, s13_ptr, sh13_ptr, h_ptr,
     D, I, S, E, limit,
@@ -313,15 +324,9 @@ def _grouped_up_kernel(
     IS_BF16: tl.constexpr, INTERP: tl.constexpr, SH_LOW: tl.constexpr,
 ):
     """Program (tile, i tile): the tile's sorted rows (token-slots of one expert) x w1/w3 columns -> h rows."""
-    p = tl.program_id(0)
-    e = tl.load(tile_e_ptr + p).to(tl.int64)
+    e, rows, rmask, src = _tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, order_ptr, BM)
     if e < 0:
         return
-    r0 = tl.load(tile_r0_ptr + p)
-    r1 = tl.load(tile_r1_ptr + p)
-    rows = r0 + tl.arange(0, BM)
-    rmask = rows < r1
-    src = tl.load(order_ptr + rows, mask=rmask, other=0)  # token * S + slot
     tok = src // S
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = n < I
@@ -369,16 +374,10 @@ def _grouped_down_kernel(
     IS_BF16: tl.constexpr, INTERP: tl.constexpr, SH_LOW: tl.constexpr,
 ):
     """Program (tile, d tile): round(h rows . w2[e] columns) -> out[token * S + slot, d]."""
-    p = tl.program_id(0)
-    e = tl.load(tile_e_ptr + p).to(tl.int64)
+    e, rows, rmask, src = _tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, order_ptr, BM)
     if e < 0:
         return
-    r0 = tl.load(tile_r0_ptr + p)
-    r1 = tl.load(tile_r1_ptr + p)
-    rows = r0 + tl.arange(0, BM)
-    rmask = rows < r1
     rows64 = rows.to(tl.int64)
-    src = tl.load(order_ptr + rows, mask=rmask, other=0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = n < D
     n64 = n.to(tl.int64)
