@@ -176,6 +176,16 @@ def write_result(name: str, smoke: bool, result: dict) -> Path:
     return path
 
 
+def grouped_log_bars(ax, groups: Sequence[str], series: dict[str, Sequence[float]]) -> None:
+    """Bars of each series side by side within each group, on a log scale, with a legend."""
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([j + (i - (len(series) - 1) / 2) * width for j in range(len(groups))], values, width, label=label)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(groups)), groups)
+    ax.legend()
+
+
 def replot(result_json: str, plot: Callable[[dict, Path], None]) -> None:
     """Redraw a result's PNG (beside its JSON) from the JSON alone: `plot(result, png_path)`."""
     path = Path(result_json)

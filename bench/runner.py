@@ -173,13 +173,10 @@ def plot(result: dict, path) -> None:
         if "transformers" in result:
             t = result["transformers"]
             paths["transformers eager"] = (t["decode_tokens_per_s"], t["prefill_tokens_per_s"])
-        names = list(paths)
-        for i, (label, k) in enumerate((("batch-1 decode", 0), (f"prefill {result['context'] // 1024}K", 1))):
-            axes[1].bar([j + (i - 0.5) * 0.4 for j in range(len(names))], [paths[n][k] for n in names], 0.4, label=label)
-        axes[1].set_yscale("log")
-        axes[1].set_xticks(range(len(names)), names)
+        series = {label: [p[k] for p in paths.values()]
+                  for label, k in (("batch-1 decode", 0), (f"prefill {result['context'] // 1024}K", 1))}
+        common.grouped_log_bars(axes[1], list(paths), series)
         axes[1].set(ylabel="tokens/s", title=f"at {result['context'] // 1024}K context")
-        axes[1].legend()
         fig.suptitle(f"{result['arch']} layers {result['layers']}, full width, {result['gpu']}, commit {result['commit']}")
 
     common.save_figure(path, draw)

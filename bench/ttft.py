@@ -97,15 +97,10 @@ def plot(result: dict, path: Path) -> None:
     rows = [result["rows"][p] for p in prefixes]
 
     def draw(fig, axes):
-        labels = ("cold", "hit_replay", "hit_no_replay")
-        names = ("cold prefill", "hit, bounded replay", "hit, replay off")
-        width = 0.27
-        for i, (key, name) in enumerate(zip(labels, names)):
-            axes[0].bar([j + (i - 1) * width for j in range(len(rows))], [r[key] for r in rows], width, label=name)
-        axes[0].set_yscale("log")
-        axes[0].set_xticks(range(len(rows)), [f"{int(p) // 1024}K" for p in prefixes])
+        series = {name: [r[key] for r in rows] for key, name in (
+            ("cold", "cold prefill"), ("hit_replay", "hit, bounded replay"), ("hit_no_replay", "hit, replay off"))}
+        common.grouped_log_bars(axes[0], [f"{int(p) // 1024}K" for p in prefixes], series)
         axes[0].set(xlabel="cached prefix (tokens)", ylabel="time to first token (s)")
-        axes[0].legend()
         axes[1].plot([int(p) // 1024 for p in prefixes], [100 * r["replay_vs_cold"] for r in rows], "o-",
                      label="hit, bounded replay")
         axes[1].plot([int(p) // 1024 for p in prefixes], [100 * r["no_replay_vs_cold"] for r in rows], "s-",

@@ -145,7 +145,7 @@ class HostEngramTable:
             del data
             try:
                 mm.close()
-            except BufferError:
+            except BufferError:  # a view of the mapping is still alive: it closes when that view goes
                 pass
             return None
         self._mmap, self._registered_ptr = mm, ptr
