@@ -200,7 +200,10 @@ def new_shared(topk=None, candidates=None) -> SharedKV:
 
 
 def call_attention(att, x, positions, shared, cache=None):
-    return att(x, positions, shared, cache if cache is not None else new_cache(att.window))
+    """Attention.forward as the model calls it: the cache's tokens end where the chunk's positions end."""
+    cache = cache if cache is not None else new_cache(att.window)
+    cache.write_tokens(int(positions[0]), torch.zeros(x.shape[0], positions.shape[0], dtype=torch.long))
+    return att(x, positions, shared, cache)
 
 
 def call_block(forward, layer, h, pre, ids, positions, shared, cache=None, hash_ids=None):
@@ -209,7 +212,7 @@ def call_block(forward, layer, h, pre, ids, positions, shared, cache=None, hash_
 
 
 def call_compressor(comp, x):
-    return comp(x, torch.arange(x.shape[1]), None)[0]
+    return comp(x, 0, None)[0]
 
 
 def record_blocks(monkeypatch) -> dict:

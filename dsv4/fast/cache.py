@@ -198,8 +198,8 @@ class SlotState:
 
     def clear(self, slot: int) -> None:
         """Forget a slot's sequence and zero its rows (masked-off reads of unwritten rows then see zeros)."""
-        self.lengths[slot] = 0
-        self.window_start[slot] = 0
+        self.lengths[slot].zero_()
+        self.window_start[slot].zero_()
         self.tokens[slot].zero_()
         for rows in (*self.windows.values(), *self.compressed.values(), *self.index_keys.values()):
             rows.zero_(slot)
@@ -219,20 +219,22 @@ class SlotState:
                 rows.scale[dst, :n] = rows.scale[src, :n]
         for kv, score in self.carries.values():
             kv[dst], score[dst] = kv[src], score[src]
-        self.lengths[dst] = length
-        self.window_start[dst] = length
+        self.lengths[dst].fill_(length)  # fill_, not item assignment: no host-to-device copy to wait for
+        self.window_start[dst].fill_(length)
 
 
 class SlotCache:
     """One slot of a SlotState behind the cache interface the model's module path uses (prefill)."""
 
-    def __init__(self, state: SlotState, slot: int):
+    def __init__(self, state: SlotState, slot: int, length: int, window_start: int):
+        """`length` and `window_start`: the slot's state.lengths / state.window_start entries, as the
+        caller mirrors them on the host (reading them back would stall the host on a GPU)."""
         self.store, self.slot = state, slot
         self.window_size = state.window_size
-        self.length = int(state.lengths[slot])
-        self._window_start = int(state.window_start[slot])
+        self.length = length
+        self.window_start = window_start
         # positions appended; None: the window is empty (a fresh or restored slot), its next rows start it
-        end = None if self._window_start >= self.length else self.length
+        end = None if window_start >= length else length
         self._window_end = {layer: end for layer in state.windows}
         self._rows = {}  # (kind, source) -> rows written
         for i in state.compressed:
@@ -256,13 +258,13 @@ class SlotCache:
             raise ValueError(f"{start + S} tokens exceed the runner's max_len of {self.store.max_len}")
         self.store.tokens[self.slot, start : start + S] = ids[0]
         self.length = start + S
-        self.store.lengths[self.slot] = self.length
+        self.store.lengths[self.slot].fill_(self.length)
         return self.tokens
 
     # sliding windows: the ring, read back in position order
     def window(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         end = self._window_end[layer]
-        first = max(self._window_start, (end or 0) - (self.window_size - 1))
+        first = max(self.window_start, (end or 0) - (self.window_size - 1))
         if end is None or end <= first:
             return None, None
         positions = torch.arange(first, end, device=self.store.device)
@@ -274,19 +276,23 @@ class SlotCache:
     def append_window(self, layer: int, kv: torch.Tensor, positions: torch.Tensor) -> None:
         keep = slice(-self.window_size, None)
         kv, positions = kv[0, keep], positions[keep]
+        # the positions end where the tokens written end: the host knows them without reading them back
+        end = self.length
         if self._window_end[layer] is None:  # the first rows after a reset start the window
-            self._window_start = int(positions[0])
-            self.store.window_start[self.slot] = self._window_start
+            self._set_window_start(end - positions.shape[0])
         slots = torch.full_like(positions, self.slot)
         self.store.windows[layer].write(slots, positions % self.window_size, kv)
-        self._window_end[layer] = int(positions[-1]) + 1
+        self._window_end[layer] = end
 
     def reset_windows(self) -> None:
         """Windows restart at the next position written (a bounded replay's first)."""
         for layer in self._window_end:
             self._window_end[layer] = None
-        self._window_start = self.length
-        self.store.window_start[self.slot] = self.length
+        self._set_window_start(self.length)
+
+    def _set_window_start(self, position: int) -> None:
+        self.window_start = position
+        self.store.window_start[self.slot].fill_(position)
 
     # compressed KV and index keys
     def compressed(self, source: int) -> torch.Tensor | None:

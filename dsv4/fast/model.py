@@ -29,16 +29,16 @@ from dsv4.fast.kernels.indexer import mqa_index_scores_pool
 from dsv4.fast.kernels.mhc import mhc_post, mhc_pre
 from dsv4.fast.kernels.moe_experts import moe_mxfp4_with_shared, stack_expert_weights
 from dsv4.fast.kernels.moe_routing import gate_route
-from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant
+from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant
 from dsv4.fast.kernels.topk import topk_select
-from dsv4.quant import dequantize_fp8, dequantize_mxfp4
+from dsv4.quant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
 from dsv4.reference.attention import Attention, SharedKV
-from dsv4.reference.indexer import hadamard, index_scores, select_candidate_blocks
+from dsv4.reference.indexer import Indexer, hadamard, index_scores, select_candidate_blocks
 from dsv4.reference.linear import Linear
 from dsv4.reference.mhc import hc_collapse, hc_head_pre
 from dsv4.reference.model import Block, Dsv4Model
 from dsv4.reference.moe import MoE
-from dsv4.reference.rope import apply_rope, rope_inv_freq
+from dsv4.reference.rope import Rotary, apply_rope, rope_inv_freq
 
 NEG_INF = float("-inf")
 
@@ -75,20 +75,40 @@ class FastMoE(MoE):
 
 
 # ---------------------------------------------------------------------------------------------- attention
+class DeviceRotary(Rotary):
+    """Rotary with its frequencies computed once and kept on the model's device: the reference's
+    per-call host computation would need a host-to-device copy, which stalls the host and cannot be
+    captured in a CUDA graph. The same values (computed on the host, as the reference does)."""
+
+    def __init__(self, rotary: Rotary, device: torch.device):
+        super().__init__(rotary.dim, rotary.theta, rotary.yarn)
+        self.inv_freq = rope_inv_freq(rotary.dim, rotary.theta, rotary.yarn).to(device)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.float().unsqueeze(-1) * self.inv_freq  # [..., dim // 2]
+        return angles.cos(), angles.sin()
+
+
+class FastIndexer(Indexer):
+    def _fp4(self, t: torch.Tensor) -> torch.Tensor:
+        """Indexer._fp4 by the quantization kernel (bit-identical, without the reference codec's NaN
+        check, whose host read would stall every forward): MXFP4 round trip (V4: of the Hadamard-rotated
+        vector)."""
+        if not self.quant_sim:
+            return t
+        t = t if self.is_v41 else hadamard(t)
+        return dequantize_mxfp4(*mxfp4_quant(t, 32), 32).to(t.dtype)
+
+
 class FastAttention(Attention):
     """The module path with the sparse attention kernel, and the static decode step."""
-
-    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary.cos_sin from frequencies kept on the device (a host-to-device copy cannot be captured)."""
-        angles = positions.float().unsqueeze(-1) * self.inv_freq
-        return angles.cos(), angles.sin()
 
     # -------------------------------------------------------------- module path (prefill, replay)
     def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: SharedKV, cache) -> torch.Tensor:
         """As Attention.forward (batch 1): x [1, S, D] at positions [S] -> [1, S, D]."""
         if x.shape[0] != 1:
             raise ValueError(f"the fast module path runs one sequence at a time, got a batch of {x.shape[0]}")
-        cos, sin = self._cos_sin(positions)
+        cos, sin = self.rotary.cos_sin(positions)
         q, qr, kv = self._q_kv(x, cos[None], sin[None])
         layer = self.role.layer_id
         past, past_pos = cache.window(layer)
@@ -111,14 +131,18 @@ class FastAttention(Attention):
                              cos, sin)
         return self._output(o.to(x.dtype)[None])
 
+    # the reference codecs' NaN checks read the device back (a host stall every forward): the quantization
+    # kernels instead, bit-identical
     def _fake_fp8(self, x: torch.Tensor, block: int) -> torch.Tensor:
-        """fake_quant_fp8 without its NaN check's host sync: the quantization kernel (bit-identical)."""
         return dequantize_fp8(*fp8_quant(x.contiguous(), block), (block,)).to(x.dtype)
+
+    def _fake_nvfp4(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        return dequantize_nvfp4(*nvfp4_quant(x.contiguous(), block), block).to(x.dtype)
 
     # -------------------------------------------------------------- decode step
     def decode(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, state: SlotState, shared: SharedKV):
         """x [B, D]: one token of each sequence, at positions pos [B] of slots [B] -> [B, D]."""
-        cos, sin = self._cos_sin(pos)  # [B, R/2]
+        cos, sin = self.rotary.cos_sin(pos)  # [B, R/2]
         q, qr, kv = self._q_kv(x[:, None], cos[:, None], sin[:, None])
         q, qr, kv = q[:, 0], qr[:, 0], kv[:, 0]
         layer, W = self.role.layer_id, self.window
@@ -160,14 +184,14 @@ class FastAttention(Attention):
         """The indexer's top-k entry ids [B, k] (-1 = none), as Indexer.forward for one token per row."""
         ix, role = self.indexer, self.role
         B = x.shape[0]
-        cos, sin = self._cos_sin(pos)
+        cos, sin = self.rotary.cos_sin(pos)
         q = ix.wq_b(qr).unflatten(-1, (ix.n_heads, ix.head_dim))  # [B, Hi, di]
         q = apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
         w = ix.weights_proj(x) * (ix.head_dim**-0.5 * ix.n_heads**-0.5)  # [B, Hi]
         keys = state.index_keys[role.kv_source if self.is_v41 else role.layer_id]
         stride, cap = keys.data.shape[1], state.capacity[role.kv_source]
         if keys.fmt == "mxfp4":
-            q = _fake_mxfp4(q, self.is_v41)
+            q = ix._fp4(q)
             blocks = slots[:, None] * (stride // POOL_BLOCK) + torch.arange(cap // POOL_BLOCK, device=x.device)
             k_data, k_scale = keys.flat()
             score = mqa_index_scores_pool(q, k_data, k_scale, w.float(), (slots * stride + visible).int(), blocks.int(),
@@ -189,7 +213,7 @@ class FastAttention(Attention):
         latent = _compressor_step(self.compressor, x, pos, slots, state.carries.get(f"{layer}.compressor"))
         first = (pos + 1) // r - 1  # the group this token would complete
         row = torch.where((pos + 1) % r == 0, first, state.capacity[layer])
-        cos, sin = self._cos_sin(first.clamp(min=0) * r)
+        cos, sin = self.rotary.cos_sin(first.clamp(min=0) * r)
         cos, sin = cos[:, None], sin[:, None]
         entry = apply_rope(latent[:, None], cos, sin)
         # V4.1's NVFP4 rounding is the store's own encoding
@@ -231,12 +255,6 @@ def _compressor_step(comp, x, pos, slots, carry) -> torch.Tensor:
         score = torch.cat((torch.where(has_prev, score[:, :r, :d], NEG_INF), score[:, r:, d:]), dim=1)
     pooled = (kv * score.softmax(dim=1)).sum(dim=1)  # [B, d]
     return comp.norm(pooled.to(x.dtype))
-
-
-def _fake_mxfp4(t: torch.Tensor, is_v41: bool) -> torch.Tensor:
-    """Indexer._fp4 without a host sync: MXFP4 round trip (V4: of the Hadamard-rotated vector)."""
-    t = t if is_v41 else hadamard(t)
-    return dequantize_mxfp4(*mxfp4_quant(t, 32), 32).to(t.dtype)
 
 
 def _selected_ids(allowed: torch.Tensor) -> torch.Tensor:
@@ -314,6 +332,12 @@ class FastModel(Dsv4Model):
             x = hc_collapse(h[:, None], head_pre)[:, 0]
         return self.logits(x)
 
+    def reject_image_tokens(self, input_ids: torch.Tensor) -> None:
+        """Checked where the ids are on the host: on the GPU the runner checks prompts before uploading
+        them, since a check of device ids would stall the host every forward."""
+        if input_ids.device.type == "cpu":
+            super().reject_image_tokens(input_ids)
+
     def _decode_hash_ids(self, pos, slots, state: SlotState) -> torch.Tensor:
         """Engram rows of the new tokens [B, n_layers, (N-1)*H] from the slots' last N tokens."""
         hasher, N = self.engram_hasher, self.config.engram_max_ngram_size
@@ -355,8 +379,9 @@ def make_fast(model: Dsv4Model, packed_kv: bool = True) -> FastModel:
         block.__class__ = FastBlock
         block.attn.__class__ = FastAttention
         block.ffn.__class__ = FastMoE
-        rotary = block.attn.rotary
-        block.attn.inv_freq = rope_inv_freq(rotary.dim, rotary.theta, rotary.yarn).to(device)
+        block.attn.rotary = DeviceRotary(block.attn.rotary, device)
+        if hasattr(block.attn, "indexer"):
+            block.attn.indexer.__class__ = FastIndexer
     dtype = model.embed.weight.dtype
     for m in model.modules():
         if isinstance(m, Linear) and m.fmt == "fp8":

@@ -61,10 +61,16 @@ class Runner:
             raise ValueError("cuda_graphs needs the model on a CUDA device")
         compile = weight.is_cuda if compile is None else compile
         backend = compile if isinstance(compile, str) else "inductor"
-        self._step = torch.compile(model.decode_step, backend=backend, dynamic=False) if compile else model.decode_step
+        # inductor fuses bf16 glue into fp32 arithmetic unless told to round where the model's code casts
+        options = {"emulate_precision_casts": True} if backend == "inductor" else None
+        self._step = (torch.compile(model.decode_step, backend=backend, dynamic=False, options=options) if compile
+                      else model.decode_step)
         self.batch_sizes = sorted({b for b in batch_sizes if b < max_seqs} | {max_seqs})
         self._free = list(range(max_seqs))
-        self._length = [0] * max_seqs  # host mirror of state.lengths, for bounds checks only
+        # host mirrors of state.lengths and state.window_start: bounds checks, and what a prefill's
+        # SlotCache starts from without reading the device
+        self._length = [0] * max_seqs
+        self._window_start = [0] * max_seqs
         # what the overlapping compressors' rings hold (V4): the group before every group boundary from
         # `_held_from` to the slot's end (decode steps write each position), and before the ends of
         # earlier prefill forwards (`_marks`), while within resume_span; a prefill forward writes only
@@ -94,7 +100,7 @@ class Runner:
             raise OutOfSlots(f"all {self.state.max_seqs} sequence slots are in use")
         slot = self._free.pop(0)
         self.state.clear(slot)
-        self._length[slot] = self._held_from[slot] = 0
+        self._length[slot] = self._window_start[slot] = self._held_from[slot] = 0
         self._marks[slot] = set()
         return slot
 
@@ -111,12 +117,26 @@ class Runner:
     def prefill(self, slot: int, ids: Sequence[int] | torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
         """Run ids (the tokens at start_pos.., default: the slot's end) -> logits [vocab] of the last one."""
         start = self._length[slot] if start_pos is None else start_pos
-        ids = torch.as_tensor(ids, device=self.state.device).view(1, -1)
-        cache = SlotCache(self.state, slot)
+        ids = self._upload(ids)
+        cache = SlotCache(self.state, slot, self._length[slot], self._window_start[slot])
         hidden = self.model.hidden_states(ids, cache=cache, start_pos=start)
         self._length[slot] = start + ids.shape[1]
+        self._window_start[slot] = cache.window_start
         self._rings_written(slot, start, self._length[slot])
         return self.model.logits(hidden[0, -1])
+
+    def _upload(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Prompt ids -> [1, S] on the device. Host ids are checked for image tokens here (on the device
+        the check would stall the host) and copied from pinned memory, so the host does not wait for the
+        device to drain; ids already on the device (a replay of the slot's tokens) were checked when
+        they were first prefilled."""
+        if isinstance(ids, torch.Tensor) and ids.device == self.state.device:
+            return ids.view(1, -1)
+        ids = torch.as_tensor(ids, dtype=torch.int64).view(1, -1)
+        self.model.reject_image_tokens(ids)
+        if self.state.device.type != "cuda":
+            return ids.to(self.state.device)
+        return ids.pin_memory().to(self.state.device, non_blocking=True)
 
     def _rings_written(self, slot: int, start: int, end: int) -> None:
         """A forward over [start, end) wrote the raw projections of [g - ratio, end) to the overlapping
@@ -160,7 +180,7 @@ class Runner:
         if problem is not None:
             raise ValueError(problem)
         self.state.copy_prefix(source, slot, length)
-        self._length[slot] = self._held_from[slot] = length
+        self._length[slot] = self._window_start[slot] = self._held_from[slot] = length
         self._marks[slot] = set()
 
     def resume(self, slot: int, source: int, length: int) -> None:

@@ -108,6 +108,9 @@ class Attention(nn.Module):
     def _fake_fp8(self, x: torch.Tensor, block: int) -> torch.Tensor:
         return fake_quant_fp8(x, block)
 
+    def _fake_nvfp4(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        return fake_quant_nvfp4(x, block)
+
     def _window_quant(self, kv: torch.Tensor) -> torch.Tensor:
         """V4: FP8 (block 64) on the non-RoPE dims; V4.1: FP8 (block 32) over all 512 dims."""
         if not self.quant_sim:
@@ -120,7 +123,7 @@ class Attention(nn.Module):
     def _compressed_quant(self, kv: torch.Tensor) -> torch.Tensor:
         """V4: as the window; V4.1: e2m1 with an e4m3 scale per 16, after RoPE."""
         if self.quant_sim and self.is_v41:
-            return fake_quant_nvfp4(kv, 16)
+            return self._fake_nvfp4(kv, 16)
         return self._window_quant(kv)
 
     # ------------------------------------------------------------------ forward
@@ -173,7 +176,7 @@ class Attention(nn.Module):
         role, r = self.role, self.role.compress_ratio
         B, S = x.shape[:2]
         if role.owns_compressor:
-            self._compress(x, positions, cache)
+            self._compress(x, cache)
             shared.compressed.pop(role.layer_id, None)  # grown: read again
         comp = shared.read_compressed(cache, role.kv_source)
         if comp is None:
@@ -204,14 +207,15 @@ class Attention(nn.Module):
         selected.scatter_(-1, torch.where(idx < 0, G, idx), True)  # -1 lands in a dropped column
         return comp, selected[..., :G]
 
-    def _compress(self, x: torch.Tensor, positions: torch.Tensor, cache) -> None:
+    def _compress(self, x: torch.Tensor, cache) -> None:
         """Run this layer's compressor (and index-key owner) over the chunk; append what completes."""
         role, r, layer = self.role, self.role.compress_ratio, self.role.layer_id
-        latent, first, state = self.compressor(x, positions, cache.state(f"{layer}.compressor"))
+        first_pos = cache.length - x.shape[1]  # the chunk's positions end where the cache's tokens end
+        latent, first, state = self.compressor(x, first_pos, cache.state(f"{layer}.compressor"))
         cache.set_state(f"{layer}.compressor", state)
         if role.owns_index_keys:
             key = f"{layer}.indexer.compressor"
-            keys, key_state = self.indexer.keys(x, positions, latent, first, self.rotary, r, cache.state(key))
+            keys, key_state = self.indexer.keys(x, first_pos, latent, first, self.rotary, r, cache.state(key))
             if key_state is not None:
                 cache.set_state(key, key_state)
             if keys.shape[1]:

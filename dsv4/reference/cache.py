@@ -40,6 +40,11 @@ class DenseCache:
         self.tokens = torch.cat((self.tokens[:, :start], ids), dim=1)
         return self.tokens
 
+    @property
+    def length(self) -> int:
+        """Tokens written so far: where the positions of the latest `write_tokens` end."""
+        return 0 if self.tokens is None else self.tokens.shape[1]
+
     # sliding window
     def window(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Past window rows [B, P, D] and their positions [P] (P < window), or (None, None)."""

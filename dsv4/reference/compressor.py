@@ -39,23 +39,22 @@ class Compressor(nn.Module):
             self.ape = nn.Parameter(torch.empty(ratio, coff * head_dim, dtype=torch.float32), False)
         self.norm = RMSNorm(head_dim, config.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, state: dict | None
-    ) -> tuple[torch.Tensor, int, dict]:
-        """Compress the tokens x [B, S, D] at consecutive `positions` [S], continuing `state`.
+    def forward(self, x: torch.Tensor, first_pos: int, state: dict | None) -> tuple[torch.Tensor, int, dict]:
+        """Compress the tokens x [B, S, D] at positions first_pos..first_pos+S-1, continuing `state`.
 
         Returns the latents of the groups completed by this chunk [B, G, head_dim], the index of the
         first of them, and the new state. Positions below `state["next"]` were consumed already and
         are skipped (a prefix-cache replay). The state holds the raw fp32 projections of the
         unfinished group's tokens and, when groups overlap, those of the last finished group.
+        `first_pos` is a host int (the caller knows where its chunk starts; reading a position tensor
+        back would stall the host on a GPU).
         """
         r, d = self.ratio, self.head_dim
-        B = x.shape[0]
-        start = int(positions[0]) if state is None else state["next"]
-        x = x[:, max(0, start - int(positions[0])) :]
+        start = first_pos if state is None else state["next"]
+        if first_pos > start:
+            raise ValueError(f"compressor expects position {start}, got {first_pos}")
+        x = x[:, start - first_pos :]
         end = start + x.shape[1]
-        if state is not None and int(positions[0]) > start:
-            raise ValueError(f"compressor expects position {start}, got {int(positions[0])}")
         if state is None and start % r:
             raise ValueError(f"a compressor without carry state must start on a group boundary, got {start}")
         if r == 1:

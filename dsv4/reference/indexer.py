@@ -117,7 +117,7 @@ class Indexer(nn.Module):
     def keys(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        first_pos: int,
         latent: torch.Tensor,
         first: int,
         rotary: Rotary,
@@ -130,7 +130,7 @@ class Indexer(nn.Module):
         if self.is_v41:
             k = self.k_norm(self.wk(latent))
         else:
-            k, first, state = self.compressor(x, positions, state)
+            k, first, state = self.compressor(x, first_pos, state)
         cos, sin = rotary.cos_sin((first + torch.arange(k.shape[1], device=k.device)) * ratio)
         return self._fp4(apply_rope(k, cos[None], sin[None])), state
 

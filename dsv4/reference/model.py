@@ -140,7 +140,7 @@ class Dsv4Model(nn.Module):
         token: the exact causal model.
         """
         c = self.config
-        self._reject_image_tokens(input_ids)
+        self.reject_image_tokens(input_ids)
         replay = self.decoder_replay if decoder_replay is None else decoder_replay
         if replay and start_pos:
             raise ValueError("decoder_replay applies to a prefill from position 0")
@@ -213,7 +213,7 @@ class Dsv4Model(nn.Module):
         confidence = last.confidence_head(x, torch.stack(markov, dim=1).to(x.dtype))
         return torch.stack(tokens, dim=1), logits, confidence
 
-    def _reject_image_tokens(self, input_ids: torch.Tensor) -> None:
+    def reject_image_tokens(self, input_ids: torch.Tensor) -> None:
         image = self.config.image_token_id if self.config.is_v41 else None
         if image is not None and bool((input_ids == image).any()):
             raise ValueError(f"the prompt contains image tokens (id {image}); image input is not supported yet")

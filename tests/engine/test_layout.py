@@ -81,6 +81,7 @@ def model_quantizers(config: Dsv4Config, dtype: torch.dtype) -> dict:
     """The model's own rounding of each stored kind (the attention's and indexer's quant_sim steps)."""
     attn = SimpleNamespace(quant_sim=True, is_v41=config.is_v41, rope_dim=config.qk_rope_head_dim)
     attn._fake_fp8 = lambda x, block: Attention._fake_fp8(attn, x, block)
+    attn._fake_nvfp4 = lambda x, block: Attention._fake_nvfp4(attn, x, block)
     attn._window_quant = lambda kv: Attention._window_quant(attn, kv)
     indexer = SimpleNamespace(quant_sim=True, is_v41=config.is_v41)
     return {

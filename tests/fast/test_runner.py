@@ -165,18 +165,27 @@ def test_runner_rejects_what_it_cannot_serve(tiny_v41_dir):
         Runner(load_model(str(tiny_v41_dir), progress=False))
 
 
-def decode_steps(runner: Runner, steps: int = 4, forced: torch.Tensor | None = None) -> torch.Tensor:
-    """Three prompts prefilled, then `steps` batched decode steps -> their logits [steps, 3, vocab]; each
-    step feeds the previous step's greedy tokens, or forced[step - 1] ([steps, 3]) when given."""
+def decode_steps(runner: Runner, steps: int = 4, fed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts prefilled, then `steps` batched decode steps -> (their logits [steps, 3, vocab], the
+    tokens fed [steps, 3]): `fed` when given, else greedy (the prefill's, then each step's argmax)."""
     slots = [runner.allocate() for _ in range(3)]
     tokens = torch.stack([runner.prefill(s, prompt(20 + 7 * i, i)).argmax() for i, s in enumerate(slots)])
-    out = []
+    out, inputs = [], []
     for step in range(steps):
-        if forced is not None and step:
-            tokens = forced[step - 1]
+        if fed is not None:
+            tokens = fed[step]
+        inputs.append(tokens)
         out.append(runner.decode(slots, tokens).clone())
         tokens = out[-1].argmax(-1)
-    return torch.stack(out)
+    return torch.stack(out), torch.stack(inputs)
+
+
+def reference_steps(ref, fed: torch.Tensor) -> torch.Tensor:
+    """decode_steps' requests through the reference model, fed the tokens `fed` [steps, 3]."""
+    seqs = [ReferenceSequence(ref) for _ in range(3)]
+    for i, seq in enumerate(seqs):
+        seq.run(prompt(20 + 7 * i, i))
+    return torch.stack([torch.stack([seq.run([int(t)]) for seq, t in zip(seqs, step)]) for step in fed])
 
 
 def test_compiled_decode_step_traces_whole_and_changes_nothing(tiny_v41_dir):
@@ -186,9 +195,9 @@ def test_compiled_decode_step_traces_whole_and_changes_nothing(tiny_v41_dir):
     from torch._dynamo.utils import counters
 
     _, fast = models(tiny_v41_dir, packed=True)
-    eager = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False))
+    eager, _ = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False))
     counters.clear()
-    traced = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile="aot_eager"))
+    traced, _ = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile="aot_eager"))
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] >= 1
     assert torch.equal(traced, eager)
@@ -197,15 +206,21 @@ def test_compiled_decode_step_traces_whole_and_changes_nothing(tiny_v41_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_change_nothing(tiny_v41_dir):
-    """The same requests, with the (compiled) decode steps replayed from CUDA graphs and run eagerly:
-    bit-identical; and the compiled step against the uncompiled one."""
-    _, fast = models(tiny_v41_dir, packed=True, dtype=torch.bfloat16, device="cuda")
+    """The same requests with the compiled decode steps replayed from CUDA graphs and run eagerly:
+    bit-identical. Compiled against uncompiled: inductor sums some reductions in another order, and in
+    bf16 a one-ulp difference can flip a routing or top-k choice of this tiny random model, so the two
+    are not equal; both must then be as close to the exact (float32, rounding-free) reference as each
+    other, on the same tokens."""
+    _, fast = models(tiny_v41_dir, packed=False, dtype=torch.bfloat16, device="cuda")
+    ref = load_model(str(tiny_v41_dir), torch.float32, progress=False).cuda()
+    ref.set_quant_sim(False, activations=False)
     outputs = {graphs: decode_steps(Runner(fast, max_seqs=4, max_len=128, cuda_graphs=graphs), 8) for graphs in (False, True)}
-    assert torch.equal(outputs[False], outputs[True])
-    # inductor may round the glue's bf16 arithmetic differently from eager: the same tokens fed to both,
-    # logits within the packed-format bound
-    uncompiled = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 8, outputs[True].argmax(-1))
-    assert_close(outputs[True], uncompiled, PACKED)
+    assert torch.equal(outputs[False][0], outputs[True][0])
+    compiled, fed = outputs[True]
+    uncompiled, _ = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 8, fed)
+    want = reference_steps(ref, fed)
+    err_compiled, err_uncompiled = ((x - want).abs().max().item() for x in (compiled, uncompiled))
+    assert err_compiled <= 2 * err_uncompiled, f"compiled {err_compiled:.3g} vs uncompiled {err_uncompiled:.3g}"
 
 
 @pytest.mark.gpu

@@ -201,7 +201,6 @@ def _gemv_fp4(acc, w_ptr, s_ptr, rows64, rmask, row_bytes, row_scales, a_row, k0
               INTERP: tl.constexpr):
     """acc [R] + packed FP4 rows `rows64` . a[k0 : k0 + 32 NS] (a_row: fp32 or bf16 activations), each
     32-element scale group summed unscaled (exact e2m1 x activation products) and then scaled."""
-    R: tl.constexpr = rows64.shape[0]
     g = k0 // 32 + tl.arange(0, NS)
     gmask = g < row_scales
     byte = g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [NS, 16]
