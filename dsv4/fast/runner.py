@@ -20,6 +20,7 @@ import torch
 
 from dsv4.fast.cache import SlotCache, SlotState
 from dsv4.fast.model import FastModel
+from dsv4.reference.model import Dsv4Model
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -113,11 +114,13 @@ class Runner:
         return self._length[slot]
 
     # ------------------------------------------------------------------ prefill and replay
-    @torch.inference_mode()
     def prefill(self, slot: int, ids: Sequence[int] | torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
         """Run ids (the tokens at start_pos.., default: the slot's end) -> logits [vocab] of the last one."""
-        start = self._length[slot] if start_pos is None else start_pos
-        ids = self._upload(ids)
+        return self._forward(slot, self._upload(ids), self._length[slot] if start_pos is None else start_pos)
+
+    @torch.inference_mode()
+    def _forward(self, slot: int, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """The module path over ids [1, S] (on the device, checked) at positions start.. of the slot."""
         cache = SlotCache(self.state, slot, self._length[slot], self._window_start[slot])
         hidden = self.model.hidden_states(ids, cache=cache, start_pos=start)
         self._length[slot] = start + ids.shape[1]
@@ -126,13 +129,14 @@ class Runner:
         return self.model.logits(hidden[0, -1])
 
     def _upload(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """Prompt ids -> [1, S] on the device. Host ids are checked for image tokens here (on the device
-        the check would stall the host) and copied from pinned memory, so the host does not wait for the
-        device to drain; ids already on the device (a replay of the slot's tokens) were checked when
-        they were first prefilled."""
-        if isinstance(ids, torch.Tensor) and ids.device == self.state.device:
-            return ids.view(1, -1)
-        ids = torch.as_tensor(ids, dtype=torch.int64).view(1, -1)
+        """Prompt ids -> [1, S] on the device, checked for image tokens. Host ids are checked on the host
+        and copied from pinned memory, so the host does not wait for the device to drain (a check of
+        device ids has to)."""
+        if isinstance(ids, torch.Tensor) and ids.device.type != "cpu":
+            ids = ids.reshape(1, -1).to(self.state.device)
+            Dsv4Model.reject_image_tokens(self.model, ids)
+            return ids
+        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(1, -1)
         self.model.reject_image_tokens(ids)
         if self.state.device.type != "cuda":
             return ids.to(self.state.device)
@@ -187,7 +191,8 @@ class Runner:
         """`restore`, then the bounded replay of the window before `length`."""
         self.restore(slot, source, length)
         W = self.config.sliding_window
-        self.prefill(slot, self.state.tokens[slot, length - W : length], start_pos=length - W)
+        # the slot's own tokens, checked when they were first prefilled
+        self._forward(slot, self.state.tokens[slot, length - W : length][None], length - W)
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()

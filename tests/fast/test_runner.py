@@ -153,6 +153,9 @@ def test_runner_rejects_what_it_cannot_serve(tiny_v41_dir):
         runner.decode([a], torch.tensor([1]))
     with pytest.raises(ValueError, match="max_len"):
         runner.prefill(a, list(range(17)))
+    with pytest.raises(ValueError, match="image tokens"):  # checked on the host ids, before anything is written
+        runner.prefill(a, [1, 2, fast.config.image_token_id])
+    assert runner.length(a) == 0
     runner.prefill(a, list(range(16)))
     with pytest.raises(ValueError, match="full"):
         runner.decode([a], torch.tensor([1]))
