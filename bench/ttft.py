@@ -17,6 +17,7 @@ Each time ends when the first token's logits are on the device (synchronized). T
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,7 +56,7 @@ def prefill(runner, slot: int, ids: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def measure(runner, device, prefix: int, suffix: int) -> dict:
+def measure(runner, device, prefix: int, suffix: int, reps: int) -> dict:
     """Seconds to the first token: cold, hit with bounded replay, hit with replay off (median of reps)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(prefix)
@@ -69,7 +70,7 @@ def measure(runner, device, prefix: int, suffix: int) -> dict:
         return time.perf_counter() - t
 
     times = {"cold": [], "hit_replay": [], "hit_no_replay": []}
-    for _ in range(ARGS.reps):
+    for _ in range(reps):
         cached = runner.allocate()
         prefill(runner, cached, ids[:prefix])  # the previous turn, left in its slot
         slot = runner.allocate()
@@ -85,7 +86,7 @@ def measure(runner, device, prefix: int, suffix: int) -> dict:
         runner.release(slot)
         times["hit_no_replay"].append(clock(lambda: prefill(runner, cached, ids[prefix:])))
         runner.release(cached)
-    out = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    out = {k: statistics.median(v) for k, v in times.items()}
     out["replay_vs_cold"] = 1 - out["hit_replay"] / out["cold"]
     out["no_replay_vs_cold"] = 1 - out["hit_no_replay"] / out["cold"]
     return out
@@ -124,8 +125,9 @@ def main():
     runner = Runner(fast, max_seqs=2, max_len=max(prefixes) + suffix)
     result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": ARGS.layers, "suffix": suffix,
               "chunk": ARGS.chunk, "rows": {}}
+    measure(runner, device, prefixes[0], suffix, 1)  # warm-up: the kernels compile for the shapes a run meets
     for prefix in prefixes:
-        result["rows"][prefix] = measure(runner, device, prefix, suffix)
+        result["rows"][prefix] = measure(runner, device, prefix, suffix, ARGS.reps)
     path = common.write_result(f"ttft-{ARGS.arch}", ARGS.smoke, result)
     plot(result, path.with_suffix(".png"))
     print(path)
