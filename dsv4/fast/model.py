@@ -38,7 +38,7 @@ from dsv4.reference.linear import Linear
 from dsv4.reference.mhc import hc_collapse, hc_head_pre
 from dsv4.reference.model import Block, Dsv4Model
 from dsv4.reference.moe import MoE
-from dsv4.reference.rope import Rotary, apply_rope, rope_inv_freq
+from dsv4.reference.rope import Rotary, apply_rope
 
 NEG_INF = float("-inf")
 
@@ -82,21 +82,16 @@ class DeviceRotary(Rotary):
 
     def __init__(self, rotary: Rotary, device: torch.device):
         super().__init__(rotary.dim, rotary.theta, rotary.yarn)
-        self.inv_freq = rope_inv_freq(rotary.dim, rotary.theta, rotary.yarn).to(device)
+        self.inv_freq = super().frequencies(device)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.float().unsqueeze(-1) * self.inv_freq  # [..., dim // 2]
-        return angles.cos(), angles.sin()
+    def frequencies(self, device: torch.device) -> torch.Tensor:
+        return self.inv_freq
 
 
 class FastIndexer(Indexer):
-    def _fp4(self, t: torch.Tensor) -> torch.Tensor:
-        """Indexer._fp4 by the quantization kernel (bit-identical, without the reference codec's NaN
-        check, whose host read would stall every forward): MXFP4 round trip (V4: of the Hadamard-rotated
-        vector)."""
-        if not self.quant_sim:
-            return t
-        t = t if self.is_v41 else hadamard(t)
+    def _fake_mxfp4(self, t: torch.Tensor) -> torch.Tensor:
+        """By the quantization kernel: bit-identical, without the reference codec's NaN check, whose host
+        read would stall every forward."""
         return dequantize_mxfp4(*mxfp4_quant(t, 32), 32).to(t.dtype)
 
 
@@ -332,11 +327,9 @@ class FastModel(Dsv4Model):
             x = hc_collapse(h[:, None], head_pre)[:, 0]
         return self.logits(x)
 
-    def reject_image_tokens(self, input_ids: torch.Tensor) -> None:
-        """Checked where the ids are on the host: on the GPU the runner checks prompts before uploading
-        them, since a check of device ids would stall the host every forward."""
-        if input_ids.device.type == "cpu":
-            super().reject_image_tokens(input_ids)
+    def _check_prompt(self, input_ids: torch.Tensor) -> None:
+        """The runner checks prompts where they arrive (on the host, before the upload: `Runner._upload`);
+        a check of device ids here would stall the host every forward."""
 
     def _decode_hash_ids(self, pos, slots, state: SlotState) -> torch.Tensor:
         """Engram rows of the new tokens [B, n_layers, (N-1)*H] from the slots' last N tokens."""

@@ -20,7 +20,6 @@ import torch
 
 from dsv4.fast.cache import SlotCache, SlotState
 from dsv4.fast.model import FastModel
-from dsv4.reference.model import Dsv4Model
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -132,13 +131,9 @@ class Runner:
         """Prompt ids -> [1, S] on the device, checked for image tokens. Host ids are checked on the host
         and copied from pinned memory, so the host does not wait for the device to drain (a check of
         device ids has to)."""
-        if isinstance(ids, torch.Tensor) and ids.device.type != "cpu":
-            ids = ids.reshape(1, -1).to(self.state.device)
-            Dsv4Model.reject_image_tokens(self.model, ids)
-            return ids
-        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(1, -1)
+        ids = (ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids, dtype=torch.int64)).reshape(1, -1)
         self.model.reject_image_tokens(ids)
-        if self.state.device.type != "cuda":
+        if ids.device.type != "cpu" or self.state.device.type != "cuda":
             return ids.to(self.state.device)
         return ids.pin_memory().to(self.state.device, non_blocking=True)
 

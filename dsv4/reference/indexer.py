@@ -112,7 +112,10 @@ class Indexer(nn.Module):
     def _fp4(self, t: torch.Tensor) -> torch.Tensor:
         if not self.quant_sim:
             return t
-        return fake_quant_mxfp4(t if self.is_v41 else hadamard(t), FP4_BLOCK)
+        return self._fake_mxfp4(t if self.is_v41 else hadamard(t))
+
+    def _fake_mxfp4(self, t: torch.Tensor) -> torch.Tensor:
+        return fake_quant_mxfp4(t, FP4_BLOCK)
 
     def keys(
         self,

@@ -140,7 +140,7 @@ class Dsv4Model(nn.Module):
         token: the exact causal model.
         """
         c = self.config
-        self.reject_image_tokens(input_ids)
+        self._check_prompt(input_ids)
         replay = self.decoder_replay if decoder_replay is None else decoder_replay
         if replay and start_pos:
             raise ValueError("decoder_replay applies to a prefill from position 0")
@@ -212,6 +212,9 @@ class Dsv4Model(nn.Module):
             tokens.append(sample(logits[:, i], temperature, generator=generator))
         confidence = last.confidence_head(x, torch.stack(markov, dim=1).to(x.dtype))
         return torch.stack(tokens, dim=1), logits, confidence
+
+    def _check_prompt(self, input_ids: torch.Tensor) -> None:
+        self.reject_image_tokens(input_ids)
 
     def reject_image_tokens(self, input_ids: torch.Tensor) -> None:
         image = self.config.image_token_id if self.config.is_v41 else None

@@ -40,9 +40,11 @@ class Rotary:
     def __init__(self, dim: int, theta: float, yarn: dict | None):
         self.dim, self.theta, self.yarn = dim, theta, yarn
 
+    def frequencies(self, device: torch.device) -> torch.Tensor:
+        return rope_inv_freq(self.dim, self.theta, self.yarn).to(device)
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = rope_inv_freq(self.dim, self.theta, self.yarn).to(positions.device)
-        angles = positions.float().unsqueeze(-1) * inv_freq  # [..., dim // 2]
+        angles = positions.float().unsqueeze(-1) * self.frequencies(positions.device)  # [..., dim // 2]
         return angles.cos(), angles.sin()
 
 

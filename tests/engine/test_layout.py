@@ -84,6 +84,7 @@ def model_quantizers(config: Dsv4Config, dtype: torch.dtype) -> dict:
     attn._fake_nvfp4 = lambda x, block: Attention._fake_nvfp4(attn, x, block)
     attn._window_quant = lambda kv: Attention._window_quant(attn, kv)
     indexer = SimpleNamespace(quant_sim=True, is_v41=config.is_v41)
+    indexer._fake_mxfp4 = lambda t: Indexer._fake_mxfp4(indexer, t)
     return {
         "window": lambda x: Attention._window_quant(attn, x.to(dtype)),
         "compressed": lambda x: Attention._compressed_quant(attn, x.to(dtype)),
