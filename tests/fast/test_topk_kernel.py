@@ -5,7 +5,9 @@ triton.language is imported; tests/conftest.py sets it when there is no GPU). Sc
 common: small integer values (with -0.0 next to 0.0), relu zeros, duplicated threshold values, -inf
 entries and whole -inf rows, NaN. Equality is exact: same ids, same order, same -1s. Rows long enough
 go through two stages (per-chunk top-k, then a top-k of the candidates); the two-stage tests force it at
-small sizes. The `gpu` tests run the same comparisons on CUDA at T = 16384 and 262144, k = 512 (both two-stage).
+small sizes. Rows up to a chunk are bisected in registers, longer ones streamed through histogram passes; a
+test forces each search on the same rows. The `gpu` tests run the same comparisons on CUDA at T = 2064 to 8192
+(bisected), 16384 and 262144 (two-stage), k = 512.
 """
 
 from __future__ import annotations
@@ -151,6 +153,24 @@ def test_topk_select_pool_cut_tie_uses_entry_ids():
 
 @needs_interp
 @PROPERTY
+@given(S=st.integers(1, 3), nb=st.integers(1, 40), bs=st.sampled_from([1, 3, 8]), k=st.integers(1, 300),
+       pooled=st.booleans(), kind=KINDS, neg_inf=st.sampled_from([0.0, 0.5]), nan=st.sampled_from([0.0, 0.05]),
+       seed=st.integers(0, 2**31 - 1))
+def test_streamed_and_resident_searches_pick_the_same(S, nb, bs, k, pooled, kind, neg_inf, nan, seed):
+    """The two threshold searches, forced: histogram passes over 32-column chunks, and the bisection of the
+    row held in registers. Both give the twin's picks (rows up to a chunk take the bisection by default)."""
+    x, blocks = make_pool(S, nb + 13, nb, bs, kind, seed, neg_inf)
+    if nan:
+        x[torch.rand(x.shape, generator=torch.Generator().manual_seed(seed)) < nan] = float("nan")
+    K = min(k, x.shape[1])
+    want = tk.twin_topk_select_pool(x, blocks, bs, k) if pooled else top_entries(x, k)
+    table = blocks if pooled else None
+    assert torch.equal(tk._launch(x, table, bs, K, block=32, resident=False), want)
+    assert torch.equal(tk._launch(x, table, bs, K, resident=True), want)
+
+
+@needs_interp
+@PROPERTY
 @given(S=st.integers(1, 3), T=st.integers(1, 300), k=st.integers(1, 40), chunk=st.sampled_from([16, 32, 64]),
        kind=KINDS, neg_inf=st.sampled_from([0.0, 0.3, 0.95]), nan=st.sampled_from([0.0, 0.05]),
        seed=st.integers(0, 2**31 - 1))
@@ -178,7 +198,7 @@ def _gpu_check(T: int, k: int, S: int, kind: str, neg_inf: float = 0.0):
 
 
 @gpu
-@pytest.mark.parametrize("T", [16384, 262144])
+@pytest.mark.parametrize("T", [2064, 4096, 8192, 16384, 262144])
 @pytest.mark.parametrize("kind", ["randn", "relu", "ints", "dups"])
 def test_gpu_topk_select(T, kind):
     _gpu_check(T, 512, 1, kind)

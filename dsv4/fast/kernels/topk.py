@@ -16,9 +16,11 @@ Order semantics (those of torch.sort(descending=True, stable=True), which the tw
 NaN ranks above +inf, NaNs tie among themselves; ties go to the lower id.
 
 Algorithm, one program per row: each float maps to an order-preserving 32-bit key (the sign bit flips the
-magnitude bits of negatives; -0.0 and NaN are canonicalized first). Four passes of 8-bit digit histograms
-(tl.histogram over the row, chunk by chunk) narrow down the k-th largest key `thr` and `need`, the number
-of keys equal to `thr` that belong to the top k. A last pass compacts the row with prefix sums: keys > thr,
+magnitude bits of negatives; -0.0 and NaN are canonicalized first). The k-th largest key `thr` and `need`,
+the number of keys equal to `thr` that belong to the top k, come from one of two searches. A row that fits
+one chunk stays in registers and is bisected bit by bit (32 counts, each one reduction: a few microseconds,
+where a histogram pass costs about ten). A longer row is streamed: four passes of 8-bit digit histograms
+(tl.histogram over the row, chunk by chunk). A last pass compacts the row with prefix sums: keys > thr,
 plus the first `need` keys == thr. Dense: columns are visited in order, so the output comes out ascending
 and the tie rule is "first `need` in column order"; picks that are -inf/NaN are written as the leading
 -1s. Pool: when the tie at `thr` is actually cut, four more histogram passes find the need-th smallest
@@ -46,6 +48,8 @@ __all__ = ["topk_select", "topk_select_pool", "twin_topk_select_pool"]
 # (BLOCK columns per chunk, num_warps) on a GPU; the interpreter takes bigger chunks (fewer numpy calls)
 GPU_BLOCK, GPU_WARPS = 4096, 8
 INTERP_BLOCK = 1024
+# rows up to this many columns are held in registers and bisected (GPU; the interpreter: INTERP_BLOCK)
+RESIDENT_MAX = 8192
 # one program per row reads the row five times: rows this much longer than a chunk go through two stages
 TWO_STAGE_MIN_CHUNK = 4096
 
@@ -83,12 +87,46 @@ if triton is not None:
         return key, ent, inb
 
     @triton.jit
+    def _select_values(key, ent, inb, thr_key, ID_MODE: tl.constexpr):
+        """The values a search ranks (unsigned order, as int32 bits) and which columns take part."""
+        if ID_MODE:
+            return 0x7FFFFFFF - ent, inb & (key == thr_key)
+        else:
+            return key ^ INT_MIN, inb
+
+    @triton.jit
+    def _bisect_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, k_rem, thr_key,
+                       ID_MODE: tl.constexpr, POOL: tl.constexpr, BLOCK: tl.constexpr):
+        """_radix_select for a row of at most BLOCK columns, held in registers: the k_rem-th largest value is
+        built from the top bit down, keeping a bit when at least k_rem values reach the prefix with it."""
+        key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, tl.arange(0, BLOCK), T, block_size, POOL)
+        v, ok = _select_values(key, ent, inb, thr_key, ID_MODE)
+        w = v ^ INT_MIN  # signed, in the order of v as unsigned
+        prefix = tl.zeros((), tl.int32)
+        for b in tl.static_range(32):
+            if b == 0:
+                cand = prefix | INT_MIN
+            else:
+                cand = prefix | (1 << (31 - b))
+            reach = tl.sum((ok & (w >= (cand ^ INT_MIN))).to(tl.int32), axis=0)
+            prefix = tl.where(reach >= k_rem, cand, prefix)
+        thr = prefix ^ INT_MIN
+        above = tl.sum((ok & (w > thr)).to(tl.int32), axis=0)
+        cnt = tl.sum((ok & (w == thr)).to(tl.int32), axis=0)
+        n_nan = tl.sum((inb & (key == NAN_KEY)).to(tl.int32), axis=0)
+        return prefix, k_rem - above, cnt, n_nan
+
+    @triton.jit
     def _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, k_rem, thr_key,
-                      ID_MODE: tl.constexpr, POOL: tl.constexpr, BLOCK: tl.constexpr):
-        """The k_rem-th largest value v over the row, by four 8-bit digit passes (most significant first).
-        Values: v = key ^ INT_MIN (keys as unsigned) or, ID_MODE, v = 0x7FFFFFFF - entry id over the columns
-        whose key == thr_key (the largest v = the smallest id). Returns (v as int32 bits, the rank left
-        within the values equal to it, how many values equal it, how many keys are NaN (not ID_MODE))."""
+                      ID_MODE: tl.constexpr, POOL: tl.constexpr, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
+        """The k_rem-th largest value v over the row, by four 8-bit digit passes (most significant first), or
+        by bisection when the row is RESIDENT (one chunk). Values: v = key ^ INT_MIN (keys as unsigned) or,
+        ID_MODE, v = 0x7FFFFFFF - entry id over the columns whose key == thr_key (the largest v = the smallest
+        id). Returns (v as int32 bits, the rank left within the values equal to it, how many values equal it,
+        how many keys are NaN (not ID_MODE))."""
+        if RESIDENT:
+            return _bisect_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, k_rem, thr_key,
+                                  ID_MODE, POOL, BLOCK)
         prefix = tl.zeros((), tl.int32)
         cnt = tl.zeros((), tl.int32)
         n_nan = tl.zeros((), tl.int32)
@@ -99,14 +137,9 @@ if triton is not None:
             for c in range(0, T, BLOCK):
                 cols = c + tl.arange(0, BLOCK)
                 key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL)
-                if ID_MODE:
-                    v = 0x7FFFFFFF - ent
-                    ok = inb & (key == thr_key)
-                else:
-                    v = key ^ INT_MIN
-                    ok = inb
-                    if p == 0:
-                        n_nan += tl.sum((inb & (key == NAN_KEY)).to(tl.int32), axis=0)
+                v, ok = _select_values(key, ent, inb, thr_key, ID_MODE)
+                if p == 0:
+                    n_nan += tl.sum((inb & (key == NAN_KEY)).to(tl.int32), axis=0)
                 if p > 0:
                     HM = -(1 << (SH + 8))
                     ok = ok & ((v & HM) == prefix)
@@ -122,7 +155,8 @@ if triton is not None:
 
     @triton.jit
     def _topk_kernel(s_ptr, blk_ptr, out_ptr, T, K, block_size, stride_s, stride_b, stride_o,
-                     POOL: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr, KEEP_ALL: tl.constexpr):
+                     POOL: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr, KEEP_ALL: tl.constexpr,
+                     RESIDENT: tl.constexpr):
         """One row per program. KEEP_ALL (a first stage): the columns of all K picks, -inf and NaN ones
         included, in column order."""
         row = tl.program_id(0)
@@ -130,7 +164,7 @@ if triton is not None:
         blk_off = row.to(tl.int64) * stride_b
         out = out_ptr + row.to(tl.int64) * stride_o
         u, need, cnt_eq, n_nan = _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, K, 0,
-                                        False, POOL, BLOCK)
+                                               False, POOL, BLOCK, RESIDENT)
         thr = u ^ INT_MIN  # the k-th largest key; `need` of the keys equal to it are picks
         thr_valid = (thr != NEG_KEY) & (thr != NAN_KEY)
         ar = tl.arange(0, BLOCK)
@@ -138,7 +172,7 @@ if triton is not None:
             # a cut tie at a selectable threshold goes to the lowest entry ids: find the need-th smallest
             if thr_valid & (cnt_eq > need):
                 v_thr, _r, _c, _n = _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, need, thr,
-                                              True, POOL, BLOCK)
+                                                  True, POOL, BLOCK, RESIDENT)
                 use_id = tl.full((), 1, tl.int32)
             else:
                 v_thr = tl.zeros((), tl.int32)
@@ -193,9 +227,10 @@ def _pow2(n: int) -> int:
 
 def _launch(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, K: int,
             block: int | None = None, num_warps: int | None = None, pool: int | None = None,
-            keep_all: bool = False) -> torch.Tensor:
+            keep_all: bool = False, resident: bool | None = None) -> torch.Tensor:
     """One program per row of scores [S, T]; `pool`: 0 dense, 1 `blocks` is a block table, 2 `blocks` holds
-    an entry id per column (default: 1 with blocks, else 0)."""
+    an entry id per column (default: 1 with blocks, else 0); `resident`: bisect a row held in registers
+    (default: when it fits) rather than stream it through histogram passes."""
     S, T = scores.shape
     out = torch.empty((S, K), dtype=torch.int64, device=scores.device)
     if S == 0 or K == 0:
@@ -204,15 +239,18 @@ def _launch(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, 
     if s.stride(-1) != 1:
         s = s.contiguous()
     if block is None:
-        block = GPU_BLOCK if s.is_cuda else INTERP_BLOCK
+        fits = T <= (RESIDENT_MAX if s.is_cuda else INTERP_BLOCK) and resident is not False
+        block = _pow2(T) if fits else GPU_BLOCK if s.is_cuda else INTERP_BLOCK
     block = min(block, max(16, _pow2(T)))
+    resident = T <= block if resident is None else resident and T <= block
     if num_warps is None:
-        num_warps = GPU_WARPS if block >= 2048 else 4
+        num_warps = 16 if block > 4096 else GPU_WARPS if block >= 2048 else 4
     pool = (0 if blocks is None else 1) if pool is None else pool
     blk = blocks.to(torch.int32).contiguous() if pool else out  # out: a dummy pointer when not pooled
     _topk_kernel[(S,)](
         s, blk, out, T, K, block_size, s.stride(0), blk.stride(0) if pool else 0, out.stride(0),
-        POOL=pool, BLOCK=block, KP=_pow2(K) if pool else 16, KEEP_ALL=keep_all, num_warps=num_warps,
+        POOL=pool, BLOCK=block, KP=_pow2(K) if pool else 16, KEEP_ALL=keep_all, RESIDENT=resident,
+        num_warps=num_warps,
     )
     return out
 
