@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from dsv4.fast.cache import POOL_BLOCK, SlotState
 from dsv4.fast.kernels.attention import sparse_attn_bf16, sparse_attn_fp4
 from dsv4.fast.kernels.engram import engram_hash
-from dsv4.fast.kernels.indexer import mqa_index_scores_pool
+from dsv4.fast.kernels.indexer import mqa_index_scores_pool, select_candidate_blocks_fast
 from dsv4.fast.kernels.mhc import mhc_post, mhc_pre
 from dsv4.fast.kernels.moe_experts import moe_mxfp4_with_shared, stack_expert_weights
 from dsv4.fast.kernels.moe_routing import gate_route
@@ -33,7 +33,7 @@ from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant
 from dsv4.fast.kernels.topk import topk_select
 from dsv4.quant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
 from dsv4.reference.attention import Attention, SharedKV
-from dsv4.reference.indexer import Indexer, hadamard, index_scores, select_candidate_blocks
+from dsv4.reference.indexer import Indexer, hadamard, index_scores
 from dsv4.reference.linear import Linear
 from dsv4.reference.mhc import hc_collapse, hc_head_pre
 from dsv4.reference.model import Block, Dsv4Model
@@ -195,8 +195,8 @@ class FastAttention(Attention):
             score = index_scores(q[:, None], keys.data[slots, :cap].to(q.dtype), w[:, None])[:, 0]
             score = score.masked_fill(torch.arange(cap, device=x.device) >= visible[:, None], NEG_INF)
         if role.candidate_role == "source":
-            pool = select_candidate_blocks(score[None], visible, ix.candidate_topk_blocks, ix.candidate_block_size)
-            shared.candidates = pool[0]
+            shared.candidates = select_candidate_blocks_fast(score, visible, ix.candidate_topk_blocks,
+                                                             ix.candidate_block_size)
         elif role.candidate_role == "consumer":
             score = score.masked_fill(~shared.candidates, NEG_INF)
         return topk_select(score, ix.topk).view(B, -1)

@@ -44,15 +44,19 @@ def select_candidate_blocks(score: torch.Tensor, visible: torch.Tensor, topk_blo
     score: [B, S, T] with unreachable entries at -inf; visible: [S] entries each query can see.
     Returns a bool mask [B, S, T] of the entries inside the kept blocks.
     """
+    blocks = candidate_block_scores(score, visible, block)
+    values, indices = stable_topk(blocks, min(topk_blocks, blocks.shape[-1]))
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))
+    return keep.repeat_interleave(block, dim=-1)[..., :score.shape[-1]]
+
+
+def candidate_block_scores(score: torch.Tensor, visible: torch.Tensor, block: int) -> torch.Tensor:
+    """What level one ranks: each block's best entry score [B, S, ceil(T / block)], the newest block at +inf."""
     T = score.shape[-1]
     blocks = F.pad(score, (0, -T % block), value=float("-inf")).unflatten(-1, (-1, block)).amax(-1)
-    n_blocks = blocks.shape[-1]
     # the newest block is only partly filled, so it could lose to an older full block: pin it
     newest = ((visible - 1) // block).view(1, -1, 1)
-    blocks = blocks.masked_fill(torch.arange(n_blocks, device=score.device) == newest, float("inf"))
-    values, indices = stable_topk(blocks, min(topk_blocks, n_blocks))
-    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))
-    return keep.repeat_interleave(block, dim=-1)[..., :T]
+    return blocks.masked_fill(torch.arange(blocks.shape[-1], device=score.device) == newest, float("inf"))
 
 
 def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
