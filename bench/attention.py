@@ -54,8 +54,8 @@ from dsv4.fast.kernels.quant import fp8_quant, nvfp4_quant
 
 FORMATS = ("fp4", "fp8", "bf16")
 SWEEP = [  # (block_h, block_n, num_warps, num_stages); the first is the default
+    A.Config(),
     A.Config(block_h=64, block_n=32, num_warps=8, num_stages=3),
-    A.Config(block_h=64, block_n=16, num_warps=8, num_stages=3),
     A.Config(block_h=64, block_n=64, num_warps=8, num_stages=2),
     A.Config(block_h=32, block_n=32, num_warps=8, num_stages=3),
 ]
