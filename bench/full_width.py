@@ -78,7 +78,8 @@ def _arch(arch: str) -> str:
     return a
 
 
-def _released_layers(arch: str) -> int:
+def released_depth(arch: str) -> int:
+    """Layers of the released checkpoint (V4.1-Flash 40, V4-Flash 43)."""
     raw = RELEASED[arch]
     return (raw["text_config"] if arch == "v41" else raw)["num_hidden_layers"]
 
@@ -90,7 +91,7 @@ def full_width_layers(arch: str, n_layers: int) -> list[int]:
     v4,  n = 1..6: [4], [4,5], [0,4,5], [0,2,4,5], [0,1,2,4,5], [0..5]. n = all layers: the released stack.
     """
     arch = _arch(arch)
-    total = _released_layers(arch)
+    total = released_depth(arch)
     if not 1 <= n_layers <= total:
         raise ValueError(f"n_layers must be in 1..{total} for {arch}, got {n_layers}")
     head = _PRIORITY[arch]
@@ -116,7 +117,7 @@ def full_width_config(
             raise ValueError("give n_layers or layers")
         layers = full_width_layers(arch, n_layers)
     layers = sorted(int(i) for i in layers)
-    total = _released_layers(arch)
+    total = released_depth(arch)
     if not layers or len(set(layers)) != len(layers) or not 0 <= layers[0] <= layers[-1] < total:
         raise ValueError(f"layers must be distinct released layer ids in 0..{total - 1}, got {layers}")
     if n_layers is not None and n_layers != len(layers):

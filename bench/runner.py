@@ -7,7 +7,8 @@ Models: `bench/full_width.py` (real dimensions, random weights in the released f
   copied slot to slot), and prefill tokens/s at `--context` (module path, `--chunk`-token chunks);
 - the roofline of a batch-1 decode step: bytes the step must read (weights as the fast model holds them,
   the experts a token actually touches, the KV rows it attends to and the index keys it scores) over
-  the device copy bandwidth measured in the same run;
+  the device copy bandwidth measured in the same run; per layer (the head GEMM timed alone, the rest of
+  the step averaged over the layers) and extrapolated to the released depth;
 - the reference model (same seed, same weights) at `--ref-context` tokens, where its dense masks fit;
 - V4 only: transformers' eager `DeepseekV4ForCausalLM` on the same weights.
 
@@ -48,7 +49,14 @@ if ARGS.smoke:  # whole models under the interpreter take hours: the smoke run c
 
 import torch  # noqa: E402
 
-from full_width import SMOKE_WIDTHS, build_random_model, decode_bytes, full_width_config, random_ids  # noqa: E402
+from full_width import (  # noqa: E402
+    SMOKE_WIDTHS,
+    build_random_model,
+    decode_bytes,
+    full_width_config,
+    random_ids,
+    released_depth,
+)
 
 from dsv4.fast.model import make_fast  # noqa: E402
 from dsv4.fast.runner import Runner  # noqa: E402
@@ -107,10 +115,27 @@ def fast_results(config, device, context: int, ref_context: int, batches: list[i
     out = {"fast_decode": rows, "fast_prefill": fast_prefill(runner, device, context)}
     out["roofline"] = {"bytes_per_step": nbytes, "copy_bandwidth_Bps": bw, "floor_ms": nbytes / bw * 1e3,
                        "fraction_at_batch1": (nbytes / bw) / (rows[batches[0]]["step_ms"] * 1e-3)}
+    out["whole_model"] = extrapolate(fast, rows[batches[0]]["step_ms"], nbytes, bw, device, config)
     if not ARGS.no_reference:
         out["fast_at_ref_context"] = {"decode": fast_rows(runner, device, ref_context, [1])[1],
                                       "prefill": fast_prefill(runner, device, ref_context)}
     return out
+
+
+def extrapolate(fast, step_ms: float, nbytes: int, bw: float, device, config) -> dict:
+    """The batch-1 step per layer and for the released depth: the part outside the layers (final norm and
+    head GEMM, the bulk of it) timed alone, the rest averaged over the measured layers, which is as
+    representative of the released model as their roles are (bytes likewise)."""
+    x = torch.randn(1, config.hidden_size, device=device, dtype=torch.bfloat16)
+    head_ms = common.time_calls([lambda: fast.logits(x)], 20, cuda=device.type == "cuda") / 1e3
+    head_bytes = fast.head.weight.nbytes + fast.embed.weight[0].nbytes
+    n, full = len(fast.layers), released_depth(ARGS.arch)
+    layer_ms, layer_bytes = (step_ms - head_ms) / n, (nbytes - head_bytes) / n
+    step_full, bytes_full = head_ms + full * layer_ms, head_bytes + full * layer_bytes
+    return {"head_ms": head_ms, "head_bytes": head_bytes, "layer_ms": layer_ms, "layer_bytes": layer_bytes,
+            "layer_fraction": layer_bytes / bw / (layer_ms * 1e-3), "layers": full, "step_ms": step_full,
+            "tokens_per_s": 1e3 / step_full, "bytes_per_step": bytes_full,
+            "fraction_at_batch1": bytes_full / bw / (step_full * 1e-3)}
 
 
 def reference_rows(model, device, context: int) -> dict:
@@ -224,6 +249,10 @@ def main():
     rf = result["roofline"]
     print(f"roofline B=1: {rf['bytes_per_step'] / 1e6:.1f} MB/step at {rf['copy_bandwidth_Bps'] / 1e12:.2f} TB/s = "
           f"{rf['floor_ms']:.3f} ms; measured fraction {rf['fraction_at_batch1']:.2%}")
+    wm = result["whole_model"]
+    print(f"per layer: {wm['layer_ms']:.3f} ms for {wm['layer_bytes'] / 1e6:.1f} MB ({wm['layer_fraction']:.2%} of the "
+          f"copy rate); head {wm['head_ms']:.3f} ms; {wm['layers']} layers: {wm['step_ms']:.2f} ms/step, "
+          f"{wm['tokens_per_s']:.0f} tok/s, roofline {wm['fraction_at_batch1']:.2%}")
     for key in ("fast_at_ref_context", "reference", "transformers", "transformers_at_ref_context"):
         if key in result:
             print(key, result[key])
