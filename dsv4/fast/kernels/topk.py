@@ -49,7 +49,7 @@ __all__ = ["topk_select", "topk_select_pool", "twin_topk_select_pool"]
 GPU_BLOCK, GPU_WARPS = 4096, 8
 INTERP_BLOCK = 1024
 # rows up to this many columns are held in registers and bisected (GPU; the interpreter: INTERP_BLOCK)
-RESIDENT_MAX = 8192
+RESIDENT_MAX = 16384
 # one program per row reads the row five times: rows this much longer than a chunk go through two stages
 TWO_STAGE_MIN_CHUNK = 4096
 
@@ -244,7 +244,7 @@ def _launch(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, 
     block = min(block, max(16, _pow2(T)))
     resident = T <= block if resident is None else resident and T <= block
     if num_warps is None:
-        num_warps = 16 if block > 4096 else GPU_WARPS if block >= 2048 else 4
+        num_warps = 16 if block > 8192 else GPU_WARPS if block >= 2048 else 4
     pool = (0 if blocks is None else 1) if pool is None else pool
     blk = blocks.to(torch.int32).contiguous() if pool else out  # out: a dummy pointer when not pooled
     _topk_kernel[(S,)](
@@ -257,9 +257,10 @@ def _launch(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, 
 
 def two_stage_chunk(T: int, K: int, block_size: int = 1) -> int | None:
     """Columns per first-stage chunk for a row of T (a multiple of block_size, about sqrt(T K) so both
-    stages are about as long), or None when one pass is better (short rows, or k not below a chunk)."""
+    stages are about as long), or None when one pass is better (rows a program holds in registers, other
+    short rows, or k not below a chunk)."""
     chunk = -(-max(TWO_STAGE_MIN_CHUNK, _pow2(int((T * K) ** 0.5))) // block_size) * block_size
-    return chunk if T > 2 * chunk and K < chunk else None
+    return chunk if T > max(2 * chunk, RESIDENT_MAX) and K < chunk else None
 
 
 def _select(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, K: int,
