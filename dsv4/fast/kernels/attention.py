@@ -80,12 +80,16 @@ class KV:
         return dequantize_nvfp4(self.data[rows], self.scale[rows], 16).to(dtype)
 
 
+# below this many tiles (query rows x tiles per row) a launch is short of programs: split the heads
+SHORT_LIST_TILES = 128
+
+
 @dataclass(frozen=True)
 class Config:
     """Kernel launch choices. block_n: KV rows per tile (>= 32 on the GPU: with 16, Triton 3.6 on the H200
-    computed wrong outputs at block_h <= 32). block_h: heads per program (>= 16, a power of two; 0 = by the
-    number of query rows: 16 for one, 32 up to 16, else 64, capped at H rounded up). num_warps: 0 = 4 at
-    block_h 16, else 8. Decode choices measured on the H200 (H 64, D 512, window 128 + top-512): batch 1
+    computed wrong outputs at block_h <= 32). block_h: heads per program (>= 16, a power of two; 0 = `heads`:
+    for short lists 16 at one query row, 32 up to 16 rows, else 64, capped at H rounded up). num_warps: 0 = 4
+    at block_h 16, else 8. Decode choices measured on the H200 (H 64, D 512, window 128 + top-512): batch 1
     went from 26 to 14 us with 16 heads per program and one tile per split, batch 8 from 28 to 26 us."""
 
     block_n: int = 32
@@ -93,14 +97,18 @@ class Config:
     num_warps: int = 0
     num_stages: int = 3
 
-    def heads(self, S: int, H: int) -> int:
-        """Heads per program for S query rows of H heads."""
+    def heads(self, S: int, H: int, tiles: int) -> int:
+        """Heads per program for S query rows of H heads over index lists of `tiles` tiles. Fewer heads per
+        program only pay while the lists are short: every head block dequantizes the rows again (a 512K-entry
+        list at batch 1 took 1412 us with 16 heads per program, 450 us with 64)."""
         if self.block_h:
             return self.block_h
-        return min(16 if S == 1 else 32 if S <= 16 else 64, max(16, triton.next_power_of_2(H)))
+        short = S * tiles < SHORT_LIST_TILES
+        return min(16 if short and S == 1 else 32 if short and S <= 16 else 64, max(16, triton.next_power_of_2(H)))
 
-    def warps(self, S: int, H: int) -> int:
-        return self.num_warps or (4 if self.heads(S, H) == 16 else 8)
+    def warps(self, S: int, H: int, tiles: int) -> int:
+        return self.num_warps or (4 if self.heads(S, H, tiles) == 16 else 8)
+
 
 
 INTERPRETER_CONFIG = Config(block_n=16, num_warps=4, num_stages=1)
@@ -304,7 +312,7 @@ def plan_splits(S: int, H: int, kw: int, kg: int, device: torch.device, config: 
     if split_size > 0:
         per = triton.cdiv(split_size, config.block_n)
     else:
-        programs = S * triton.cdiv(H, config.heads(S, H))
+        programs = S * triton.cdiv(H, config.heads(S, H, tiles))
         sms = _sm_count(device)
         want = 1 if programs >= sms else min(triton.cdiv(sms, programs), tiles)
         per = triton.cdiv(tiles, max(want, 1))
@@ -328,7 +336,8 @@ def sparse_attn(
     if q.is_cuda and config.block_n < 32:
         raise ValueError(f"sparse_attn: block_n {config.block_n} < 32 is not supported on the GPU (see Config)")
     kw, kg = win_idx.shape[1], glob_idx.shape[1]
-    block_h = config.heads(S, H)
+    tiles = triton.cdiv(kw, config.block_n) + triton.cdiv(kg, config.block_n)
+    block_h = config.heads(S, H, tiles)
     n_splits, per = plan_splits(S, H, kw, kg, q.device, config, split_size)
     split = n_splits > 1
     if split:
@@ -349,7 +358,7 @@ def sparse_attn(
         H, softmax_scale * LOG2E, per,
         WIN_FMT=win.fmt, GLOB_FMT=glob.fmt, D=D, R=R, BLOCK_H=block_h, BLOCK_N=config.block_n, SPLIT=split,
         INTERP=_INTERP,
-        num_warps=config.warps(S, H), num_stages=config.num_stages,
+        num_warps=config.warps(S, H, tiles), num_stages=config.num_stages,
     )
     if split:
         bh, bd = min(4, triton.next_power_of_2(H)), min(32, D)
