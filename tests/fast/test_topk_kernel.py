@@ -27,7 +27,13 @@ INTERP_OK = INTERP and tk.triton is not None and type(tk.tl.zeros).__name__ == "
 needs_interp = pytest.mark.skipif(
     not INTERP_OK, reason="CPU kernel tests need TRITON_INTERPRET=1 set before triton is imported"
 )
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def gpu(test):
+    """A GPU test: `-m gpu` selects it, and without CUDA it skips."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+
 PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NEG_INF = float("-inf")
 
