@@ -144,16 +144,18 @@ class FastAttention(Attention):
         window = state.windows[layer]
         window.write(slots, pos % W, kv)
         back = pos[:, None] - torch.arange(W, device=x.device)  # [B, W]
-        win_idx = torch.where(back >= state.window_start[slots, None], slots[:, None] * W + back % W, -1)
+        # index lists in the kernel's int32, cast here where the compiled step fuses the cast into the index
+        # arithmetic (a cast inside the op would be a copy kernel of its own, per list and layer)
+        win_idx = torch.where(back >= state.window_start[slots, None], slots[:, None] * W + back % W, -1).int()
         win_data, win_scale = window.flat()
         if self.role.compress_ratio:
             if self.role.owns_compressor:
                 self._compress_decode(x, pos, slots, state)
             store = state.compressed[self.role.kv_source]
-            glob_idx = self._global_ids(x, qr, pos, slots, state, shared, store.data.shape[1])
+            glob_idx = self._global_ids(x, qr, pos, slots, state, shared, store.data.shape[1]).int()
         else:
             store = state.empty_global
-            glob_idx = pos.new_zeros(pos.shape[0], 0)
+            glob_idx = pos.new_zeros(pos.shape[0], 0, dtype=torch.int32)
         glob_data, glob_scale = store.flat()
         scale = self.head_dim**-0.5
         if store.fmt == "nvfp4":

@@ -491,9 +491,8 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
     sh2 = shared2.contiguous() if has_shared else w2
     is_bf16 = x.dtype == torch.bfloat16
     sh_low = has_shared and shared13.dtype == torch.bfloat16 and is_bf16 and not _INTERP
-    y = torch.zeros(N, D, dtype=torch.float32, device=x.device)
     if N == 0 or S == 0:
-        return y
+        return torch.zeros(N, D, dtype=torch.float32, device=x.device)
     if path == "auto":
         path = "gather" if N <= GATHER_MAX_N else "grouped"
     lim = float(limit)
