@@ -331,6 +331,27 @@ def top_level_bytes(model: Dsv4Model) -> dict[str, int]:
     return out
 
 
+def bench_setup(arch: str, layers: int, smoke: bool) -> tuple[torch.device, Dsv4Config]:
+    """The device and full-width config a benchmark runs on (--smoke: tiny widths on the CPU)."""
+    device = torch.device("cpu" if smoke else "cuda")
+    return device, full_width_config(arch, layers, SMOKE_WIDTHS if smoke else None)
+
+
+def prefill_chunks(runner, slot: int, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Prefill ids [S] into a runner slot `chunk` tokens at a time, as a server feeds a long prompt ->
+    the logits of the last token."""
+    for a in range(0, ids.numel(), chunk):
+        logits = runner.prefill(slot, ids[a : a + chunk])
+    return logits
+
+
+def cold_prefill(runner, ids: torch.Tensor, chunk: int) -> None:
+    """A prefill of ids [S] into a fresh slot, released afterwards."""
+    slot = runner.allocate()
+    prefill_chunks(runner, slot, ids, chunk)
+    runner.release(slot)
+
+
 def random_ids(config: Dsv4Config, shape, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
     """Random prompt token ids: the text ids below V4.1's image-span tokens, which the model rejects."""
     image = config.image_token_id if config.is_v41 else None

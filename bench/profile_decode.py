@@ -1,11 +1,12 @@
-"""Where a fast decode step's time goes: kernels of one eager step under torch.profiler, grouped by name,
+"""Where a fast decode step's time goes: kernels of one step run outside its graph (torch.compile'd with
+--compile, as the runner then captures it) under torch.profiler, grouped by name,
 beside the CUDA-graph step time and the roofline's bytes, on full-width layers (bench/full_width.py).
 
     python bench/profile_decode.py --arch v41 --layers 4 --context 8192 --batch 1
     python bench/profile_decode.py --smoke
 
-The kernel table is device time per kernel name summed over the step (eager: the same kernels the graph
-replays, without the graph); `graph_step_ms - kernel_sum_ms` is what the graph still spends between kernels.
+The kernel table is device time per kernel name summed over the step (the same kernels the graph replays,
+without the graph); `graph_step_ms - kernel_sum_ms` is what the graph still spends between kernels.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def add_arguments(p):
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--top", type=int, default=30)
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step before capturing it")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (the captured and the profiled one)")
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="also profile a cold prefill of --context tokens in chunks of this many")
 
@@ -38,7 +39,7 @@ if ARGS.smoke:
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from full_width import SMOKE_WIDTHS, build_random_model, decode_bytes, full_width_config, random_ids  # noqa: E402
+from full_width import bench_setup, build_random_model, cold_prefill, decode_bytes, prefill_chunks, random_ids  # noqa: E402
 
 from dsv4.fast.model import make_fast  # noqa: E402
 from dsv4.fast.runner import Runner  # noqa: E402
@@ -61,10 +62,7 @@ def profile_prefill(runner, activities, device, context: int) -> dict:
     ids = random_ids(runner.config, context)
 
     def run():
-        slot = runner.allocate()
-        for a in range(0, context, ARGS.prefill_chunk):
-            runner.prefill(slot, ids[a : a + ARGS.prefill_chunk])
-        runner.release(slot)
+        cold_prefill(runner, ids, ARGS.prefill_chunk)
 
     ms = common.timed(run, device) * 1e3
     with profile(activities=activities) as prof:
@@ -77,18 +75,15 @@ def profile_prefill(runner, activities, device, context: int) -> dict:
 
 
 def main():
-    device = torch.device("cpu" if ARGS.smoke else "cuda")
-    config = full_width_config(ARGS.arch, ARGS.layers, SMOKE_WIDTHS if ARGS.smoke else None)
+    device, config = bench_setup(ARGS.arch, ARGS.layers, ARGS.smoke)
     context = 128 if ARGS.smoke else ARGS.context
     fast = make_fast(build_random_model(config, device, torch.bfloat16, seed=0))
     B = ARGS.batch
-    if ARGS.compile:
-        fast.decode_step = torch.compile(fast.decode_step)
-    runner = Runner(fast, max_seqs=B + 1, max_len=context + 64)
+    # the step the runner captures and the step profiled below are one: compiled exactly when --compile
+    runner = Runner(fast, max_seqs=B + 1, max_len=context + 64, compile=ARGS.compile)
     ids = random_ids(config, context)
     slots = [runner.allocate() for _ in range(B)]
-    for a in range(0, context, 2048):
-        runner.prefill(slots[0], ids[a : a + 2048])
+    prefill_chunks(runner, slots[0], ids, 2048)
     for s in slots[1:]:
         runner.resume(s, slots[0], context)
     next_ids = torch.zeros(B, dtype=torch.int64, device=device)
@@ -96,10 +91,10 @@ def main():
     step_ms = common.timed(lambda: runner.decode(slots, next_ids), device, 10) * 1e3
     slot_ids = torch.tensor(slots, device=device)
     with torch.inference_mode():
-        fast.decode_step(next_ids, slot_ids, runner.state)  # warm
+        runner.step(next_ids, slot_ids, runner.state)  # warm
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=activities) as prof:
-            fast.decode_step(next_ids, slot_ids, runner.state)
+            runner.step(next_ids, slot_ids, runner.state)
             if device.type == "cuda":
                 torch.cuda.synchronize()
     rows = kernel_table(prof)

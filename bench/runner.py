@@ -50,10 +50,11 @@ if ARGS.smoke:  # whole models under the interpreter take hours: the smoke run c
 import torch  # noqa: E402
 
 from full_width import (  # noqa: E402
-    SMOKE_WIDTHS,
+    bench_setup,
     build_random_model,
+    cold_prefill,
     decode_bytes,
-    full_width_config,
+    prefill_chunks,
     random_ids,
     released_depth,
 )
@@ -67,8 +68,7 @@ def fill(runner, context: int, slots: int) -> list[int]:
     g = torch.Generator().manual_seed(0)
     ids = random_ids(runner.config, context, g)
     first = runner.allocate()
-    for a in range(0, context, ARGS.chunk):
-        runner.prefill(first, ids[a : a + ARGS.chunk])
+    prefill_chunks(runner, first, ids, ARGS.chunk)
     out = [first]
     for _ in range(slots - 1):
         out.append(runner.allocate())
@@ -93,14 +93,7 @@ def fast_rows(runner, device, context: int, batches: list[int]) -> dict:
 
 def fast_prefill(runner, device, context: int) -> dict:
     ids = random_ids(runner.config, context)
-
-    def run():
-        slot = runner.allocate()
-        for a in range(0, context, ARGS.chunk):
-            runner.prefill(slot, ids[a : a + ARGS.chunk])
-        runner.release(slot)
-
-    s = common.timed(run, device)
+    s = common.timed(lambda: cold_prefill(runner, ids, ARGS.chunk), device)
     return {"seconds": s, "tokens_per_s": context / s}
 
 
@@ -210,12 +203,10 @@ def plot(result: dict, path) -> None:
 def main():
     if ARGS.replot:
         return common.replot(ARGS.replot, plot)
-    device = torch.device("cpu" if ARGS.smoke else "cuda")
-    overrides = SMOKE_WIDTHS if ARGS.smoke else None
+    device, config = bench_setup(ARGS.arch, ARGS.layers, ARGS.smoke)
     context = 128 if ARGS.smoke else ARGS.context
     ref_context = 32 if ARGS.smoke else ARGS.ref_context
     batches = [int(b) for b in ARGS.batches.split(",")]
-    config = full_width_config(ARGS.arch, ARGS.layers, overrides)
     result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": [role.layer_id for role in config.layer_roles],
               "context": context, "chunk": ARGS.chunk}
     t0 = time.time()

@@ -44,16 +44,10 @@ if ARGS.smoke:
 
 import torch  # noqa: E402
 
-from full_width import SMOKE_WIDTHS, build_random_model, full_width_config, random_ids  # noqa: E402
+from full_width import bench_setup, build_random_model, prefill_chunks, random_ids  # noqa: E402
 
 from dsv4.fast.model import make_fast  # noqa: E402
 from dsv4.fast.runner import Runner  # noqa: E402
-
-
-def prefill(runner, slot: int, ids: torch.Tensor) -> torch.Tensor:
-    for a in range(0, ids.numel(), ARGS.chunk):
-        logits = runner.prefill(slot, ids[a : a + ARGS.chunk])
-    return logits
 
 
 def measure(runner, device, prefix: int, suffix: int, reps: int) -> dict:
@@ -72,19 +66,19 @@ def measure(runner, device, prefix: int, suffix: int, reps: int) -> dict:
     times = {"cold": [], "hit_replay": [], "hit_no_replay": []}
     for _ in range(reps):
         cached = runner.allocate()
-        prefill(runner, cached, ids[:prefix])  # the previous turn, left in its slot
+        prefill_chunks(runner, cached, ids[:prefix], ARGS.chunk)  # the previous turn, left in its slot
         slot = runner.allocate()
-        times["cold"].append(clock(lambda: prefill(runner, slot, ids)))
+        times["cold"].append(clock(lambda: prefill_chunks(runner, slot, ids, ARGS.chunk)))
         runner.release(slot)
         slot = runner.allocate()
 
         def replay_hit():
             runner.resume(slot, cached, prefix)
-            prefill(runner, slot, ids[prefix:])
+            prefill_chunks(runner, slot, ids[prefix:], ARGS.chunk)
 
         times["hit_replay"].append(clock(replay_hit))
         runner.release(slot)
-        times["hit_no_replay"].append(clock(lambda: prefill(runner, cached, ids[prefix:])))
+        times["hit_no_replay"].append(clock(lambda: prefill_chunks(runner, cached, ids[prefix:], ARGS.chunk)))
         runner.release(cached)
     out = {k: statistics.median(v) for k, v in times.items()}
     out["replay_vs_cold"] = 1 - out["hit_replay"] / out["cold"]
@@ -117,8 +111,7 @@ def plot(result: dict, path: Path) -> None:
 def main():
     if ARGS.replot:
         return common.replot(ARGS.replot, plot)
-    device = torch.device("cpu" if ARGS.smoke else "cuda")
-    config = full_width_config(ARGS.arch, ARGS.layers, SMOKE_WIDTHS if ARGS.smoke else None)
+    device, config = bench_setup(ARGS.arch, ARGS.layers, ARGS.smoke)
     prefixes = [256] if ARGS.smoke else [int(p) for p in ARGS.prefix.split(",")]
     suffix = 32 if ARGS.smoke else ARGS.suffix
     fast = make_fast(build_random_model(config, device, torch.bfloat16, seed=0))

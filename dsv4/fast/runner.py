@@ -63,8 +63,9 @@ class Runner:
         backend = compile if isinstance(compile, str) else "inductor"
         # inductor fuses bf16 glue into fp32 arithmetic unless told to round where the model's code casts
         options = {"emulate_precision_casts": True} if backend == "inductor" else None
-        self._step = (torch.compile(model.decode_step, backend=backend, dynamic=False, options=options) if compile
-                      else model.decode_step)
+        # the step decode runs and captures (what a profiler of the step should call too)
+        self.step = (torch.compile(model.decode_step, backend=backend, dynamic=False, options=options) if compile
+                     else model.decode_step)
         self.batch_sizes = sorted({b for b in batch_sizes if b < max_seqs} | {max_seqs})
         self._free = list(range(max_seqs))
         # host mirrors of state.lengths and state.window_start: bounds checks, and what a prefill's
@@ -210,7 +211,7 @@ class Runner:
         padded = torch.zeros(size, dtype=torch.int64, device=self.state.device)
         padded[:B] = ids
         if not self.cuda_graphs:
-            return self._step(padded, slot_ids, self.state)[:B]
+            return self.step(padded, slot_ids, self.state)[:B]
         graph, static_ids, static_slots, logits = self._graph(size)
         static_ids.copy_(padded)
         static_slots.copy_(slot_ids)
@@ -225,10 +226,10 @@ class Runner:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # compile the kernels and warm the allocator outside the capture
                 for _ in range(2):
-                    self._step(ids, slots, self.state)
+                    self.step(ids, slots, self.state)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                logits = self._step(ids, slots, self.state)
+                logits = self.step(ids, slots, self.state)
             self._graphs[size] = (graph, ids, slots, logits)
         return self._graphs[size]

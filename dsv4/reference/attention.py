@@ -22,7 +22,7 @@ from torch import nn
 from dsv4.config import Dsv4Config, LayerRole
 from dsv4.quant import fake_quant_fp8, fake_quant_nvfp4
 from dsv4.reference.compressor import Compressor
-from dsv4.reference.indexer import Indexer
+from dsv4.reference.indexer import Indexer, picks_mask
 from dsv4.reference.linear import Linear, RMSNorm
 from dsv4.reference.rope import Rotary, apply_rope
 
@@ -202,10 +202,7 @@ class Attention(nn.Module):
             if pool is not None:
                 shared.candidates = pool
             shared.topk[role.layer_id] = idx
-        idx = shared.topk[role.index_source]
-        selected = torch.zeros(B, S, G + 1, dtype=torch.bool, device=x.device)
-        selected.scatter_(-1, torch.where(idx < 0, G, idx), True)  # -1 lands in a dropped column
-        return comp, selected[..., :G]
+        return comp, picks_mask(shared.topk[role.index_source], G)
 
     def _compress(self, x: torch.Tensor, cache) -> None:
         """Run this layer's compressor (and index-key owner) over the chunk; append what completes."""

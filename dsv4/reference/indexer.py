@@ -93,6 +93,12 @@ def top_entries(score: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(values > float("-inf"), indices, -1).sort(dim=-1).values
 
 
+def picks_mask(picks: torch.Tensor, width: int) -> torch.Tensor:
+    """Picked columns [..., k] (-1 = none) -> bool [..., width], True where picked."""
+    mask = torch.zeros(*picks.shape[:-1], width + 1, dtype=torch.bool, device=picks.device)
+    return mask.scatter_(-1, torch.where(picks < 0, width, picks), True)[..., :width]  # -1 lands past the end
+
+
 class Indexer(nn.Module):
     def __init__(self, config: Dsv4Config, owns_keys: bool, dtype: torch.dtype):
         super().__init__()

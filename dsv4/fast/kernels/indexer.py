@@ -48,7 +48,7 @@ import torch
 from dsv4.fast.kernels import use_triton
 from dsv4.fast.kernels.topk import topk_select, topk_select_pool
 from dsv4.quant import dequantize_mxfp4
-from dsv4.reference.indexer import candidate_block_scores, index_scores, top_entries
+from dsv4.reference.indexer import candidate_block_scores, index_scores, picks_mask, top_entries
 
 try:
     import triton
@@ -468,9 +468,7 @@ def select_candidate_blocks_fast(score: torch.Tensor, visible: torch.Tensor, top
     if nb <= topk_blocks:
         keep = blocks > float("-inf")
     else:
-        picks = topk_select(blocks, topk_blocks)  # [S, topk_blocks], -1 for -inf picks
-        keep = torch.zeros(blocks.shape[0], nb + 1, dtype=torch.bool, device=score.device)
-        keep = keep.scatter_(-1, torch.where(picks >= 0, picks, nb), True)[:, :nb]
+        keep = picks_mask(topk_select(blocks, topk_blocks), nb)  # -1 for -inf picks
     return keep.repeat_interleave(block, dim=-1)[:, :score.shape[-1]]
 
 
