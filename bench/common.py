@@ -216,13 +216,13 @@ Column = tuple[str, "str | Callable[[Any], Any]", str]
 
 def print_table(columns: Sequence[Column], rows: Sequence[Any]) -> None:
     """Print `rows` as right-aligned columns. A column is (header, get, spec): the cell is format(value, spec),
-    where value is row[get] for a key, get(row) for a callable; a None value prints as "-". Each column is as
+    where value is row[get] for a key, get(row) for a callable; a None or missing value prints as "-". Each column is as
     wide as its header or its widest cell."""
     cells = []
     for row in rows:
         line = []
         for _, get, spec in columns:
-            value = get(row) if callable(get) else row[get]
+            value = get(row) if callable(get) else row.get(get)
             line.append("-" if value is None else format(value, spec))
         cells.append(line)
     widths = [max([len(h), *(len(line[i]) for line in cells)]) for i, (h, _, _) in enumerate(columns)]

@@ -7,7 +7,7 @@ V4.1: E = 384 experts, top-6, D = 5120, I = 2304, swiglu limit 10, one shared ex
 N = 1, 8, 16, 64, 256 tokens. Weights random (uint8 codes, e8m0 scales 2^-9 .. 2^-5), one layer's worth.
 - naive:   for each selected expert: dequantize its w1/w3/w2 (dsv4.quant) to bf16, bf16 matmuls, SwiGLU,
            index_add in fp32; plus the shared expert (what a straightforward implementation does; host syncs).
-- gather:  the kernel's gather path (forced); grouped: its grouped path (forced).
+- gather, gather_tc (N <= 16: every program scans the batch's ids), grouped: the kernel's paths (forced).
 Bytes: the expert weights the call must touch at least: each distinct selected expert's w13 + w2 at 4.25
 bits/weight (e2m1 + one e8m0 per 32) and the shared expert's bf16 weights (3 * I * D * 2 bytes); GB/s is
 those bytes over the time, and `roofline` their fraction of 4.3 TB/s (the batch-1 memory ceiling).
@@ -97,6 +97,13 @@ def naive(W, s, limit=LIMIT):
     return y + expert(x, W["sh13"], W["sh2"], None)
 
 
+PATHS = ("gather", "gather_tc", "grouped")
+
+
+def applies(path: str, N: int) -> bool:
+    return path != "gather_tc" or N <= 16
+
+
 def kernel(W, s, path):
     return M.moe_mxfp4_with_shared(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"], W["s2"],
                                    W["sh13"], W["sh2"], LIMIT, path)
@@ -108,7 +115,8 @@ def check(W, s) -> dict:
     scale = ref.abs().max().clamp(min=1e-30)
     out = {}
     ok = True
-    for name, y in (("gather", kernel(W, s, "gather")), ("grouped", kernel(W, s, "grouped")), ("naive", naive(W, s))):
+    paths = [p for p in PATHS if applies(p, s["x"].shape[0])]
+    for name, y in [(p, kernel(W, s, p)) for p in paths] + [("naive", naive(W, s))]:
         err = (y - ref).abs() / scale
         out[f"{name}_max_rel"] = err.max().item()
         out[f"{name}_median_rel"] = err.median().item()
@@ -144,7 +152,7 @@ def main():
         naive_sets = sets[: max(1, min(nsets, 2 if N >= 64 else nsets))]
         row["eager_naive_us"] = time_calls([lambda s=s: naive(W, s) for s in naive_sets],
                                            max(3, reps // 5) if N >= 64 else reps, False, device)
-        for path in ("gather", "grouped"):
+        for path in [p for p in PATHS if applies(p, N)]:
             calls = [lambda s=s, p=path: kernel(W, s, p) for s in sets]
             for mode in common.modes(device):
                 t = time_calls(calls, reps, mode == "graph", device)
@@ -192,7 +200,8 @@ def main():
     common.print_table([("N", "N", "d"), ("experts", "distinct_experts", ".1f"),
                         ("MB", lambda r: r["weight_bytes"] / 1e6, ".1f"), ("naive us", "eager_naive_us", ".1f"),
                         ("gather us", f"{mode}_gather_us", ".1f"), ("GB/s", f"{mode}_gather_GBps", ".0f"),
-                        ("roof", f"{mode}_gather_roofline", ".2f"), ("grouped us", f"{mode}_grouped_us", ".1f"),
+                        ("roof", f"{mode}_gather_roofline", ".2f"), ("tc us", f"{mode}_gather_tc_us", ".1f"),
+                        ("roof", f"{mode}_gather_tc_roofline", ".2f"), ("grouped us", f"{mode}_grouped_us", ".1f"),
                         ("GB/s", f"{mode}_grouped_GBps", ".0f"), ("roof", f"{mode}_grouped_roofline", ".2f")],
                        results)
 

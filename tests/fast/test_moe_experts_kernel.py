@@ -14,7 +14,6 @@ Tolerances:
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -129,7 +128,7 @@ def test_twin_and_kernel_match_reference_moe(limit):
     args = (x[0], ids, weights, st_["w13"], st_["s13"], st_["w2"], st_["s2"])
     twin = M.moe_experts_twin(*args, st_["limit"], st_["shared13"], st_["shared2"])
     assert rel_err(twin, ref) <= 1e-6
-    for path in ("gather", "grouped"):
+    for path in ("gather", "grouped", "gather_tc"):
         y = M.moe_mxfp4_with_shared(*args, st_["shared13"], st_["shared2"], st_["limit"], path)
         assert rel_err(y, ref) <= 1e-5, path
 
@@ -137,42 +136,66 @@ def test_twin_and_kernel_match_reference_moe(limit):
 # ------------------------------------------------------------------------------------------------ kernel
 
 
-@settings(max_examples=examples(14), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(24), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    E=st.integers(4, 8),
+    E=st.integers(3, 8),
     k=st.integers(1, 3),
     D=st.sampled_from([64, 96, 128]),
     I=st.sampled_from([64, 96, 128]),
     N=st.integers(1, 40),
-    path=st.sampled_from(["gather", "grouped"]),
+    path=st.sampled_from(["gather", "gather_tc", "grouped"]),
     shared=st.booleans(),
     bf16=st.booleans(),
+    limit=st.sampled_from([0.0, 1.0]),
+    hot=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_kernel_matches_twin(E, k, D, I, N, path, shared, bf16, seed):
-    """Random small shapes, both paths forced. Expert E-1 never gets a token; ids repeat across tokens;
-    activations are large enough that the clamp (limit 1) bites."""
-    if path == "gather":
-        N = min(N, 12)  # the interpreter runs a program per (token, slot, tile): keep it short
+def test_kernel_matches_twin(E, k, D, I, N, path, shared, bf16, limit, hot, seed):
+    """Random small shapes, each path forced, limit on (activations large enough that it bites) and off. Expert
+    E-1 never gets a token; with few experts ids repeat across tokens, and `hot` gives every token expert 0 (one
+    gather_tc chunk, one grouped tile run serve them all)."""
+    N = min(N, {"gather": 12, "gather_tc": 16, "grouped": N}[path])  # the interpreter pays per program
+    k = min(k, E - 1)
     dtype = torch.bfloat16 if bf16 else torch.float32
     w13, s13, w2, s2, sh13, sh2 = rand_experts(E, D, I, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = (torch.randn(N, D, generator=g) * 4).to(dtype)
-    ids = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(N)])
+    if hot:
+        first = torch.zeros(1, dtype=torch.int64)
+        ids = torch.stack([torch.cat([first, 1 + torch.randperm(E - 2, generator=g)[: k - 1]]) for _ in range(N)])
+    else:
+        ids = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(N)])
     weights = torch.rand(N, k, generator=g) + 0.1
-    limit = 1.0
+    s13u, s2u = s13.view(torch.uint8), s2.view(torch.uint8)
     if shared:
         sh13, sh2 = sh13.to(dtype), sh2.to(dtype)
-        ref = M.moe_experts_twin(x, ids, weights, w13, s13.view(torch.uint8), w2, s2.view(torch.uint8), limit, sh13, sh2)
+        ref = M.moe_experts_twin(x, ids, weights, w13, s13u, w2, s2u, limit, sh13, sh2)
         y = M.moe_mxfp4_with_shared(x, ids, weights, w13, s13, w2, s2, sh13, sh2, limit, path)
     else:
-        ref = M.moe_experts_twin(x, ids, weights, w13, s13.view(torch.uint8), w2, s2.view(torch.uint8), limit)
+        ref = M.moe_experts_twin(x, ids, weights, w13, s13u, w2, s2u, limit)
         y = M.moe_experts_mxfp4(x, ids, weights, w13, s13, w2, s2, limit, path)
     check_close(y, ref, dtype)
 
 
+def test_gather_tc_chunks():
+    """More than 16 token-slots of one expert (20 tokens: the shared expert and a hot one, and a token that lists
+    an expert twice) are served in chunks of 16, each led by its first token-slot."""
+    E, k, D, I, N = 6, 3, 64, 64, 20
+    w13, s13, w2, s2, sh13, sh2 = rand_experts(E, D, I, 7)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(N, D, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    ids[:, 0] = 2
+    ids[5, 1] = 2  # token 5 lists expert 2 twice
+    weights = torch.rand(N, k, generator=g)
+    sh13, sh2 = sh13.bfloat16(), sh2.bfloat16()
+    y = M.moe_mxfp4_with_shared(x, ids, weights, w13, s13, w2, s2, sh13, sh2, 1.0, "gather_tc")
+    check_close(y, M.moe_experts_twin(x, ids, weights, w13, s13, w2, s2, 1.0, sh13, sh2), torch.bfloat16)
+
+
 def test_clamp_active_and_paths_agree():
-    """Large activations: the clamp changes the result (against limit 0), and gather == grouped == twin."""
+    """Large activations: the clamp changes the result (against limit 0), and gather == grouped == gather_tc ==
+    twin."""
     E, k, D, I, N = 5, 2, 64, 64, 11
     w13, s13, w2, s2, sh13, sh2 = rand_experts(E, D, I, 5, wscale=2.0)
     g = torch.Generator().manual_seed(9)
@@ -180,13 +203,15 @@ def test_clamp_active_and_paths_agree():
     ids = torch.randint(0, E - 1, (N, k), generator=g)
     ids[:, 0] = 2  # every token shares expert 2
     weights = torch.rand(N, k, generator=g)
-    ys = [M.moe_mxfp4_with_shared(x, ids, weights, w13, s13, w2, s2, sh13, sh2, 1.0, p) for p in ("gather", "grouped")]
+    ys = [M.moe_mxfp4_with_shared(x, ids, weights, w13, s13, w2, s2, sh13, sh2, 1.0, p)
+          for p in ("gather", "grouped", "gather_tc")]
     ref = M.moe_experts_twin(x, ids, weights, w13, s13, w2, s2, 1.0, sh13, sh2)
     unclamped = M.moe_experts_twin(x, ids, weights, w13, s13, w2, s2, 0.0, sh13, sh2)
     assert rel_err(unclamped, ref) > 1e-2
     for y in ys:
         assert rel_err(y, ref) <= 1e-5
-    assert rel_err(ys[0], ys[1]) <= 1e-5
+    for y in ys[1:]:
+        assert rel_err(ys[0], y) <= 1e-5
 
 
 def test_tile_table():
@@ -207,6 +232,17 @@ def test_tile_table():
         seen[rows] += 1
     assert (seen == 1).all()
     assert te.numel() == -(-flat.numel() // BM) + min(E + 1, flat.numel())
+
+
+def test_stacking_refuses_scales_the_tensor_core_decode_cannot_hold():
+    m = _tiny_moe(4, 2, 64, 64, 0.0, seed=2)
+    with torch.no_grad():
+        m.experts[1].w2.scale.view(torch.uint8)[0, 0] = 127 + M.MAX_SCALE_EXP + 1
+    with pytest.raises(ValueError, match=f"2\\^{M.MAX_SCALE_EXP + 1}"):
+        M.stack_expert_weights(m)
+    with torch.no_grad():
+        m.experts[1].w2.scale.view(torch.uint8)[0, 0] = 127 + M.MAX_SCALE_EXP
+    M.stack_expert_weights(m)  # the largest exact one loads
 
 
 def test_fake_and_auto():
@@ -251,7 +287,7 @@ def _v41_inputs(N, seed=0):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("N", [1, 8, 64])
-@pytest.mark.parametrize("path", ["gather", "grouped"])
+@pytest.mark.parametrize("path", ["gather", "grouped", "gather_tc"])
 def test_gpu_v41_shapes(N, path):
     """bf16 on the GPU; tolerance as for bf16 above (2^-7 of the max in any element, median <= 1e-6 would be
     too tight for tensor-core summation order over K = 5120: median <= 1e-4)."""
@@ -265,10 +301,10 @@ def test_gpu_v41_shapes(N, path):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("path", ["gather", "grouped"])
+@pytest.mark.parametrize("path", ["gather", "grouped", "gather_tc"])
 def test_gpu_cuda_graph(path):
-    """Both paths capture in a CUDA graph (no host syncs) and replay with new ids in place."""
-    N = 8 if path == "gather" else 64
+    """Every path captures in a CUDA graph (no host syncs) and replays with new ids in place."""
+    N = 64 if path == "grouped" else 8
     x, ids, wts, w13, s13, w2, s2, sh13, sh2 = _v41_inputs(N, seed=1)
     run = lambda: M.moe_mxfp4_with_shared(x, ids, wts, w13, s13, w2, s2, sh13, sh2, 10.0, path)
     s = torch.cuda.Stream()

@@ -11,7 +11,7 @@ Ops (namespace dsv4, each with a fake for tracing; the torch twin runs when `use
     w2       [E, D, I/2]   uint8, s2 [E, D, I/32] e8m0
     shared13 [2I, D], shared2 [D, I]: the shared expert, dense (bf16 at load: the checkpoint's FP8 e4m3
                            x 2^k weights are exact in bf16; an fp32 copy is accepted too)
-    limit    the SwiGLU clamp (<= 0: none); path "auto" | "gather" | "grouped"
+    limit    the SwiGLU clamp (<= 0: none); path "auto" | "gather" | "grouped" | "gather_tc"
     y = sum_j expert_{ids[:, j]}(x, weights[:, j]) (+ shared_expert(x)), summed in fp32.
 
 Math, per (token, expert) exactly as `dsv4.reference.moe.Expert.forward` with `quant_sim=False` (no FP8
@@ -24,23 +24,41 @@ The shared expert is the same with weight 1 (the reference's FP8 linear also acc
 once). The kernel matches the twin up to fp32 summation order; in bf16 a rounding of g, u, h or out may then
 land on the other side of a bf16 tie, one bf16 ulp.
 
-Paths (both free of host syncs, so they can be captured in a CUDA graph):
-- gather (decode, N <= GATHER_MAX_N by default): kernel 1, one program per (token, slot, I tile), streams the
+Paths (all free of host syncs, so they can be captured in a CUDA graph):
+- gather (decode, N <= GATHER_MAX_N under "auto"): kernel 1, one program per (token, slot, I tile), streams the
   slot's expert rows of w1 and w3 once, GEMV on the CUDA cores in fp32 (each 32-wide scale group summed
   unscaled, then scaled), SwiGLU epilogue, h to a [N, S, I] workspace (S = k, + 1 with the shared expert);
   kernel 2, one program per (token, D tile, slot), streams w2 rows and writes the slot's rounded output to
   [N, S, D]; a torch sum over slots gives y. At batch 1 every selected expert's weights are read exactly once.
+  It is bound by instruction issue (decode, FMA, activation loads, reductions), not by memory: V4.1 batch 1
+  takes 116 us against a 42.7 us byte floor on the H200.
 - grouped: token-slots sorted by expert on the device (argsort, scatter_add counts, cumsum, searchsorted),
   a tile table padded to a static upper bound cdiv(N*S, BM) + min(E+1, N*S) (empty tiles exit at once);
   tiles never straddle experts. Kernel 1 is a grouped GEMM (tensor cores, bf16 operands: dequantized e2m1 is
   exact in bf16) writing h in sorted order; kernel 2 the grouped down GEMM writing each slot's rounded
   output to [N*S, D]; a torch sum over slots gives y.
-The shared expert is one more slot (expert id E) in both paths, so the layer's expert part is one op.
-FP4 decoding: the packed bytes split K into even (low nibble) and odd (high nibble) elements; activations are
-split to match, so no interleave is needed. On the GPU the nibbles are decoded by a few PTX integer ops per
-pair of values (`_E2M1_PTX`), the interpreter computes the same values arithmetically. Under the Triton interpreter (TRITON_INTERPRET=1) all dots run
-in fp32 and bf16 rounding is done on the bits (the interpreter mishandles bf16 arithmetic and truncates casts).
-Scales are assumed in 2^-126 .. 2^127 (what dsv4.quant writes).
+- gather_tc (decode on the tensor cores, N <= GATHER_TC_MAX_N under "auto"): the grouped kernels without the sort and the tile table. A program
+  (row tile, token-slot q) scans the N*S expert ids itself: q leads the chunk of up to BM = 16 token-slots
+  of its expert (in token-slot order) that starts at q, other programs exit at once; so every token of the
+  batch that selected an expert is served from one read of that expert's rows (up to 16 per read). The MMA
+  is swapped: the weight rows are its M side (A [BN, BK/4] per K phase) and the chunk's activations its N side
+  (B [BK/4, 16], zero columns past the chunk), so one token needs no 64-row M tile. Each program streams its
+  BN rows over all of K once (h rows are the token-slots, [N*S, I] and [N*S, D] as above); the grid is
+  cdiv(rows, BN) x N*S, 7 slots x 2304/BN up-programs and 7 x 5120/BN down-programs at V4.1 batch 1. Each
+  token's slots are visited last first, so the dense shared expert (4x the bytes per row of an MXFP4 one)
+  starts first. Meant for decode sizes: every program scans all N*S ids.
+The shared expert is one more slot (expert id E) in every path, so the layer's expert part is one op.
+FP4 decoding. gather: the packed bytes split K into even (low nibble) and odd (high nibble) elements, the
+activations are split to match (no interleave); on the GPU a few PTX integer ops per pair of values give exact
+fp32 (`_E2M1_PTX`). Tensor-core paths: the codes are read as 16-bit words (four K positions each) and
+decoded straight to scaled bf16 MMA operands, one per K phase (k mod 4), by byte-permute lookups and one
+bf16x2 FMA per pair (`_E2M1_BF16_PTX`); the activations are split into the same phases (`_quarters`). In sm_90
+SASS (Triton 3.9) gather_tc's up / down loops run ~4.6 / ~5.3 instructions per weight value per thread, MMA and
+activation handling included (BN 64, K step 128, 4 warps), against ~23 for gather's. The interpreter
+computes the same values arithmetically. Under the Triton interpreter (TRITON_INTERPRET=1) all dots run in fp32
+and bf16 rounding is done on the bits (the interpreter mishandles bf16 arithmetic and truncates casts).
+Scales are assumed in 2^-126 .. 2^127 (what dsv4.quant writes); the tensor-core decode is exact up to 2^123.
+The tensor-core paths step K by a power of two dividing D (and I), at least 64 on the GPU.
 """
 
 from __future__ import annotations
@@ -58,6 +76,7 @@ from dsv4.quant import dequantize_mxfp4
 
 __all__ = [
     "GATHER_MAX_N",
+    "GATHER_TC_MAX_N",
     "moe_experts_mxfp4",
     "moe_experts_twin",
     "moe_mxfp4_with_shared",
@@ -65,7 +84,12 @@ __all__ = [
 ]
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-GATHER_MAX_N = 16  # "auto": gather path up to this many tokens
+# "auto", from the H200 sweep at V4.1 widths (graph replay; exp run of this commit's kernels): gather up to 2
+# tokens (N = 1: 114.7 us, gather_tc 118.0, grouped 197.4), gather_tc up to 8 (N = 4: 332 us against 373
+# gather, 380 grouped; N = 8: 587 against 594 grouped), grouped above (N = 16: 1008 against 1065 gather_tc)
+GATHER_MAX_N = 2
+GATHER_TC_MAX_N = 8
+MAX_SCALE_EXP = 123  # largest MXFP4 scale exponent the tensor-core decode (`_E2M1_BF16_PTX`) keeps exact
 
 
 # ------------------------------------------------------------------------------------------------
@@ -84,6 +108,10 @@ def stack_expert_weights(moe, shared_dtype: torch.dtype = torch.bfloat16) -> dic
     s13 = torch.stack([torch.cat([e.w1.scale.detach(), e.w3.scale.detach()]) for e in ex])
     w2 = torch.stack([u8(e.w2.weight) for e in ex])
     s2 = torch.stack([e.w2.scale.detach() for e in ex])
+    top = max(int(s.view(torch.uint8).max()) for s in (s13, s2)) - 127 if s13.numel() else 0
+    if top > MAX_SCALE_EXP:
+        raise ValueError(f"stack_expert_weights: an MXFP4 expert scale is 2^{top}, above 2^{MAX_SCALE_EXP}, where "
+                         "the tensor-core decode stops being exact")
     sh = moe.shared_experts
     shared13 = torch.cat([sh.w1.dequantized_weight(), sh.w3.dequantized_weight()]).to(shared_dtype)
     shared2 = sh.w2.dequantized_weight().to(shared_dtype)
@@ -179,21 +207,84 @@ def _e2m1_pairs(b, INTERP: tl.constexpr):
                                          dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
 
 
+# Two 16-bit words of packed codes (four K positions each, low nibble first) and their scales (bf16x2, one per
+# word) -> the four K phases, each as bf16x2 (word 0, word 1) of e2m1 * scale, exactly, for the tensor cores.
+# Each code is first made X = 24 + v (v its signed e2m1 value): X lies in [18, 30], one binade, so its bf16 is
+# 0x41 over the low byte 0x80 | (64 + 8v), and that byte comes from a byte permute (PRMT) over a table indexed by
+# the code. PRMT takes 3 index bits and, with the 4th (the code's sign) set, returns the table byte's top bit
+# spread instead (0xFF: every entry has its top bit set); so one permute over the v >= 0 table and one over the
+# v <= 0 table with the sign bits flipped, ANDed, give every code's byte. A third permute places two codes'
+# bytes (and 0xFF above each, ANDed to 0x41), and v * scale = fma(X, scale, -24 * scale), exact (both terms and
+# the result are bf16 numbers for scales <= 2^123). 22 instructions per 8 values.
+_E2M1_BF16_PTX = tl.constexpr("\n".join([
+    "{",
+    ".reg .b32 pa, pb, na, nb, m24, z, x, q1, x1, l0, l1, c, a;",
+    "mov.b32 pa, 0xCCC8C4C0;",  # v >= 0 table: 0x80 | (64 + 8|v|), |v| = 0, .5, 1, 1.5
+    "mov.b32 pb, 0xF0E0D8D0;",  # |v| = 2, 3, 4, 6
+    "mov.b32 na, 0xB4B8BCC0;",  # v <= 0 table: 0x80 | (64 - 8|v|)
+    "mov.b32 nb, 0x90A0A8B0;",
+    "mov.b32 m24, 0xC1C0C1C0;",  # bf16x2 (-24, -24)
+    "mov.b32 z, 0x80008000;",  # bf16x2 (-0, -0)
+    "xor.b32 x, $4, 0x88888888;",  # sign bits flipped: v <= 0 codes index the second table
+    "shr.u32 q1, $4, 16;",  # PRMT reads its four selectors from bits 0-15: word 1's codes
+    "shr.u32 x1, x, 16;",
+    "prmt.b32 l0, pa, pb, $4;",
+    "prmt.b32 a, na, nb, x;",
+    "and.b32 l0, l0, a;",  # X's low bytes for word 0's four codes
+    "prmt.b32 l1, pa, pb, q1;",
+    "prmt.b32 a, na, nb, x1;",
+    "and.b32 l1, l1, a;",  # word 1's
+    "fma.rn.bf16x2 c, $5, m24, z;",  # -24 * scale (bf16x2 multiplies need sm_90, FMAs sm_80)
+] + [line for k, sel in enumerate(("0xC480", "0xD591", "0xE6A2", "0xF7B3")) for line in (
+    f"prmt.b32 a, l0, l1, {sel};",  # (word 0 code k, 0xFF, word 1 code k, 0xFF)
+    "and.b32 a, a, 0x41FF41FF;",
+    f"fma.rn.bf16x2 ${k}, a, $5, c;",
+)] + ["}"]))
+
+
+@triton.jit
+def _e2m1_quads(q, s, INTERP: tl.constexpr):
+    """Packed codes as int16 words q (four K positions each) and their scales s (bf16, same shape) -> the four K
+    phases e2m1 * s exactly: bf16 MMA operands, fp32 under the interpreter (its dots run in fp32)."""
+    if INTERP:
+        q = q.to(tl.int32)
+        s = s.to(tl.float32)
+        v0, v1 = _e2m1_pairs(q & 0xFF, INTERP)
+        v2, v3 = _e2m1_pairs((q >> 8) & 0xFF, INTERP)
+        return v0 * s, v1 * s, v2 * s, v3 * s
+    else:
+        return tl.inline_asm_elementwise(_E2M1_BF16_PTX, "=r,=r,=r,=r,r,r", [q, s], dtype=(tl.bfloat16,) * 4,
+                                         is_pure=True, pack=2)
+
+
 @triton.jit
 def _fp4_tile(w_ptr, s_ptr, rows64, rmask, row_bytes, row_scales, k0, BK: tl.constexpr, INTERP: tl.constexpr):
-    """Packed rows `rows64` ([R]), K elements k0 .. k0+BK-1 -> (even, odd) elements, fp32 [R, BK/2] each,
-    e2m1 * 2^(e8m0 - 127) exactly; masked rows and K past the row read as 0."""
+    """Packed rows `rows64` ([R]), K elements k0 .. k0+BK-1 (BK divides K) -> their four phases (elements k0 + 4j
+    + p, p = 0..3) [R, BK/4] each, e2m1 * 2^(e8m0 - 127) exactly, as MMA operands (`_e2m1_quads`); masked rows
+    read as 0. The codes are read as 16-bit words, so the MMA operand layout holds a word pair per register."""
     R: tl.constexpr = rows64.shape[0]
-    HB: tl.constexpr = BK // 2
+    QB: tl.constexpr = BK // 4
     NS: tl.constexpr = BK // 32
-    j = k0 // 2 + tl.arange(0, HB)
-    g = k0 // 32 + tl.arange(0, NS)
-    b = tl.load(w_ptr + rows64[:, None] * row_bytes + j[None, :], mask=rmask[:, None] & (j < row_bytes)[None, :], other=0)
-    e = tl.load(s_ptr + rows64[:, None] * row_scales + g[None, :],
-                mask=rmask[:, None] & (g < row_scales)[None, :], other=0).to(tl.int32)
-    s = tl.reshape(tl.broadcast_to((e << 23).to(tl.float32, bitcast=True)[:, :, None], (R, NS, 16)), (R, HB))
-    v_lo, v_hi = _e2m1_pairs(b, INTERP)
-    return v_lo * s, v_hi * s
+    # BK divides K, so each row's step starts a multiple of QB words and NS scales in: aligned vector loads (and
+    # asynchronous copies, which need at least 4 bytes) once the compiler knows it
+    q0 = tl.multiple_of(rows64 * (row_bytes // 2) + k0 // 4, QB)
+    e0 = tl.multiple_of(rows64 * row_scales + k0 // 32, NS)
+    q = tl.load(w_ptr.to(tl.pointer_type(tl.int16)) + q0[:, None] + tl.arange(0, QB)[None, :], mask=rmask[:, None],
+                other=0)
+    e = tl.load(s_ptr + e0[:, None] + tl.arange(0, NS)[None, :], mask=rmask[:, None], other=0)
+    s = (e.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # 2^(e - 127) for e >= 1 (masked rows: 0)
+    return _e2m1_quads(q, tl.reshape(tl.broadcast_to(s[:, :, None], (R, NS, 8)), (R, QB)), INTERP)
+
+
+@triton.jit
+def _quarters(a):
+    """a [M, K] -> its four K phases (columns 4j + p, p = 0..3) [M, K/4] each, matching `_fp4_tile`."""
+    M: tl.constexpr = a.shape[0]
+    K: tl.constexpr = a.shape[1]
+    even, odd = tl.split(tl.reshape(a, (M, K // 4, 2, 2)))  # [M, K/4, 2]: columns 4j + {0, 2}, 4j + {1, 3}
+    a0, a2 = tl.split(even)
+    a1, a3 = tl.split(odd)
+    return a0, a1, a2, a3
 
 
 @triton.jit
@@ -305,56 +396,91 @@ def _gather_down_kernel(
 
 
 @triton.jit
-def _tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, order_ptr, BM: tl.constexpr):
-    """This program's grouped tile: (expert, or -1 for an empty tile; sorted rows [BM]; their mask; each row's
-    token * S + slot)."""
-    p = tl.program_id(0)
-    e = tl.load(tile_e_ptr + p).to(tl.int64)
-    rows = tl.load(tile_r0_ptr + p) + tl.arange(0, BM)
-    rmask = rows < tl.load(tile_r1_ptr + p)  # an empty tile's range lies inside the table too
-    return e, rows, rmask, tl.load(order_ptr + rows, mask=rmask, other=0)
+def _mma_rows(xa, w, acc, LOW: tl.constexpr, SWAP: tl.constexpr):
+    """acc + xa @ w^T (xa [BM, K] token rows, w [BN, K] weight rows; acc [BM, BN]), or with SWAP acc^T + w @ xa^T
+    (acc [BN, BM]): the weight rows on the MMA's M side, so a few tokens need no 64-row M tile."""
+    if SWAP:
+        return _mma(w, tl.trans(xa), acc, LOW)
+    else:
+        return _mma(xa, tl.trans(w), acc, LOW)
+
+
+@triton.jit
+def _mma_fp4(a0, a1, a2, a3, w_ptr, s_ptr, rows64, rmask, K, k0, BK: tl.constexpr, acc, LOW: tl.constexpr,
+             SWAP: tl.constexpr, INTERP: tl.constexpr):
+    """acc + the K step k0 .. k0+BK-1 of activations (as `_quarters`) against packed FP4 rows (`_mma_rows`)."""
+    w0, w1, w2, w3 = _fp4_tile(w_ptr, s_ptr, rows64, rmask, K // 2, K // 32, k0, BK, INTERP)
+    acc = _mma_rows(a0, w0, acc, LOW, SWAP)
+    acc = _mma_rows(a1, w1, acc, LOW, SWAP)
+    acc = _mma_rows(a2, w2, acc, LOW, SWAP)
+    return _mma_rows(a3, w3, acc, LOW, SWAP)
+
+
+@triton.jit
+def _group(ids_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, order_ptr, R, S, BM: tl.constexpr, FIND: tl.constexpr):
+    """This program's token-slots, all of one expert, and its weight-row tile: (expert, or -1 when it has none; the
+    token-slots' h rows [BM]; their mask; token * S + slot [BM]; row tile index).
+    FIND = 0 (grouped): grid (tile, row tile) over the sorted tile table. FIND = a power of two >= R = N * S
+    (gather_tc): grid (row tile, token-slot), each token's slots taken last first; token-slot q has rows when it
+    leads a chunk of BM of its expert's token-slots (in q order), and the h rows are the token-slots."""
+    if FIND:
+        p = tl.program_id(1)
+        q = p + S - 1 - 2 * (p % S)
+        e = tl.load(ids_ptr + q)
+        qq = tl.arange(0, FIND)
+        same = (tl.load(ids_ptr + qq, mask=qq < R, other=-1) == e).to(tl.int32)  # [FIND]
+        before = tl.cumsum(same, 0) - same  # same-expert token-slots before each
+        rank = tl.sum(tl.where(qq < q, same, 0))  # ... before q
+        pick = (same[None, :] != 0) & (before[None, :] == rank + tl.arange(0, BM)[:, None])  # [BM, FIND]
+        src = tl.sum(tl.where(pick, qq[None, :], 0), axis=1).to(tl.int64)
+        rmask = tl.sum(pick.to(tl.int32), axis=1) > 0
+        return tl.where(rank % BM == 0, e, -1), src, rmask, src, tl.program_id(0)
+    else:
+        p = tl.program_id(0)
+        e = tl.load(tile_e_ptr + p).to(tl.int64)
+        rows = tl.load(tile_r0_ptr + p) + tl.arange(0, BM)
+        rmask = rows < tl.load(tile_r1_ptr + p)  # an empty tile's range lies inside the table too
+        return e, rows, rmask, tl.load(order_ptr + rows, mask=rmask, other=0), tl.program_id(1)
 
 
 @triton.jit
 def _grouped_up_kernel(
-    x_ptr, order_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, w13_ptr, s13_ptr, sh13_ptr, h_ptr,
-    D, I, S, E, limit,
+    x_ptr, ids_ptr, order_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, w13_ptr, s13_ptr, sh13_ptr, h_ptr,
+    D, I, S, E, R, limit,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    IS_BF16: tl.constexpr, INTERP: tl.constexpr, SH_LOW: tl.constexpr,
+    IS_BF16: tl.constexpr, INTERP: tl.constexpr, SH_LOW: tl.constexpr, FIND: tl.constexpr,
 ):
-    """Program (tile, i tile): the tile's sorted rows (token-slots of one expert) x w1/w3 columns -> h rows."""
-    e, rows, rmask, src = _tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, order_ptr, BM)
+    """Program (group, i tile) (`_group`): the group's token-slots (of one expert) x w1/w3 rows -> h rows."""
+    e, rows, rmask, src, it = _group(ids_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, order_ptr, R, S, BM, FIND)
     if e < 0:
         return
     tok = src // S
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n = it * BN + tl.arange(0, BN)
     nmask = n < I
     n64 = n.to(tl.int64)
     LOW: tl.constexpr = IS_BF16 and not INTERP
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    SWAP: tl.constexpr = FIND > 0
+    acc_g = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
     if e < E:
         rows_g = e * 2 * I + n64
         for k0 in range(0, D, BK):
             kk = k0 + tl.arange(0, BK)
-            xa = tl.load(x_ptr + tok[:, None] * D + kk[None, :], mask=rmask[:, None] & (kk < D)[None, :], other=0.0)
-            xe, xo = tl.split(tl.reshape(xa, (BM, BK // 2, 2)))
-            lo, hi = _fp4_tile(w13_ptr, s13_ptr, rows_g, nmask, D // 2, D // 32, k0, BK, INTERP)
-            acc_g = _mma(xe, tl.trans(lo), acc_g, LOW)
-            acc_g = _mma(xo, tl.trans(hi), acc_g, LOW)
-            lo, hi = _fp4_tile(w13_ptr, s13_ptr, rows_g + I, nmask, D // 2, D // 32, k0, BK, INTERP)
-            acc_u = _mma(xe, tl.trans(lo), acc_u, LOW)
-            acc_u = _mma(xo, tl.trans(hi), acc_u, LOW)
+            xa = tl.load(x_ptr + tok[:, None] * D + kk[None, :], mask=rmask[:, None], other=0.0)
+            x0, x1, x2, x3 = _quarters(xa)
+            acc_g = _mma_fp4(x0, x1, x2, x3, w13_ptr, s13_ptr, rows_g, nmask, D, k0, BK, acc_g, LOW, SWAP, INTERP)
+            acc_u = _mma_fp4(x0, x1, x2, x3, w13_ptr, s13_ptr, rows_g + I, nmask, D, k0, BK, acc_u, LOW, SWAP, INTERP)
     else:
         for k0 in range(0, D, BK):
             kk = k0 + tl.arange(0, BK)
-            km = kk < D
-            xa = tl.load(x_ptr + tok[:, None] * D + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            m2 = nmask[:, None] & km[None, :]
-            wg = tl.load(sh13_ptr + n64[:, None] * D + kk[None, :], mask=m2, other=0.0)
-            wu = tl.load(sh13_ptr + (n64 + I)[:, None] * D + kk[None, :], mask=m2, other=0.0)
-            acc_g = _mma(xa, tl.trans(wg), acc_g, SH_LOW)
-            acc_u = _mma(xa, tl.trans(wu), acc_u, SH_LOW)
+            xa = tl.load(x_ptr + tok[:, None] * D + kk[None, :], mask=rmask[:, None], other=0.0)
+            wg = tl.load(sh13_ptr + n64[:, None] * D + kk[None, :], mask=nmask[:, None], other=0.0)
+            wu = tl.load(sh13_ptr + (n64 + I)[:, None] * D + kk[None, :], mask=nmask[:, None], other=0.0)
+            acc_g = _mma_rows(xa, wg, acc_g, SH_LOW, SWAP)
+            acc_u = _mma_rows(xa, wu, acc_u, SH_LOW, SWAP)
+    if SWAP:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     wt = tl.load(wts_ptr + src, mask=rmask, other=0.0)
     h = _swiglu(acc_g, acc_u, wt[:, None], limit, IS_BF16, INTERP)
     dst = h_ptr + rows.to(tl.int64)[:, None] * I + n[None, :]
@@ -367,37 +493,37 @@ def _grouped_up_kernel(
 
 @triton.jit
 def _grouped_down_kernel(
-    h_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, w2_ptr, s2_ptr, sh2_ptr, out_ptr,
-    D, I, E,
+    h_ptr, ids_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, w2_ptr, s2_ptr, sh2_ptr, out_ptr,
+    D, I, S, E, R,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    IS_BF16: tl.constexpr, INTERP: tl.constexpr, SH_LOW: tl.constexpr,
+    IS_BF16: tl.constexpr, INTERP: tl.constexpr, SH_LOW: tl.constexpr, FIND: tl.constexpr,
 ):
-    """Program (tile, d tile): round(h rows . w2[e] columns) -> out[token * S + slot, d]."""
-    e, rows, rmask, src = _tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, order_ptr, BM)
+    """Program (group, d tile) (`_group`): round(h rows . w2[e] rows) -> out[token * S + slot, d]."""
+    e, rows, rmask, src, dt = _group(ids_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, order_ptr, R, S, BM, FIND)
     if e < 0:
         return
     rows64 = rows.to(tl.int64)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n = dt * BN + tl.arange(0, BN)
     nmask = n < D
     n64 = n.to(tl.int64)
     LOW: tl.constexpr = IS_BF16 and not INTERP
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    SWAP: tl.constexpr = FIND > 0
+    acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
     if e < E:
         rows_w = e * D + n64
         for k0 in range(0, I, BK):
             kk = k0 + tl.arange(0, BK)
-            ha = tl.load(h_ptr + rows64[:, None] * I + kk[None, :], mask=rmask[:, None] & (kk < I)[None, :], other=0.0)
-            he, ho = tl.split(tl.reshape(ha, (BM, BK // 2, 2)))
-            lo, hi = _fp4_tile(w2_ptr, s2_ptr, rows_w, nmask, I // 2, I // 32, k0, BK, INTERP)
-            acc = _mma(he, tl.trans(lo), acc, LOW)
-            acc = _mma(ho, tl.trans(hi), acc, LOW)
+            ha = tl.load(h_ptr + rows64[:, None] * I + kk[None, :], mask=rmask[:, None], other=0.0)
+            h0, h1, h2, h3 = _quarters(ha)
+            acc = _mma_fp4(h0, h1, h2, h3, w2_ptr, s2_ptr, rows_w, nmask, I, k0, BK, acc, LOW, SWAP, INTERP)
     else:
         for k0 in range(0, I, BK):
             kk = k0 + tl.arange(0, BK)
-            km = kk < I
-            ha = tl.load(h_ptr + rows64[:, None] * I + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            w = tl.load(sh2_ptr + n64[:, None] * I + kk[None, :], mask=nmask[:, None] & km[None, :], other=0.0)
-            acc = _mma(ha, tl.trans(w), acc, SH_LOW)
+            ha = tl.load(h_ptr + rows64[:, None] * I + kk[None, :], mask=rmask[:, None], other=0.0)
+            w = tl.load(sh2_ptr + n64[:, None] * I + kk[None, :], mask=nmask[:, None], other=0.0)
+            acc = _mma_rows(ha, w, acc, SH_LOW, SWAP)
+    if SWAP:
+        acc = tl.trans(acc)
     dst = out_ptr + src[:, None] * D + n[None, :]
     m = rmask[:, None] & nmask[None, :]
     if IS_BF16:
@@ -467,12 +593,25 @@ def tile_table(ids_s: torch.Tensor, E: int, BM: int):
     return order, te.to(torch.int32), r0.to(torch.int32), r1.to(torch.int32)
 
 
-def _cfg(x, D, I, path):
+def _block_k(K: int, most: int, cuda: bool) -> int:
+    """The grouped kernels' K step: the largest power of two <= `most` dividing K (K is a multiple of 32), so
+    their loads need no K mask (a mask varying along K stops 16-byte loads); on the GPU at least 64, each K
+    phase's MMA taking at least 16."""
+    bk = min(most, K & -K)
+    if cuda and bk < 64:
+        raise ValueError(f"moe_experts: on the GPU the tensor-core paths need D and I multiples of 64 (K = {K})")
+    return bk
+
+
+def _cfg(x, N, path):
     if not x.is_cuda:  # the interpreter pays per program: large tiles
         return {"BI": 64, "BK": 64, "BD": 64, "BM": 16, "BN": 64, "BKG": 64, "gather_warps": 4, "warps": 4, "stages": 1}
+    if path == "gather_tc":  # BM: the MMA's smallest N side; 32 rows in 2 warps (mma.sync) beat the 64-row
+        # warpgroup tiles at every N measured (N = 4: 332 us against 365-428)
+        return {"BM": 16, "BN": 32, "BKG": 128, "warps": 2, "stages": 3}
     # gather tiles measured on the H200 at V4.1 widths: for one or two tokens 4 rows x 512 K in 2 warps
     # (batch 1: 116 us against 125 us for 8 rows in 4 warps, in two runs), 16 x 256 in 4 warps above
-    BI, BK, warps = (4, 512, 2) if x.shape[0] <= 2 else (16, 256, 4)
+    BI, BK, warps = (4, 512, 2) if N <= 2 else (16, 256, 4)
     return {"BI": BI, "BK": BK, "BD": BI, "BM": None, "BN": 64, "BKG": 64, "gather_warps": warps, "warps": 4,
             "stages": 3}
 
@@ -485,7 +624,11 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
     has_shared = shared13 is not None
     ids_s, wts_s = _slots(ids, weights, E, has_shared)
     S = ids_s.shape[1]
-    c = {**_cfg(x, D, I, path), **(cfg or {})}
+    if path == "auto":
+        path = "gather" if N <= GATHER_MAX_N else "gather_tc" if N <= GATHER_TC_MAX_N else "grouped"
+    if path not in ("gather", "grouped", "gather_tc"):
+        raise ValueError(f"moe_experts: path must be 'auto', 'gather', 'grouped' or 'gather_tc', got {path!r}")
+    c = {**_cfg(x, N, path), **(cfg or {})}
     w13, s13, w2, s2 = (_u8(t).contiguous() for t in (w13, s13, w2, s2))
     sh13 = shared13.contiguous() if has_shared else w13
     sh2 = shared2.contiguous() if has_shared else w2
@@ -493,8 +636,6 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
     sh_low = has_shared and shared13.dtype == torch.bfloat16 and is_bf16 and not _INTERP
     if N == 0 or S == 0:
         return torch.zeros(N, D, dtype=torch.float32, device=x.device)
-    if path == "auto":
-        path = "gather" if N <= GATHER_MAX_N else "grouped"
     lim = float(limit)
     if path == "gather":
         h = torch.empty(N, S, I, dtype=x.dtype, device=x.device)
@@ -508,21 +649,24 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
             BD=c["BD"], BK=c["BK"], IS_BF16=is_bf16, INTERP=_INTERP, num_warps=c["gather_warps"],
             num_stages=c["stages"])
         return out.sum(dim=1)
-    if path != "grouped":
-        raise ValueError(f"moe_experts: path must be 'auto', 'gather' or 'grouped', got {path!r}")
-    BM = c["BM"] or grouped_block_m(N, S, E)
-    order, te, r0, r1 = tile_table(ids_s, E, BM)
-    T = te.numel()
-    h = torch.empty(N * S, I, dtype=x.dtype, device=x.device)
-    out = torch.empty(N * S, D, dtype=x.dtype, device=x.device)
-    _grouped_up_kernel[(T, triton.cdiv(I, c["BN"]))](
-        x, order, wts_s, te, r0, r1, w13, s13, sh13, h, D, I, S, E, lim,
-        BM=BM, BN=c["BN"], BK=c["BKG"], IS_BF16=is_bf16, INTERP=_INTERP, SH_LOW=sh_low,
-        num_warps=c["warps"], num_stages=c["stages"])
-    _grouped_down_kernel[(T, triton.cdiv(D, c["BN"]))](
-        h, order, te, r0, r1, w2, s2, sh2, out, D, I, E,
-        BM=BM, BN=c["BN"], BK=c["BKG"], IS_BF16=is_bf16, INTERP=_INTERP, SH_LOW=sh_low,
-        num_warps=c["warps"], num_stages=c["stages"])
+    R = N * S
+    if path == "grouped":
+        BM, find = c["BM"] or grouped_block_m(N, S, E), 0
+        order, te, r0, r1 = tile_table(ids_s, E, BM)
+        groups = lambda rows: (te.numel(), triton.cdiv(rows, c["BN"]))
+    else:  # gather_tc: the groups are found in the kernels, no tile table; scanning at least 128 ids makes one
+        # compiled variant serve every batch up to 18 tokens at 7 slots (the scan is a few instructions per id)
+        BM, find = c["BM"], triton.next_power_of_2(max(R, 128))
+        order = te = r0 = r1 = ids_s  # the table's arguments, unused
+        groups = lambda rows: (triton.cdiv(rows, c["BN"]), R)
+    kw = {"BM": BM, "BN": c["BN"], "IS_BF16": is_bf16, "INTERP": _INTERP, "SH_LOW": sh_low, "FIND": find,
+          "num_warps": c["warps"], "num_stages": c["stages"]}
+    h = torch.empty(R, I, dtype=x.dtype, device=x.device)
+    out = torch.empty(R, D, dtype=x.dtype, device=x.device)
+    _grouped_up_kernel[groups(I)](x, ids_s, order, wts_s, te, r0, r1, w13, s13, sh13, h, D, I, S, E, R, lim,
+                                  BK=_block_k(D, c["BKG"], x.is_cuda), **kw)
+    _grouped_down_kernel[groups(D)](h, ids_s, order, te, r0, r1, w2, s2, sh2, out, D, I, S, E, R,
+                                    BK=_block_k(I, c["BKG"], x.is_cuda), **kw)
     return out.view(N, S, D).float().sum(dim=1)
 
 
