@@ -49,8 +49,10 @@ __all__ = ["topk_select", "topk_select_pool", "twin_topk_select_pool"]
 # (BLOCK columns per chunk, num_warps) on a GPU; the interpreter takes bigger chunks (fewer numpy calls)
 GPU_BLOCK, GPU_WARPS = 4096, 8
 INTERP_BLOCK = 1024
-# rows up to this many columns are held in registers and bisected (GPU; the interpreter: INTERP_BLOCK)
-RESIDENT_MAX = 16384
+# rows up to this many columns are held in registers and bisected (GPU; the interpreter: INTERP_BLOCK). 16384
+# made a lone 16K-column row one program on one SM: inside the V4.1 decode step (batch 1, 8K context) the
+# three top-k calls took 150 us, against 64 us with two stages (profile-decode-v41-b1-compiled*.json)
+RESIDENT_MAX = 8192
 # one program per row reads the row five times: rows this much longer than a chunk go through two stages
 TWO_STAGE_MIN_CHUNK = 4096
 
@@ -245,7 +247,7 @@ def _launch(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, 
     block = min(block, max(16, _pow2(T)))
     resident = T <= block if resident is None else resident and T <= block
     if num_warps is None:
-        num_warps = 16 if block > 8192 else GPU_WARPS if block >= 2048 else 4
+        num_warps = 16 if block > 4096 else GPU_WARPS if block >= 2048 else 4
     pool = (0 if blocks is None else 1) if pool is None else pool
     blk = blocks.to(torch.int32).contiguous() if pool else out  # out: a dummy pointer when not pooled
     _topk_kernel[(S,)](
