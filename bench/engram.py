@@ -36,7 +36,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,22 +64,13 @@ if ARGS.smoke:
 import warnings
 
 import torch
+from common import git_commit  # $DSV4_COMMIT wins over a stale .git
 
 from dsv4.fast.engram_prefetch import EngramPrefetcher, HostEngramTable, thp_setting
 from dsv4.fast.kernels.engram import engram_gather_twin
 
 L, C = 2, 24
 warnings.filterwarnings("ignore", "overflow encountered", RuntimeWarning)  # interpreter int64 wrap
-
-
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def fill(table: HostEngramTable, seed: int) -> None:

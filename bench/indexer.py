@@ -37,7 +37,6 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,6 +62,7 @@ if ARGS.smoke:
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
 
 import torch
+from common import git_commit  # $DSV4_COMMIT wins over a stale .git
 
 import dsv4.fast.kernels.indexer as ix
 import dsv4.fast.kernels.topk as tk
@@ -83,16 +83,6 @@ if ARGS.smoke:
 else:
     CFG = {"contexts": ARGS.contexts or [8192, 65536, 524288], "prefill": ARGS.prefill or 64, "iters": ARGS.iters or 30,
                "warmup": ARGS.warmup or 5, "H": 32, "d": 128, "topk": 512, "pool_blocks": 2048, "block_size": 8}
-
-
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def sync():
