@@ -16,6 +16,7 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from dsv4.engine.request import Request, RequestOutput, SamplingParams
 from dsv4.engine.scheduler import Scheduler, Work
 from dsv4.sampling import sample
 
+if TYPE_CHECKING:
+    from dsv4.reference.model import Dsv4Model
+
 IMPLS = ("reference", "fast")
 FAST_MAX_MODEL_LEN = 8192  # the fast engine's default slot length, at most the model's context
 HOST_SLOTS = 4  # the fast engine's default slot count without a GPU
@@ -31,7 +35,9 @@ HOST_SLOTS = 4  # the fast engine's default slot count without a GPU
 
 class LLM:
     """Args:
-        model: checkpoint directory or Hugging Face repo id; None runs the embedded tiny V4.1 model.
+        model: checkpoint directory or Hugging Face repo id; None runs the embedded tiny V4.1 model; or a
+            loaded `Dsv4Model` (no tokenizer: prompts as token ids), used as it is (its dtype; moved to
+            `device`), e.g. the benchmarks' random full-width models.
         impl: "reference" (the readable model over paged KV blocks, on the host) or "fast" (the kernels
             of `dsv4.fast` over the fast runner's sequence slots, on the GPU when there is one: every
             engine step's decodes run as one batched step, a CUDA graph per batch size).
@@ -57,7 +63,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | Path | None = None,
+        model: str | Path | Dsv4Model | None = None,
         impl: str = "reference",
         swa_bounded_replay: bool = True,
         enable_prefix_caching: bool = True,
@@ -73,7 +79,7 @@ class LLM:
         progress: bool = False,
     ):
         from dsv4.checkpoint import resolve_model_dir
-        from dsv4.reference.model import load_model
+        from dsv4.reference.model import Dsv4Model, load_model
 
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -84,9 +90,13 @@ class LLM:
         self.impl, self.device = impl, torch.device(device) if device else default_device(impl)
         if impl == "reference" and self.device.type != "cpu":
             raise ValueError(f"impl='reference' runs on the host, not on {self.device}: device is for impl='fast'")
-        self.model_dir = resolve_model_dir(model)
-        dtype = dtype or default_dtype(impl, self.device)
-        self.model = load_model(str(self.model_dir), dtype, quant_sim, progress).to(self.device)
+        if isinstance(model, Dsv4Model):
+            self.model_dir, self.model = None, model.to(self.device)
+            self.model.set_quant_sim(quant_sim)
+        else:
+            self.model_dir = resolve_model_dir(model)
+            dtype = dtype or default_dtype(impl, self.device)
+            self.model = load_model(str(self.model_dir), dtype, quant_sim, progress).to(self.device)
         self.config = self.model.config
         self.max_model_len = _max_model_len(self.config, impl, max_model_len)
         self.tokenizer = _tokenizer(self.model_dir)
@@ -268,9 +278,9 @@ def _broadcast(value, n: int, name: str) -> list:
     return value
 
 
-def _tokenizer(model_dir: Path):
-    file = model_dir / "tokenizer.json"
-    if not file.exists():
+def _tokenizer(model_dir: Path | None):
+    file = None if model_dir is None else model_dir / "tokenizer.json"
+    if file is None or not file.exists():
         return None
     from tokenizers import Tokenizer
 

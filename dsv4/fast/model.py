@@ -362,6 +362,9 @@ def make_fast(model: Dsv4Model, packed_kv: bool = True) -> FastModel:
     The fast classes add no parameters, only forward methods; switching the instances' classes keeps
     every module, name and tensor of the checkpoint where the loader put it. Move the model to its
     device first: the re-laid-out weights and RoPE frequencies are made where the weights are."""
+    if isinstance(model, FastModel):  # already converted: its weights are laid out; only the KV formats change
+        model.set_quant_sim(packed_kv, activations=False)
+        return model
     if model.embed.weight.is_meta:
         raise ValueError("make_fast needs a loaded model (its weights are still on the meta device)")
     if model.embed.weight.is_cuda and model.embed.weight.dtype != torch.bfloat16:

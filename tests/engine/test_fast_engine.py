@@ -122,3 +122,22 @@ def test_bad_arguments_fail_clearly(tiny_v41_dir):
         LLM(tiny_v41_dir, impl="fast", device="cpu", max_model_len=5000)
     with pytest.raises(ValueError, match="runs on the host"):
         LLM(tiny_v41_dir, device="cuda")
+
+
+def test_an_engine_over_a_loaded_model_equals_one_over_its_checkpoint(tiny_v41_dir):
+    """LLM(model=<Dsv4Model>) (how the benchmarks serve random full-width models) runs the model it is given:
+    the same greedy tokens as the engine that loads the checkpoint; a second engine over the same, already
+    converted fast model reuses it."""
+    from dsv4.reference.model import load_model
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [prompt(1, 30), prompt(2, 17)]
+    want = tokens(fast_engine(tiny_v41_dir, 2).generate(prompts, params))
+    config = Dsv4Config.from_json(tiny_v41_dir)
+    per_slot = SlotState.bytes_per_slot(config, MAX_LEN, torch.float32, False, default_block_size(config))
+    model = load_model(str(tiny_v41_dir), torch.float32, progress=False)
+    for _ in range(2):
+        llm = LLM(model, impl="fast", device="cpu", quant_sim=False, max_model_len=MAX_LEN,
+                  kv_cache_memory=3 * per_slot)
+        assert llm.tokenizer is None and llm.model is model
+        assert tokens(llm.generate(prompts, params)) == want

@@ -1,0 +1,155 @@
+"""The fast engine (`LLM(impl="fast")`) on full-width layers under an agentic multi-turn workload, three ways
+side by side in one run: prefix caching with SWA bounded replay (the default), prefix caching with replay off,
+and no prefix caching.
+
+The workload: `--sessions` agents share a `--system`-token system prompt; each starts with its own
+`--task`-token request and runs `--turns` turns. A turn generates `--gen` tokens (greedy, end-of-sequence
+ignored), then the agent's next prompt is the whole conversation so far plus a `--tool`-token tool result: the
+shape of a coding agent's loop. All sessions' turn t are submitted together (continuous batching), each under
+its session id, so a session's next turn can resume its retained slot.
+
+Per turn and variant: the turn's wall time, time to first token (median and max over the sessions: arrival at
+submission to the first sampled token), decode tokens/s over the turn, and the share of prompt tokens served
+from the cache. Random weights in the released formats (`bench/full_width.py`); one model serves the three
+engines (each engine builds its own slots over it).
+
+    python bench/engine.py --arch v41 --layers 4          # H200
+    python bench/engine.py --smoke                        # tiny widths on the CPU: the plumbing
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+
+
+def add_arguments(p):
+    p.add_argument("--arch", default="v41", choices=["v41", "v4"])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system", type=int, default=4096, help="shared system prompt tokens")
+    p.add_argument("--task", type=int, default=512, help="each session's first request tokens")
+    p.add_argument("--tool", type=int, default=1024, help="tool-result tokens appended per turn")
+    p.add_argument("--gen", type=int, default=128, help="tokens generated per turn")
+    p.add_argument("--kv-gb", type=float, default=40.0, help="KV memory of each engine (GB)")
+
+
+ARGS = common.parse_args(__doc__, add_arguments)
+if ARGS.smoke:
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "0"  # the kernels' twins: the interpreter would take minutes per turn
+
+import torch
+from full_width import bench_setup, build_random_model, random_ids
+
+from dsv4.engine.llm import LLM
+from dsv4.engine.request import SamplingParams
+from dsv4.fast.model import make_fast
+
+VARIANTS = {  # name: (enable_prefix_caching, swa_bounded_replay)
+    "prefix cache + bounded replay": (True, True),
+    "prefix cache, replay off": (True, False),
+    "no prefix cache": (False, True),
+}
+
+
+def workload(config, sizes: dict, seed: int = 0) -> tuple[list[int], list[list[int]], list[list[list[int]]]]:
+    """(system prompt, each session's task, each session's tool result per turn): random token ids."""
+    g = torch.Generator().manual_seed(seed)
+    draw = lambda n: random_ids(config, n, g).tolist()
+    system = draw(sizes["system"])
+    tasks = [draw(sizes["task"]) for _ in range(sizes["sessions"])]
+    tools = [[draw(sizes["tool"]) for _ in range(sizes["turns"])] for _ in range(sizes["sessions"])]
+    return system, tasks, tools
+
+
+def run_sessions(llm: LLM, sizes: dict, work, sync) -> list[dict]:
+    """The turns of every session, batched per turn -> one row of metrics per turn."""
+    system, tasks, tools = work
+    params = SamplingParams(max_tokens=sizes["gen"], ignore_eos=True)
+    conversations = [system + task for task in tasks]
+    ids = [f"agent-{i}" for i in range(len(tasks))]
+    rows = []
+    for turn in range(sizes["turns"]):
+        sync()
+        start = time.perf_counter()
+        outs = llm.generate(conversations, params, session_ids=ids)
+        sync()
+        wall = time.perf_counter() - start
+        ttft = [o.metrics.time_to_first_token for o in outs]
+        decode = [o.metrics.finished_time - o.metrics.first_token_time for o in outs]
+        prompt_tokens = sum(len(c) for c in conversations)
+        rows.append({
+            "turn": turn, "prompt_tokens": prompt_tokens, "wall_s": wall,
+            "ttft_median_s": statistics.median(ttft), "ttft_max_s": max(ttft),
+            "decode_tokens_per_s": len(outs) * (sizes["gen"] - 1) / max(decode),
+            "cached_share": sum(o.num_cached_tokens for o in outs) / prompt_tokens,
+        })
+        conversations = [c + o.outputs[0].token_ids + tool[turn]
+                         for c, o, tool in zip(conversations, outs, tools)]
+    for session in ids:
+        llm.end_session(session)
+    return rows
+
+
+def plot(result: dict, path: Path) -> None:
+    """Time to first token (median over the sessions) and the turn's wall time, per turn and variant."""
+
+    def draw(fig, axes):
+        for name, turns in result["variants"].items():
+            x = [r["turn"] + 1 for r in turns]
+            axes[0].plot(x, [r["ttft_median_s"] for r in turns], "o-", label=name)
+            axes[1].plot(x, [r["wall_s"] for r in turns], "o-", label=name)
+        axes[0].set(xlabel="turn", ylabel="time to first token, median (s)", yscale="log")
+        axes[1].set(xlabel="turn", ylabel="turn wall time (s)")
+        axes[0].legend()
+        fig.suptitle(f"{result['arch']} {result['layers']} full-width layers, {result['sessions']} agents, "
+                     f"{result['gpu']}")
+
+    common.save_figure(path, draw)
+
+
+def main():
+    device, config = bench_setup(ARGS.arch, ARGS.layers, ARGS.smoke)
+    sizes = ({"sessions": 2, "turns": 2, "system": 192, "task": 16, "tool": 16, "gen": 4} if ARGS.smoke else
+             {k: getattr(ARGS, k) for k in ("sessions", "turns", "system", "task", "tool", "gen")})
+    longest = sizes["system"] + sizes["task"] + sizes["turns"] * (sizes["tool"] + sizes["gen"])
+    dtype = torch.float32 if ARGS.smoke else torch.bfloat16
+    fast = make_fast(build_random_model(config, device, dtype, seed=0))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    work = workload(config, sizes)
+    kv = int((0.05 if ARGS.smoke else ARGS.kv_gb) * 2**30)
+    result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": ARGS.layers, **sizes,
+              "kv_bytes": kv, "variants": {}}
+    t0 = time.time()
+    for name, (caching, replay) in VARIANTS.items():
+        llm = LLM(fast, impl="fast", device=device, max_model_len=longest, kv_cache_memory=kv,
+                  enable_prefix_caching=caching, swa_bounded_replay=replay,
+                  max_num_batched_tokens=64 if ARGS.smoke else 8192, max_num_seqs=sizes["sessions"])
+        # warm-up on other prompts (no prefix of the measured ones gets cached): kernels compile, graphs capture
+        run_sessions(llm, {**sizes, "turns": 1}, workload(config, sizes, seed=1), sync)
+        result["variants"][name] = run_sessions(llm, sizes, work, sync)
+        del llm  # its slots go before the next engine allocates its own
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result["wall_s"] = time.time() - t0
+    path = common.write_result(f"engine-{ARGS.arch}", ARGS.smoke, result)
+    plot(result, path.with_suffix(".png"))
+    print(path)
+    rows = [{"variant": name, **row} for name, turns in result["variants"].items() for row in turns]
+    common.print_table([("variant", "variant", "s"), ("turn", "turn", "d"), ("prompt tok", "prompt_tokens", "d"),
+                        ("cached", "cached_share", ".0%"), ("TTFT med s", "ttft_median_s", ".3f"),
+                        ("TTFT max s", "ttft_max_s", ".3f"), ("decode tok/s", "decode_tokens_per_s", ".0f"),
+                        ("turn s", "wall_s", ".2f")], rows)
+
+
+main()
