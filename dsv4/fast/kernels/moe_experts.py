@@ -329,7 +329,7 @@ def _swiglu(g, u, wt, limit, IS_BF16: tl.constexpr, INTERP: tl.constexpr):
 def _gather_up_kernel(
     x_ptr, ids_ptr, wts_ptr, w13_ptr, s13_ptr, sh13_ptr, h_ptr,
     D, I, S, E, limit,
-    BI: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr,
+    BI: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr, SHARED: tl.constexpr,
 ):
     """Program (t, slot, i tile): h[t, slot, i] = swiglu(x[t] . w1[e, i], x[t] . w3[e, i]) * weight."""
     t = tl.program_id(0).to(tl.int64)
@@ -346,7 +346,7 @@ def _gather_up_kernel(
         for k0 in range(0, D, BK):
             acc_g = _gemv_fp4(acc_g, w13_ptr, s13_ptr, rows_g, imask, D // 2, D // 32, x_row, k0, BK // 32, INTERP)
             acc_u = _gemv_fp4(acc_u, w13_ptr, s13_ptr, rows_g + I, imask, D // 2, D // 32, x_row, k0, BK // 32, INTERP)
-    else:  # the shared expert, dense
+    elif SHARED:  # the shared expert, dense (see SHARED in moe_triton)
         i64 = i.to(tl.int64)
         for k0 in range(0, D, BK):
             kk = k0 + tl.arange(0, BK)
@@ -369,7 +369,7 @@ def _gather_up_kernel(
 def _gather_down_kernel(
     h_ptr, ids_ptr, w2_ptr, s2_ptr, sh2_ptr, out_ptr,
     D, I, S, E,
-    BD: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr, SHARED: tl.constexpr,
 ):
     """Program (t, d tile, slot): out[t, slot, d] = round(h[t, slot] . w2[e, d]) (the caller sums the slots)."""
     t = tl.program_id(0).to(tl.int64)
@@ -384,7 +384,7 @@ def _gather_down_kernel(
         rows = e * D + d64
         for k0 in range(0, I, BK):
             acc = _gemv_fp4(acc, w2_ptr, s2_ptr, rows, dmask, I // 2, I // 32, h_row, k0, BK // 32, INTERP)
-    else:
+    elif SHARED:
         for k0 in range(0, I, BK):
             kk = k0 + tl.arange(0, BK)
             km = kk < I
@@ -637,16 +637,18 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
     if N == 0 or S == 0:
         return torch.zeros(N, D, dtype=torch.float32, device=x.device)
     lim = float(limit)
+    # SHARED (every path): without a shared expert the dense branch is not compiled (compiled in but dead, it made
+    # routed-only gather_tc take 2.8 ms at 4 tokens on the H200, against 0.33 ms for the same call with one)
     if path == "gather":
         h = torch.empty(N, S, I, dtype=x.dtype, device=x.device)
         _gather_up_kernel[(N, S, triton.cdiv(I, c["BI"]))](
             x, ids_s, wts_s, w13, s13, sh13, h, D, I, S, E, lim,
-            BI=c["BI"], BK=c["BK"], IS_BF16=is_bf16, INTERP=_INTERP, num_warps=c["gather_warps"],
+            BI=c["BI"], BK=c["BK"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared, num_warps=c["gather_warps"],
             num_stages=c["stages"])
         out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
         _gather_down_kernel[(N, triton.cdiv(D, c["BD"]), S)](
             h, ids_s, w2, s2, sh2, out, D, I, S, E,
-            BD=c["BD"], BK=c["BK"], IS_BF16=is_bf16, INTERP=_INTERP, num_warps=c["gather_warps"],
+            BD=c["BD"], BK=c["BK"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared, num_warps=c["gather_warps"],
             num_stages=c["stages"])
         return out.sum(dim=1)
     R = N * S
@@ -659,8 +661,6 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
         BM, find = c["BM"], triton.next_power_of_2(max(R, 128))
         order = te = r0 = r1 = ids_s  # the table's arguments, unused
         groups = lambda rows: (triton.cdiv(rows, c["BN"]), R)
-    # SHARED: without a shared expert the dense branch is not compiled (compiled in but dead, routed-only gather_tc
-    # took 2.8 ms at 4 tokens on the H200, against 0.33 ms for the same call with a shared expert)
     kw = {"BM": BM, "BN": c["BN"], "IS_BF16": is_bf16, "INTERP": _INTERP, "SH_LOW": sh_low, "FIND": find,
           "SHARED": has_shared, "num_warps": c["warps"], "num_stages": c["stages"]}
     h = torch.empty(R, I, dtype=x.dtype, device=x.device)
