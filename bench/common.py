@@ -134,12 +134,17 @@ def time_calls(fns: Sequence[Callable[[], Any]], reps: int, *, graph: bool = Tru
     return statistics.median(samples)
 
 
+def synchronizer(device) -> Callable[[], None]:
+    """What waits for `device` to finish its queued work (nothing to wait for on the host)."""
+    import torch
+
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
 def timed(fn: Callable[[], Any], device, reps: int = 1) -> float:
     """Seconds per call of a long call (a model step, a prefill): host clock around synchronized calls,
     after one untimed call."""
-    import torch
-
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     fn()
     sync()
     t = time.perf_counter()

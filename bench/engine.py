@@ -124,7 +124,7 @@ def main():
     longest = sizes["system"] + sizes["task"] + sizes["turns"] * (sizes["tool"] + sizes["gen"])
     dtype = torch.float32 if ARGS.smoke else torch.bfloat16
     fast = make_fast(build_random_model(config, device, dtype, seed=0))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = common.synchronizer(device)
     work = workload(config, sizes)
     kv = int((0.05 if ARGS.smoke else ARGS.kv_gb) * 2**30)
     result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": ARGS.layers, **sizes,

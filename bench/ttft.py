@@ -52,7 +52,7 @@ from dsv4.fast.runner import Runner  # noqa: E402
 
 def measure(runner, device, prefix: int, suffix: int, reps: int) -> dict:
     """Seconds to the first token: cold, hit with bounded replay, hit with replay off (median of reps)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = common.synchronizer(device)
     g = torch.Generator().manual_seed(prefix)
     ids = random_ids(runner.config, prefix + suffix, g)
 
