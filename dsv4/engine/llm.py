@@ -222,8 +222,9 @@ class LLM:
         if logits is None:
             return None
         image = self.config.image_token_id if self.config.is_v41 else None
-        if image is not None and image < logits.shape[-1]:
-            logits[image] = float("-inf")  # image input is not supported: never emit an image token
+        if image is not None and image < logits.shape[-1]:  # image input is not supported: never emit one
+            # out of place: the executor's logits are inference tensors, read-only out here
+            logits = logits.index_fill(-1, torch.tensor(image, device=logits.device), float("-inf"))
         sp = req.params
         token = int(sample(logits[None], sp.temperature, sp.top_k, sp.top_p, req.generator))
         req.append(token)

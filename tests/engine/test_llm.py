@@ -39,6 +39,16 @@ def test_greedy_generation_equals_full_recompute(llm):
         assert out.metrics.time_per_output_token(6) is not None
 
 
+def test_the_image_token_is_never_sampled(llm, monkeypatch):
+    # the tiny checkpoint's image id lies past its vocabulary; make it the token greedy decoding would pick
+    p = prompt(6, 12)
+    logits = llm.model(torch.tensor([p]))[0, -1]
+    first = int(logits.argmax())
+    monkeypatch.setattr(llm.config, "image_token_id", first)
+    out = llm.generate(p, SamplingParams(max_tokens=1, ignore_eos=True))[0].outputs[0].token_ids
+    assert out == [int(logits.index_fill(0, torch.tensor(first), float("-inf")).argmax())]
+
+
 def test_text_prompts_and_stop_tokens(llm):
     out = llm.generate("Hello there", SamplingParams(max_tokens=5, ignore_eos=True))[0]
     first = out.outputs[0].token_ids[0]
