@@ -1,10 +1,11 @@
 """How an engine step's work runs through a model, one executor per implementation.
 
-`run(works)` computes each Work's positions into its request's cache and yields (work, logits) as each
-is done: logits [vocab] fp32 of the work's last position when the work samples, else None. Works of
-requests preempted earlier in the step are skipped. The engine commits, samples and finishes each
-request as its result arrives, before the next work runs (so a finished request's memory is free for
-the rest of the step).
+`run(works)` computes each Work's positions into its request's cache and yields (works, logits) as they
+are done: a group of works computed together (the fast executor's batched decodes, else one work) and
+logits [len(works), vocab] fp32 of each work's last position (rows of works that do not sample are
+unused; None when none does). Works of requests preempted earlier in the step are skipped. The engine commits, samples (one
+batched draw per group) and finishes a group's requests as the group arrives, before the next work runs
+(so a finished request's memory is free for the rest of the step).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class ReferenceExecutor:
         self.model, self.scheduler = model, scheduler
 
     @torch.inference_mode()
-    def run(self, works: Sequence[Work]) -> Iterator[tuple[Work, torch.Tensor | None]]:
+    def run(self, works: Sequence[Work]) -> Iterator[tuple[list[Work], torch.Tensor | None]]:
         for work in works:
             req = work.request
             if req.cache is None:  # preempted earlier in this step
@@ -41,7 +42,7 @@ class ReferenceExecutor:
             except OutOfBlocks:
                 self._preempt(req)
                 continue
-            yield work, self.model.logits(hidden[0, -1]) if work.samples else None
+            yield [work], self.model.logits(hidden[0, -1:]) if work.samples else None
 
     def _preempt(self, req) -> None:
         running = self.scheduler.running
@@ -60,19 +61,18 @@ class FastExecutor:
     def __init__(self, kv: SlotKV):
         self.runner, self.block_size = kv.runner, kv.block_size
 
-    def run(self, works: Sequence[Work]) -> Iterator[tuple[Work, torch.Tensor | None]]:
+    def run(self, works: Sequence[Work]) -> Iterator[tuple[list[Work], torch.Tensor]]:
         steps = [w for w in works if _is_step(w)]
         if steps:
             ids = [w.request.token_ids[w.start] for w in steps]
             slots = [w.request.cache.slot for w in steps]
             logits = self.runner.decode(slots, torch.tensor(ids, device=self.runner.state.device))  # [B, vocab]
-            for work, token, row in zip(steps, ids, logits):
+            for work, token in zip(steps, ids):
                 work.request.cache.record(work.start, [token])
-                yield work, row if work.samples else None
+            yield steps, logits
         for work in works:
             if not _is_step(work):
-                logits = self._prefill(work)
-                yield work, logits if work.samples else None
+                yield [work], self._prefill(work)[None]
 
     def _prefill(self, work: Work) -> torch.Tensor:
         """Run a chunk (or replay) into its slot -> logits [vocab] of its last position. With overlapping

@@ -112,6 +112,8 @@ class LLM:
             memory = self._memory(kv_cache_memory, kv_cache_fraction)
             self.kv = KVManager(self.model, memory, block_size, swa_bounded_replay, enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs)
+        if impl == "fast":  # every decode batch size's graph before serving, not in some request's step
+            self.kv.runner.capture(max_num_seqs)
         self.executor = FastExecutor(self.kv) if impl == "fast" else ReferenceExecutor(self.model, self.scheduler)
         self._ids = itertools.count()
         self.last_num_cached_tokens = 0  # of the last streamed request, for the CLI's chat report
@@ -206,31 +208,43 @@ class LLM:
 
     def _run(self) -> Iterator[tuple[Request, int]]:
         while self.scheduler.has_work:
-            for work, logits in self.executor.run(self.scheduler.schedule()):
-                token = self._complete(work, logits)
-                if token is not None:
-                    yield work.request, token
+            for works, logits in self.executor.run(self.scheduler.schedule()):
+                yield from self._complete(works, logits)
 
-    def _complete(self, work: Work, logits: torch.Tensor | None) -> int | None:
-        """Record a computed work (logits [vocab] where it samples); returns the token it sampled."""
-        req = work.request
-        if work.replay:
-            req.replay_from = None
-            return None
-        req.computed = work.end
-        self.kv.commit(req.cache, req.computed)
-        if logits is None:
-            return None
+    def _complete(self, works: list[Work], logits: torch.Tensor | None) -> Iterator[tuple[Request, int]]:
+        """Record computed works (logits [len(works), vocab]); sample where they reach the last token."""
+        rows, requests = [], []
+        for i, work in enumerate(works):
+            req = work.request
+            if work.replay:
+                req.replay_from = None
+                continue
+            req.computed = work.end
+            self.kv.commit(req.cache, req.computed)
+            if work.samples:
+                rows.append(i)
+                requests.append(req)
+        if not requests:
+            return
+        for req, token in zip(requests, self._sample(logits[rows], requests)):
+            req.append(token)
+            if req.finished:
+                self.scheduler.finish(req)
+            yield req, token
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """logits [n, vocab] -> each request's next token; the greedy ones in one draw (one host sync)."""
         image = self.config.image_token_id if self.config.is_v41 else None
         if image is not None and image < logits.shape[-1]:  # image input is not supported: never emit one
             # out of place: the executor's logits are inference tensors, read-only out here
             logits = logits.index_fill(-1, torch.tensor(image, device=logits.device), float("-inf"))
-        sp = req.params
-        token = int(sample(logits[None], sp.temperature, sp.top_k, sp.top_p, req.generator))
-        req.append(token)
-        if req.finished:
-            self.scheduler.finish(req)
-        return token
+        greedy = [i for i, r in enumerate(requests) if r.params.temperature == 0]
+        tokens = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist())) if greedy else {}
+        for i, req in enumerate(requests):
+            if i not in tokens:
+                sp = req.params
+                tokens[i] = int(sample(logits[i : i + 1], sp.temperature, sp.top_k, sp.top_p, req.generator))
+        return [tokens[i] for i in range(len(requests))]
 
     def _text(self, req: Request) -> str | None:
         return self.decode(req.output_ids)

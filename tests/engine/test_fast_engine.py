@@ -56,6 +56,16 @@ def test_batched_decode_and_chunked_prefill_equal_the_reference_engine(arch_dir)
     assert [o.num_cached_tokens for o in got] == [0] * 4
 
 
+def test_a_decode_batch_mixing_greedy_and_sampled_requests_samples_each_as_alone(tiny_v41_dir):
+    # the engine draws a decode batch's greedy tokens in one argmax, the others each with their own generator
+    greedy = SamplingParams(max_tokens=5, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=5, temperature=1.0, top_k=50, seed=7, ignore_eos=True)
+    prompts, params = [prompt(1, 20), prompt(2, 9), prompt(3, 14)], [greedy, sampled, greedy]
+    fast = fast_engine(tiny_v41_dir, slots=3)
+    alone = [tokens(fast.generate(p, sp))[0] for p, sp in zip(prompts, params)]
+    assert tokens(fast.generate(prompts, params)) == alone
+
+
 @pytest.mark.parametrize("replay", [True, False], ids=["bounded-replay", "no-replay"])
 def test_a_sessions_second_turn_resumes_its_retained_slot(arch_dir, replay):
     """Turn 2 extends turn 1 (prompt + reply): with bounded replay it hits at the last block boundary
