@@ -218,6 +218,15 @@ class Runner:
         graph.replay()
         return logits[:B]
 
+    def capture(self, max_batch: int) -> None:
+        """Capture now the decode graphs that batches of up to `max_batch` sequences use (each compiles and
+        captures on first use otherwise, stalling that step), as an engine does at start-up."""
+        if self.cuda_graphs:
+            for size in self.batch_sizes:
+                self._graph(size)
+                if size >= max_batch:
+                    break
+
     def _graph(self, size: int):
         if size not in self._graphs:
             ids = torch.zeros(size, dtype=torch.int64, device=self.state.device)

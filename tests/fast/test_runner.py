@@ -12,9 +12,13 @@ tests run the Triton kernels and CUDA graphs.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 
+from dsv4.engine.llm import LLM
+from dsv4.engine.request import SamplingParams
 from dsv4.fast.model import make_fast
 from dsv4.fast.runner import OutOfSlots, Runner
 from dsv4.reference.cache import DenseCache
@@ -66,7 +70,7 @@ def test_chunked_prefill_and_padded_batched_decode_equal_the_reference(arch_dir)
     slots, refs, logits = [], [], []
     for ids, cuts in zip(prompts, chunks):
         slot, seq = runner.allocate(), ReferenceSequence(ref)
-        for a, b in zip(cuts, cuts[1:]):
+        for a, b in pairwise(cuts):
             got, want = runner.prefill(slot, ids[a:b]), seq.run(ids[a:b])
             assert_close(got, want, EXACT)
         slots.append(slot)
@@ -232,3 +236,15 @@ def test_fast_model_on_cuda_refuses_float32(tiny_v41_dir):
     """Its kernels take bf16 operands: a float32 fast model on the GPU would not compute in float32."""
     with pytest.raises(ValueError, match="computes in bfloat16"):
         make_fast(load_model(str(tiny_v41_dir), torch.float32, progress=False).cuda())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_engine_captures_its_decode_graphs_before_serving(tiny_v41_dir):
+    """No request's step waits for a compile and capture: the graphs of every batch size up to max_num_seqs
+    (padded to a captured size) exist once the engine is built."""
+    llm = LLM(tiny_v41_dir, impl="fast", max_num_seqs=3, max_model_len=128, kv_cache_memory=2**26)
+    runner = llm.kv.runner
+    assert runner.state.max_seqs > 4 and sorted(runner._graphs) == [1, 2, 4]
+    llm.generate([[5] * 10, [6] * 7, [7] * 12], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert sorted(runner._graphs) == [1, 2, 4]
