@@ -9,11 +9,15 @@ shape of a coding agent's loop. All sessions' turn t are submitted together (con
 its session id, so a session's next turn can resume its retained slot.
 
 Per turn and variant: the turn's wall time, time to first token (median and max over the sessions: arrival at
-submission to the first sampled token), decode tokens/s over the turn, and the share of prompt tokens served
-from the cache. Random weights in the released formats (`bench/full_width.py`); one model serves the three
+submission to the first sampled token), decode tokens/s over the turn (every session's tokens after its first, over
+the longest such span: it includes steps shared with other sessions' prefill chunks), the decode step time once
+every session is decoding (from the last first token to the last finish, over that session's steps: no prefill
+runs then), and the share of prompt tokens served from the cache. Per variant: the time to build the engine (its
+decode graphs are captured then). Random weights in the released formats (`bench/full_width.py`); one model serves the three
 engines (each engine builds its own slots over it).
 
     python bench/engine.py --arch v41 --layers 4          # H200
+    python bench/engine.py --arch v41 --layers 4 --variants replay,no-replay
     python bench/engine.py --smoke                        # tiny widths on the CPU: the plumbing
 """
 
@@ -28,6 +32,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 
+VARIANTS = {  # key: (name, enable_prefix_caching, swa_bounded_replay)
+    "replay": ("prefix cache + bounded replay", True, True),
+    "no-replay": ("prefix cache, replay off", True, False),
+    "no-cache": ("no prefix cache", False, True),
+}
+
 
 def add_arguments(p):
     p.add_argument("--arch", default="v41", choices=["v41", "v4"])
@@ -39,6 +49,7 @@ def add_arguments(p):
     p.add_argument("--tool", type=int, default=1024, help="tool-result tokens appended per turn")
     p.add_argument("--gen", type=int, default=128, help="tokens generated per turn")
     p.add_argument("--kv-gb", type=float, default=40.0, help="KV memory of each engine (GB)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
 
 
 ARGS = common.parse_args(__doc__, add_arguments)
@@ -54,12 +65,6 @@ from dsv4.engine.llm import LLM
 from dsv4.engine.request import SamplingParams
 from dsv4.fast.model import make_fast
 
-VARIANTS = {  # name: (enable_prefix_caching, swa_bounded_replay)
-    "prefix cache + bounded replay": (True, True),
-    "prefix cache, replay off": (True, False),
-    "no prefix cache": (False, True),
-}
-
 
 def workload(config, sizes: dict, seed: int = 0) -> tuple[list[int], list[list[int]], list[list[list[int]]]]:
     """(system prompt, each session's task, each session's tool result per turn): random token ids."""
@@ -71,7 +76,7 @@ def workload(config, sizes: dict, seed: int = 0) -> tuple[list[int], list[list[i
     return system, tasks, tools
 
 
-def run_sessions(llm: LLM, sizes: dict, work, sync) -> list[dict]:
+def run_sessions(llm: LLM, sizes: dict, work, sync, label: str = "turn") -> list[dict]:
     """The turns of every session, batched per turn -> one row of metrics per turn."""
     system, tasks, tools = work
     params = SamplingParams(max_tokens=sizes["gen"], ignore_eos=True)
@@ -87,12 +92,15 @@ def run_sessions(llm: LLM, sizes: dict, work, sync) -> list[dict]:
         ttft = [o.metrics.time_to_first_token for o in outs]
         decode = [o.metrics.finished_time - o.metrics.first_token_time for o in outs]
         prompt_tokens = sum(len(c) for c in conversations)
+        all_decoding = (max(o.metrics.finished_time for o in outs) - max(o.metrics.first_token_time for o in outs))
         rows.append({
             "turn": turn, "prompt_tokens": prompt_tokens, "wall_s": wall,
             "ttft_median_s": statistics.median(ttft), "ttft_max_s": max(ttft),
             "decode_tokens_per_s": len(outs) * (sizes["gen"] - 1) / max(decode),
+            "decode_step_ms": all_decoding / (sizes["gen"] - 1) * 1e3,
             "cached_share": sum(o.num_cached_tokens for o in outs) / prompt_tokens,
         })
+        print(f"  {label} {turn}: {wall:.2f} s, TTFT median {rows[-1]['ttft_median_s']:.3f} s", flush=True)
         conversations = [c + o.outputs[0].token_ids + tool[turn]
                          for c, o, tool in zip(conversations, outs, tools)]
     for session in ids:
@@ -128,14 +136,21 @@ def main():
     work = workload(config, sizes)
     kv = int((0.05 if ARGS.smoke else ARGS.kv_gb) * 2**30)
     result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": ARGS.layers, **sizes,
-              "kv_bytes": kv, "variants": {}}
+              "kv_bytes": kv, "build_s": {}, "variants": {}}
     t0 = time.time()
-    for name, (caching, replay) in VARIANTS.items():
+    for key in ARGS.variants.split(","):
+        if key not in VARIANTS:
+            sys.exit(f"--variants: {key!r} is not one of {','.join(VARIANTS)}")
+        name, caching, replay = VARIANTS[key]
+        print(f"{name}: building the engine", flush=True)
+        t = time.perf_counter()
         llm = LLM(fast, impl="fast", device=device, max_model_len=longest, kv_cache_memory=kv,
                   enable_prefix_caching=caching, swa_bounded_replay=replay,
                   max_num_batched_tokens=64 if ARGS.smoke else 8192, max_num_seqs=sizes["sessions"])
-        # warm-up on other prompts (no prefix of the measured ones gets cached): kernels compile, graphs capture
-        run_sessions(llm, {**sizes, "turns": 1}, workload(config, sizes, seed=1), sync)
+        result["build_s"][name] = time.perf_counter() - t
+        print(f"{name}: built in {result['build_s'][name]:.1f} s; warm-up turn", flush=True)
+        # warm-up on other prompts (no prefix of the measured ones gets cached): kernels compile (prefill shapes)
+        run_sessions(llm, {**sizes, "turns": 1}, workload(config, sizes, seed=1), sync, "warm-up")
         result["variants"][name] = run_sessions(llm, sizes, work, sync)
         del llm  # its slots go before the next engine allocates its own
         gc.collect()
@@ -149,6 +164,7 @@ def main():
     common.print_table([("variant", "variant", "s"), ("turn", "turn", "d"), ("prompt tok", "prompt_tokens", "d"),
                         ("cached", "cached_share", ".0%"), ("TTFT med s", "ttft_median_s", ".3f"),
                         ("TTFT max s", "ttft_max_s", ".3f"), ("decode tok/s", "decode_tokens_per_s", ".0f"),
+                        ("step ms", "decode_step_ms", ".2f"),
                         ("turn s", "wall_s", ".2f")], rows)
 
 
