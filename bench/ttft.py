@@ -3,8 +3,9 @@
 
 - cold: the whole prompt prefilled (chunks of `--chunk` tokens);
 - hit, SWA bounded replay: a slot restored from the cached prefix's slot (compressed KV, index keys and
-  compressor carries copied), its windows rebuilt by recomputing the prefix's last `sliding_window` tokens,
-  then the new tokens prefilled (`Runner.resume` + `prefill`);
+  compressor carries copied), its windows rebuilt by recomputing the prefix's last `sliding_window` tokens in
+  the forward of the first chunk of new tokens (`Runner.resume` with ids, as the engine schedules a hit), then
+  the rest prefilled;
 - hit, replay off: the cached slot continued where it stopped (its windows were kept), then the new tokens.
 
 Each time ends when the first token's logits are on the device (synchronized). The prompt is
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+import common
 
 
 def add_arguments(p):
@@ -42,12 +43,11 @@ if ARGS.smoke:
 
     os.environ["TRITON_INTERPRET"] = "0"
 
-import torch  # noqa: E402
+import torch
+from full_width import bench_setup, build_random_model, prefill_chunks, random_ids
 
-from full_width import bench_setup, build_random_model, prefill_chunks, random_ids  # noqa: E402
-
-from dsv4.fast.model import make_fast  # noqa: E402
-from dsv4.fast.runner import Runner  # noqa: E402
+from dsv4.fast.model import make_fast
+from dsv4.fast.runner import Runner
 
 
 def measure(runner, device, prefix: int, suffix: int, reps: int) -> dict:
@@ -68,17 +68,18 @@ def measure(runner, device, prefix: int, suffix: int, reps: int) -> dict:
         cached = runner.allocate()
         prefill_chunks(runner, cached, ids[:prefix], ARGS.chunk)  # the previous turn, left in its slot
         slot = runner.allocate()
-        times["cold"].append(clock(lambda: prefill_chunks(runner, slot, ids, ARGS.chunk)))
+        times["cold"].append(clock(lambda slot=slot: prefill_chunks(runner, slot, ids, ARGS.chunk)))
         runner.release(slot)
         slot = runner.allocate()
 
-        def replay_hit():
-            runner.resume(slot, cached, prefix)
-            prefill_chunks(runner, slot, ids[prefix:], ARGS.chunk)
+        def replay_hit(slot=slot, cached=cached):  # the replay leads the first chunk's forward, as in the engine
+            runner.resume(slot, cached, prefix, ids[prefix : prefix + ARGS.chunk])
+            if ids.numel() > prefix + ARGS.chunk:
+                prefill_chunks(runner, slot, ids[prefix + ARGS.chunk :], ARGS.chunk)
 
         times["hit_replay"].append(clock(replay_hit))
         runner.release(slot)
-        times["hit_no_replay"].append(clock(lambda: prefill_chunks(runner, cached, ids[prefix:], ARGS.chunk)))
+        times["hit_no_replay"].append(clock(lambda cached=cached: prefill_chunks(runner, cached, ids[prefix:], ARGS.chunk)))
         runner.release(cached)
     out = {k: statistics.median(v) for k, v in times.items()}
     out["replay_vs_cold"] = 1 - out["hit_replay"] / out["cold"]

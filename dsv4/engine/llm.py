@@ -216,8 +216,8 @@ class LLM:
         rows, requests = [], []
         for i, work in enumerate(works):
             req = work.request
+            req.replay_from = None  # a pending replay led this work
             if work.replay:
-                req.replay_from = None
                 continue
             req.computed = work.end
             self.kv.commit(req.cache, req.computed)

@@ -1,8 +1,9 @@
 """Continuous batching: every step mixes decode tokens and prefill chunks under a token budget.
 
 Each step takes, in order: one token for every running request that is decoding, then prefill
-chunks (a prefix hit's 128-token window replay first, then the prompt) for running and waiting
-requests until `max_num_batched_tokens` is spent. When the KV manager runs out of blocks, the newest
+chunks for running and waiting requests until `max_num_batched_tokens` is spent. A prefix hit's
+128-token window replay leads its first chunk, in the same forward (positions continue from the replay
+into the prompt, as between two chunks), so a hit pays for one forward, not two. When the KV manager runs out of blocks, the newest
 running request is preempted: its cache is released and it waits again with every token it has so
 far, to be recomputed later (prefix hits make that cheap); nothing it generated is lost.
 """
@@ -17,7 +18,8 @@ from dsv4.engine.request import Request
 
 @dataclass
 class Work:
-    """Compute positions [start, end) of `request`; `replay` work rebuilds windows and yields no token."""
+    """Compute positions [start, end) of `request`; `replay` work only rebuilds windows (a hit's replay that
+    the budget left no prompt tokens to join) and yields no token."""
 
     request: Request
     start: int
@@ -72,15 +74,14 @@ class Scheduler:
     def _prefill(self, req: Request, budget: int, work: list[Work]) -> int:
         if budget <= 0:
             return budget
-        if req.replay_from is not None:  # the replay runs as one piece: windows need all of it
-            work.append(Work(req, req.replay_from, req.computed, replay=True))
-            return budget - (req.computed - req.replay_from)
-        end = min(len(req.token_ids), req.computed + budget)
+        start = req.computed if req.replay_from is None else req.replay_from
+        budget -= req.computed - start  # a replay runs as one piece, whatever the budget: windows need all of it
+        end = min(len(req.token_ids), req.computed + max(budget, 0))
         aligned = end - end % self.kv.block_size
         if end < len(req.token_ids) and aligned > req.computed:
             end = aligned  # cut at a block end: the prefix cache can resume there
-        if end > req.computed:
-            work.append(Work(req, req.computed, end))
+        if end > start:
+            work.append(Work(req, start, end, replay=end == req.computed))
         return budget - (end - req.computed)
 
     def finish(self, req: Request) -> None:

@@ -4,7 +4,7 @@
     slot = runner.allocate()
     logits = runner.prefill(slot, prompt_ids)              # module path, any length, chunked by the caller
     logits = runner.decode([slot, ...], next_ids)          # one token per sequence: a graph replay
-    runner.resume(slot, from_slot, length)                 # prefix hit: restore (copy), then bounded replay
+    logits = runner.resume(slot, from_slot, length, ids)   # prefix hit: restore (copy), bounded replay + ids
 
 Decode runs `FastModel.decode_step` for a batch padded up to the next captured size (padding rows use
 the scratch slot, whose writes nobody reads); the graph for each size is captured on first use. Without
@@ -183,12 +183,15 @@ class Runner:
         self._length[slot] = self._window_start[slot] = self._held_from[slot] = length
         self._marks[slot] = set()
 
-    def resume(self, slot: int, source: int, length: int) -> None:
-        """`restore`, then the bounded replay of the window before `length`."""
+    def resume(self, slot: int, source: int, length: int, ids: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+        """`restore`, then the bounded replay of the window before `length`, in one forward with `ids` (the tokens
+        at length.., as `prefill` takes them) when given -> logits [vocab] of that forward's last position."""
         self.restore(slot, source, length)
         W = self.config.sliding_window
-        # the slot's own tokens, checked when they were first prefilled
-        self._forward(slot, self.state.tokens[slot, length - W : length][None], length - W)
+        window = self.state.tokens[slot, length - W : length][None]  # the slot's own, checked when first prefilled
+        if ids is not None:
+            window = torch.cat([window, self._upload(ids)], dim=1)
+        return self._forward(slot, window, length - W)
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()

@@ -8,6 +8,9 @@ import torch
 from dsv4.engine.llm import LLM
 from dsv4.engine.request import SamplingParams
 from dsv4.engine.router import ConsistentHashRing, Replicas
+from dsv4.reference.model import bounded_replay_state
+
+from .conftest import greedy_decode
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +75,23 @@ def test_second_turn_of_a_session_hits_the_prefix_cache(llm):
     out2 = llm.generate(turn2, SamplingParams(max_tokens=4, ignore_eos=True), session_ids="s1")[0]
     assert out2.num_cached_tokens >= llm.config.sliding_window
     assert out2.num_cached_tokens % llm.kv.block_size == 0
+
+
+def test_a_replayed_hit_computes_what_bounded_replay_state_defines(llm):
+    """The scheduler runs a hit's window replay and the prompt after it as one forward; the tokens are those
+    of the state `bounded_replay_state` defines at the hit, continued by the rest of the prompt."""
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    turn1 = prompt(5, 40)
+    first = llm.generate(turn1, sp, session_ids="r")[0].outputs[0].token_ids
+    turn2 = turn1 + first + prompt(7, 30)
+    out = llm.generate(turn2, sp, session_ids="r")[0]
+    hit = out.num_cached_tokens
+    assert hit >= llm.config.sliding_window
+    with torch.inference_mode():
+        cache = bounded_replay_state(llm.model, torch.tensor([turn2[:hit]]))
+        logits = llm.model(torch.tensor([turn2[hit:]]), cache=cache, start_pos=hit)[:, -1]
+        want, _ = greedy_decode(llm.model, turn2, cache, logits, 4)
+    assert out.outputs[0].token_ids == want
 
 
 def test_preemption_loses_nothing(tiny_v41_dir):

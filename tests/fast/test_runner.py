@@ -88,7 +88,7 @@ def test_chunked_prefill_and_padded_batched_decode_equal_the_reference(arch_dir)
 def test_resume_is_the_bounded_replay_of_the_prefix(arch_dir):
     ref, fast = models(arch_dir, packed=False)
     H = 128 if not ref.config.is_v41 else 64  # a multiple of every ratio, >= the window
-    runner = Runner(fast, max_seqs=2, max_len=H + 16)
+    runner = Runner(fast, max_seqs=3, max_len=H + 16)
     ids = prompt(H + 6, 4)
     source = runner.allocate()
     runner.prefill(source, ids[:H])
@@ -97,6 +97,8 @@ def test_resume_is_the_bounded_replay_of_the_prefix(arch_dir):
     seq = ReferenceSequence(ref, bounded_replay_state(ref, torch.tensor([ids[:H]])), H)
     want = seq.run(ids[H:])
     assert_close(runner.prefill(slot, ids[H:]), want, EXACT)
+    # the replay and the new tokens in one forward: the same logits
+    assert_close(runner.resume(runner.allocate(), source, H, ids[H:]), want, EXACT)
     token = want.argmax()
     assert_close(runner.decode([slot], token.view(1))[0], seq.run([int(token)]), EXACT)
 
