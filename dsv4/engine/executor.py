@@ -3,9 +3,9 @@
 `run(works)` computes each Work's positions into its request's cache and yields (works, logits) as they
 are done: a group of works computed together (the fast executor's batched decodes, else one work) and
 logits [len(works), vocab] fp32 of each work's last position (rows of works that do not sample are
-unused; None when none does). Works of requests preempted earlier in the step are skipped. The engine commits, samples (one
-batched draw per group) and finishes a group's requests as the group arrives, before the next work runs
-(so a finished request's memory is free for the rest of the step).
+unused; None when none does). Works of requests preempted earlier in the step are skipped. The engine
+commits, samples (one batched draw per group) and finishes a group's requests as the group arrives,
+before the next work runs (so a finished request's memory is free for the rest of the step).
 """
 
 from __future__ import annotations
