@@ -70,8 +70,10 @@ def sampling(args: argparse.Namespace):
 
 def build_engine(args: argparse.Namespace) -> LLM:
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    # one sequence at a time (a prompt, or a chat's turns): the fast engine captures the batch-1 graph only
     return LLM(args.model, impl=args.impl, swa_bounded_replay=not args.no_swa_bounded_replay, dtype=dtype,
-               quant_sim=not args.no_quant_sim, max_model_len=args.max_model_len, progress=not args.quiet)
+               quant_sim=not args.no_quant_sim, max_model_len=args.max_model_len, max_num_seqs=1,
+               progress=not args.quiet)
 
 
 def prompt_ids(llm, text: str) -> list[int]:
