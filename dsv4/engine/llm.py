@@ -58,7 +58,9 @@ class LLM:
             the compression ratios).
         max_model_len: the longest prompt + max_tokens served (default: the model's context; "fast":
             at most 8192, as every slot holds that many tokens).
-        max_num_batched_tokens / max_num_seqs: the scheduler's budget per step.
+        max_num_batched_tokens / max_num_seqs: the scheduler's budget per step. "fast" on a GPU compiles and
+            captures the decode graph of every batch size up to max_num_seqs when it is built (each padded up to
+            a power of two), so no request's step waits for one.
     """
 
     def __init__(
