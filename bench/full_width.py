@@ -53,7 +53,7 @@ ARCHS = ("v41", "v4")
 
 RELEASED = {"v41": V41_FLASH, "v4": V4_FLASH}
 # tiny widths with the real layer structure, for the benchmarks' --smoke runs on CPU
-SMOKE_WIDTHS = {"hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 16, "vocab_size": 1024,
+SMOKE_WIDTHS = {"hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 16,
                 "q_lora_rank": 128, "o_lora_rank": 64, "num_attention_heads": 16, "index_n_heads": 8}
 
 # Which released layers a cut model keeps, in order of priority: the first n of these, sorted, are the model.
