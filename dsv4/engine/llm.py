@@ -228,11 +228,12 @@ class LLM:
                 requests.append(req)
         if not requests:
             return
-        for req, token in zip(requests, self._sample(logits[rows], requests)):
+        tokens = self._sample(logits[rows], requests)
+        for req, token in zip(requests, tokens):  # the whole group first: a consumer may stop at any yield
             req.append(token)
             if req.finished:
                 self.scheduler.finish(req)
-            yield req, token
+        yield from zip(requests, tokens)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits [n, vocab] -> each request's next token; the greedy ones in one draw (one host sync)."""

@@ -66,6 +66,18 @@ def test_a_decode_batch_mixing_greedy_and_sampled_requests_samples_each_as_alone
     assert tokens(fast.generate(prompts, params)) == alone
 
 
+def test_a_stream_left_inside_a_decode_batch_leaves_every_request_schedulable(tiny_v41_dir):
+    # the first 3 tokens come from the prefills; the 4th is the first of a batched decode step's group
+    fast = fast_engine(tiny_v41_dir, slots=4)
+    stream = fast.stream([prompt(1, 10), prompt(2, 7), prompt(3, 12)], SamplingParams(max_tokens=4, ignore_eos=True))
+    for _ in range(4):
+        next(stream)
+    stream.close()
+    running = fast.scheduler.running
+    assert len(running) == 3 and all(r.computed == len(r.token_ids) - 1 for r in running)
+    assert tokens(fast.generate([prompt(4, 9)], SamplingParams(max_tokens=2, ignore_eos=True)))[0]
+
+
 @pytest.mark.parametrize("replay", [True, False], ids=["bounded-replay", "no-replay"])
 def test_a_sessions_second_turn_resumes_its_retained_slot(arch_dir, replay):
     """Turn 2 extends turn 1 (prompt + reply): with bounded replay it hits at the last block boundary
