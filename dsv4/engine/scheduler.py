@@ -2,11 +2,12 @@
 
 Each step takes, in order: one token for every running request that is decoding, then prefill
 chunks for running and waiting requests until `max_num_batched_tokens` is spent. A prefix hit's
-128-token window replay leads its first chunk, in the same forward (positions continue from the replay
-into the prompt, as between two chunks), so a hit pays for one forward, not two. When the KV manager
-runs out of blocks, the newest running request is preempted: its cache is released and it waits again
-with every token it has so far, to be recomputed later (prefix hits make that cheap); nothing it
-generated is lost.
+128-token window replay leads its first chunk, in the same work (positions continue from the replay
+into the prompt, as between two chunks), so a hit pays for one forward, not two (the fast executor
+still ends a V4 forward at the hit when the chunk passes no later block boundary: its overlapping
+compressors need forwards to end at block boundaries). When the KV manager runs out of blocks, the
+newest running request is preempted: its cache is released and it waits again with every token it
+has so far, to be recomputed later (prefix hits make that cheap); nothing it generated is lost.
 """
 
 from __future__ import annotations

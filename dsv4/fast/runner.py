@@ -122,11 +122,13 @@ class Runner:
     @torch.inference_mode()
     def _forward(self, slot: int, ids: torch.Tensor, start: int) -> torch.Tensor:
         """The module path over ids [1, S] (on the device, checked) at positions start.. of the slot."""
-        cache = SlotCache(self.state, slot, self._length[slot], self._window_start[slot])
+        held = self._length[slot]
+        cache = SlotCache(self.state, slot, held, self._window_start[slot])
         hidden = self.model.hidden_states(ids, cache=cache, start_pos=start)
         self._length[slot] = start + ids.shape[1]
         self._window_start[slot] = cache.window_start
-        self._rings_written(slot, start, self._length[slot])
+        # the compressors skip a replay's positions (below what the slot held): they start at `held`
+        self._rings_written(slot, max(start, held), self._length[slot])
         return self.model.logits(hidden[0, -1])
 
     def _upload(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:

@@ -129,6 +129,23 @@ def test_resume_from_a_source_up_to_the_resume_span_past_the_prefix(tiny_v4_dir)
         runner.resume(slot, passed, H)
 
 
+def test_a_slot_resumed_with_new_tokens_serves_a_hit_at_its_resume_point(tiny_v4_dir):
+    """`resume` with ids runs the replay and the new tokens in one forward; its compressors start at the resume
+    point H (they skip the replay), so the rings still hold the group before H and the slot serves a hit at H
+    while it is within the resume span of it."""
+    ref, fast = models(tiny_v4_dir, packed=False)
+    H = 128
+    runner = Runner(fast, max_seqs=3, max_len=H + 16, resume_span=8)
+    ids = prompt(H + 6, 7)
+    source = runner.allocate()
+    runner.prefill(source, ids[:H])
+    slot = runner.allocate()
+    runner.resume(slot, source, H, ids[H : H + 6])  # past the group after H
+    assert runner.resumable(slot, H)
+    seq = ReferenceSequence(ref, bounded_replay_state(ref, torch.tensor([ids[:H]])), H)
+    assert_close(runner.resume(runner.allocate(), slot, H, ids[H : H + 6]), seq.run(ids[H : H + 6]), EXACT)
+
+
 def test_packed_kv_formats_stay_within_one_rounding_code(tiny_v41_dir):
     ref, fast = models(tiny_v41_dir, packed=True)
     runner = Runner(fast, max_seqs=1, max_len=64)
