@@ -160,11 +160,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         session_ids: str | Sequence[str | None] | None = None,
     ) -> Iterator[tuple[int, int]]:
-        """Yield (prompt index, token id) as tokens are sampled."""
+        """Yield (prompt index, token id) as tokens are sampled. Requests of an earlier stream left unfinished run to
+        completion alongside (their tokens are not yielded here)."""
         requests = self._submit(prompts, sampling_params, session_ids)
         index = {id(r): i for i, r in enumerate(requests)}
         for req, token in self._run():
-            yield index[id(req)], token
+            if id(req) in index:
+                yield index[id(req)], token
         self.last_num_cached_tokens = requests[-1].num_cached_tokens
 
     def end_session(self, session_id: str) -> None:
