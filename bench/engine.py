@@ -129,6 +129,8 @@ def main():
     device, config = bench_setup(ARGS.arch, ARGS.layers, ARGS.smoke)
     sizes = ({"sessions": 2, "turns": 2, "system": 192, "task": 16, "tool": 16, "gen": 4} if ARGS.smoke else
              {k: getattr(ARGS, k) for k in ("sessions", "turns", "system", "task", "tool", "gen")})
+    if sizes["gen"] < 2:
+        sys.exit("--gen must be at least 2: the decode rates are over the tokens after the first")
     longest = sizes["system"] + sizes["task"] + sizes["turns"] * (sizes["tool"] + sizes["gen"])
     dtype = torch.float32 if ARGS.smoke else torch.bfloat16
     fast = make_fast(build_random_model(config, device, dtype, seed=0))
