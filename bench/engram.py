@@ -13,8 +13,11 @@ takes THP + cudaHostRegister where the OS allows, "pinned" is cudaHostAlloc with
   lookup_us:    EngramPrefetcher.start + wait for both layers, nothing else on the GPU (CUDA events on
                 the main stream: the side stream's gather kernel, which reads pinned host memory over
                 PCIe and dequantizes both layers in one launch, plus the cross-stream waits);
-  compute_us:   the stand-in for embedding + layers 0-1 on the main stream (a bf16 matmul chain sized to
-                --compute-us, default 150 us for decode, 2000 us for the prefill chunk);
+  compute_us:   the stand-in for what runs on the main stream before Engram layer 1 reads its rows (the
+                embedding, layer 0 and layer 1's attention): a bf16 matmul chain sized to one measured
+                full-width V4.1 layer, --compute-us 368 for decode (runner-v41.json, 9bc21f3: 0.368 ms per
+                layer at batch 1) and --prefill-compute-us 15400 for the chunk (same run: 4 layers prefill
+                8K in 2048-token chunks at 33.2K tokens/s, 15.4 ms per layer per chunk);
   overlap_us:   start(); compute; wait(0); wait(1); on the main stream;
   hidden:       1 - (overlap_us - compute_us) / lookup_us (1.0: the lookup costs nothing);
   start_host_us: host time spent in start() (it must not wait for the GPU); step_host_us: start() and
@@ -50,8 +53,8 @@ def parse_args():
     p.add_argument("--rows", type=int, default=16 << 20, help="rows per synthetic table")
     p.add_argument("--tokens", type=int, nargs="*", default=None, help="token counts per step")
     p.add_argument("--modes", nargs="*", default=["auto", "pinned"], help="table memory modes")
-    p.add_argument("--compute-us", type=float, default=150.0, help="stand-in compute for decode steps")
-    p.add_argument("--prefill-compute-us", type=float, default=2000.0, help="stand-in compute, >= 512 tokens")
+    p.add_argument("--compute-us", type=float, default=368.0, help="stand-in compute for decode steps")
+    p.add_argument("--prefill-compute-us", type=float, default=15400.0, help="stand-in compute, >= 512 tokens")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--programs", type=int, default=None, help="gather grid cap (default: one per SM)")
     return p.parse_args()
