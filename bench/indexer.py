@@ -62,7 +62,7 @@ if ARGS.smoke:
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
 
 import torch
-from common import git_commit  # $DSV4_COMMIT wins over a stale .git
+from common import git_commit, synchronizer  # git_commit: $DSV4_COMMIT wins over a stale .git
 
 import dsv4.fast.kernels.indexer as ix
 import dsv4.fast.kernels.topk as tk
@@ -85,9 +85,7 @@ else:
                "warmup": ARGS.warmup or 5, "H": 32, "d": 128, "topk": 512, "pool_blocks": 2048, "block_size": 8}
 
 
-def sync():
-    if DEV == "cuda":
-        torch.cuda.synchronize()
+sync = synchronizer(DEV)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -238,18 +238,18 @@ class LLM:
         yield from zip(requests, tokens)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """logits [n, vocab] -> each request's next token; the greedy ones in one draw (one host sync)."""
+        """logits [n, vocab] -> each request's next token: one argmax over the rows serves the greedy ones (one host
+        sync); the others are drawn one by one with their own generators."""
         image = self.config.image_token_id if self.config.is_v41 else None
         if image is not None and image < logits.shape[-1]:  # image input is not supported: never emit one
             # out of place: the executor's logits are inference tensors, read-only out here
             logits = logits.index_fill(-1, torch.tensor(image, device=logits.device), float("-inf"))
-        greedy = [i for i, r in enumerate(requests) if r.params.temperature == 0]
-        tokens = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist())) if greedy else {}
+        tokens = logits.argmax(dim=-1).tolist()
         for i, req in enumerate(requests):
-            if i not in tokens:
-                sp = req.params
+            sp = req.params
+            if sp.temperature != 0:
                 tokens[i] = int(sample(logits[i : i + 1], sp.temperature, sp.top_k, sp.top_p, req.generator))
-        return [tokens[i] for i in range(len(requests))]
+        return tokens
 
     def _text(self, req: Request) -> str | None:
         return self.decode(req.output_ids)

@@ -9,6 +9,8 @@ The fast engine runs on the host here, its kernels computing with their referenc
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -27,12 +29,12 @@ def reference_engine(path, **kwargs) -> LLM:
     return LLM(path, impl="reference", dtype=torch.float32, quant_sim=False, **kwargs)
 
 
-def fast_engine(path, slots: int, **kwargs) -> LLM:
-    """A fast engine on the host (the GPU kernels compute in bf16) whose KV memory holds exactly `slots`
-    slots of MAX_LEN tokens."""
-    config = Dsv4Config.from_json(path)
+def fast_engine(model, slots: int, **kwargs) -> LLM:
+    """A fast engine on the host (the GPU kernels compute in bf16) over a checkpoint path or a loaded fp32
+    model, whose KV memory holds exactly `slots` slots of MAX_LEN tokens."""
+    config = Dsv4Config.from_json(model) if isinstance(model, (str, Path)) else model.config
     per_slot = SlotState.bytes_per_slot(config, MAX_LEN, torch.float32, False, default_block_size(config))
-    return LLM(path, impl="fast", device="cpu", dtype=torch.float32, quant_sim=False, max_model_len=MAX_LEN,
+    return LLM(model, impl="fast", device="cpu", dtype=torch.float32, quant_sim=False, max_model_len=MAX_LEN,
                kv_cache_memory=(slots + 1) * per_slot, **kwargs)  # one more: the runner's scratch slot
 
 
@@ -157,11 +159,8 @@ def test_an_engine_over_a_loaded_model_equals_one_over_its_checkpoint(tiny_v41_d
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     prompts = [prompt(1, 30), prompt(2, 17)]
     want = tokens(fast_engine(tiny_v41_dir, 2).generate(prompts, params))
-    config = Dsv4Config.from_json(tiny_v41_dir)
-    per_slot = SlotState.bytes_per_slot(config, MAX_LEN, torch.float32, False, default_block_size(config))
     model = load_model(str(tiny_v41_dir), torch.float32, progress=False)
     for _ in range(2):
-        llm = LLM(model, impl="fast", device="cpu", quant_sim=False, max_model_len=MAX_LEN,
-                  kv_cache_memory=3 * per_slot)
+        llm = fast_engine(model, 2)
         assert llm.tokenizer is None and llm.model is model
         assert tokens(llm.generate(prompts, params)) == want
