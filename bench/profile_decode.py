@@ -86,7 +86,7 @@ def main():
     prefill_chunks(runner, slots[0], ids, 2048)
     for s in slots[1:]:
         runner.resume(s, slots[0], context)
-    next_ids = torch.zeros(B, dtype=torch.int64, device=device)
+    next_ids = random_ids(config, B).to(device)  # distinct rows route to distinct experts, as in a real batch
     runner.decode(slots, next_ids)  # capture
     step_ms = common.timed(lambda: runner.decode(slots, next_ids), device, 10) * 1e3
     slot_ids = torch.tensor(slots, device=device)

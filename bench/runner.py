@@ -78,11 +78,13 @@ def fill(runner, context: int, slots: int) -> list[int]:
 
 def fast_rows(runner, device, context: int, batches: list[int]) -> dict:
     """Decode step time per batch size; each size decodes on from where the previous one stopped (a few
-    tokens past `context`)."""
+    tokens past `context`). The rows' tokens differ, so they route to different experts as a real batch does
+    (one token repeated in every row would read one token's experts)."""
     slots = fill(runner, context, max(batches))
+    g = torch.Generator().manual_seed(1)
     out = {}
     for B in batches:
-        ids = torch.zeros(B, dtype=torch.int64, device=device)
+        ids = random_ids(runner.config, B, g).to(device)
         runner.decode(slots[:B], ids)  # capture
         step = common.timed(lambda: runner.decode(slots[:B], ids), device, ARGS.steps // 2)
         out[B] = {"step_ms": step * 1e3, "tokens_per_s": B / step}
