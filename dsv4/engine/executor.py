@@ -66,7 +66,7 @@ class FastExecutor:
         if steps:
             ids = [w.request.token_ids[w.start] for w in steps]
             slots = [w.request.cache.slot for w in steps]
-            logits = self.runner.decode(slots, torch.tensor(ids, device=self.runner.state.device))  # [B, vocab]
+            logits = self.runner.decode(slots, torch.tensor(ids))  # [B, vocab]; the runner uploads the ids
             for work, token in zip(steps, ids):
                 work.request.cache.record(work.start, [token])
             yield steps, logits

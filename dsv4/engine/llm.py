@@ -230,7 +230,7 @@ class LLM:
                 requests.append(req)
         if not requests:
             return
-        tokens = self._sample(logits[rows], requests)
+        tokens = self._sample(logits if len(rows) == len(logits) else logits[rows], requests)
         for req, token in zip(requests, tokens):  # the whole group first: a consumer may stop at any yield
             req.append(token)
             if req.finished:
@@ -242,8 +242,10 @@ class LLM:
         sync); the others are drawn one by one with their own generators."""
         image = self.config.image_token_id if self.config.is_v41 else None
         if image is not None and image < logits.shape[-1]:  # image input is not supported: never emit one
-            # out of place: the executor's logits are inference tensors, read-only out here
-            logits = logits.index_fill(-1, torch.tensor(image, device=logits.device), float("-inf"))
+            # on a copy: the executor's logits are inference tensors, read-only out here (a slice's fill
+            # uploads no index, so the host does not wait for the device)
+            logits = logits.clone()
+            logits[:, image] = float("-inf")
         tokens = logits.argmax(dim=-1).tolist()
         for i, req in enumerate(requests):
             sp = req.params

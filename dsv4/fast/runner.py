@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from dsv4.fast.cache import SlotCache, SlotState
 from dsv4.fast.model import FastModel
@@ -137,9 +138,14 @@ class Runner:
         device ids has to)."""
         ids = (ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids, dtype=torch.int64)).reshape(1, -1)
         self.model.reject_image_tokens(ids)
-        if ids.device.type != "cpu" or self.state.device.type != "cuda":
-            return ids.to(self.state.device)
-        return ids.pin_memory().to(self.state.device, non_blocking=True)
+        return self._to_device(ids)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor on the runner's device. Host tensors go through pinned memory: a copy from pageable
+        memory waits for the device's queue to drain, so the host could not prepare the next step meanwhile."""
+        if t.device.type != "cpu" or self.state.device.type != "cuda":
+            return t.to(self.state.device)
+        return t.pin_memory().to(self.state.device, non_blocking=True)
 
     def _rings_written(self, slot: int, start: int, end: int) -> None:
         """A forward over [start, end) wrote the raw projections of [g - ratio, end) to the overlapping
@@ -199,7 +205,8 @@ class Runner:
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
     def decode(self, slots: Sequence[int], ids: torch.Tensor) -> torch.Tensor:
-        """One new token per slot: ids [B] -> logits [B, vocab] fp32 (valid until the next decode)."""
+        """One new token per slot: ids [B] (on the host or the device) -> logits [B, vocab] fp32 (valid until
+        the next decode). Nothing here waits for the device."""
         B = len(slots)
         if ids.shape != (B,):
             raise ValueError(f"decode takes one token id per slot: {B} slots, ids of shape {tuple(ids.shape)}")
@@ -213,9 +220,8 @@ class Runner:
             raise ValueError(f"a decode batch of {B} exceeds max_seqs {self.state.max_seqs}")
         for slot in slots:
             self._length[slot] += 1
-        slot_ids = torch.tensor(list(slots) + [self.state.scratch] * (size - B), device=self.state.device)
-        padded = torch.zeros(size, dtype=torch.int64, device=self.state.device)
-        padded[:B] = ids
+        slot_ids = self._to_device(torch.tensor(list(slots) + [self.state.scratch] * (size - B)))
+        padded = F.pad(self._to_device(ids), (0, size - B))  # padding rows decode token 0 in the scratch slot
         if not self.cuda_graphs:
             return self.step(padded, slot_ids, self.state)[:B]
         graph, static_ids, static_slots, logits = self._graph(size)
