@@ -12,6 +12,7 @@ tests run the Triton kernels and CUDA graphs.
 
 from __future__ import annotations
 
+import time
 from itertools import pairwise
 
 import pytest
@@ -267,3 +268,28 @@ def test_an_engine_captures_its_decode_graphs_before_serving(tiny_v41_dir):
     assert runner.state.max_seqs > 4 and sorted(runner._graphs) == [1, 2, 4]
     llm.generate([[5] * 10, [6] * 7, [7] * 12], SamplingParams(max_tokens=4, ignore_eos=True))
     assert sorted(runner._graphs) == [1, 2, 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_decode_step_is_queued_while_the_device_is_busy(tiny_v41_dir):
+    """Runner.decode neither copies from pageable memory nor reads the device (either waits for the queue to
+    drain), so the host prepares the next step while the device runs the last: with ids from the host and
+    from the device, its calls return long before a spin queued ahead of them ends."""
+    _, fast = models(tiny_v41_dir, packed=True, dtype=torch.bfloat16, device="cuda")
+    runner = Runner(fast, max_seqs=2, max_len=128)
+    slots = [runner.allocate() for _ in range(2)]
+    for slot in slots:
+        runner.prefill(slot, [5, 6, 7])
+    runner.decode(slots, torch.tensor([1, 2]))  # compile and capture
+    torch.cuda.synchronize()
+    spin = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    spin[0].record()
+    torch.cuda._sleep(10**9)  # ~0.5 s of clock cycles
+    spin[1].record()
+    start = time.perf_counter()
+    logits = runner.decode(slots, torch.tensor([3, 4]))
+    runner.decode(slots, logits.argmax(-1))
+    host_ms = (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize()
+    assert host_ms < spin[0].elapsed_time(spin[1]) / 4, f"{host_ms:.1f} ms on the host"
