@@ -5,7 +5,9 @@ are done: a group of works computed together (the fast executor's batched decode
 logits [len(works), vocab] fp32 of each work's last position (rows of works that do not sample are
 unused; None when none does). Works of requests preempted earlier in the step are skipped. The engine
 commits, samples (one batched draw per group) and finishes a group's requests as the group arrives,
-before the next work runs (so a finished request's memory is free for the rest of the step).
+before the next work runs (so a finished request's memory is free for the rest of the step). The fast
+executor also launches decode steps whose tokens are still on the device (`decode_ahead`), which the engine
+then `record`s or `discard`s.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class FastExecutor:
         self.runner, self.block_size = kv.runner, kv.block_size
 
     def run(self, works: Sequence[Work]) -> Iterator[tuple[list[Work], torch.Tensor]]:
-        steps = [w for w in works if _is_step(w)]
+        steps = [w for w in works if w.is_step]
         if steps:
             ids = [w.request.token_ids[w.start] for w in steps]
             slots = [w.request.cache.slot for w in steps]
@@ -71,8 +73,24 @@ class FastExecutor:
                 work.request.cache.record(work.start, [token])
             yield steps, logits
         for work in works:
-            if not _is_step(work):
+            if not work.is_step:
                 yield [work], self._prefill(work)[None]
+
+    def decode_ahead(self, steps: Sequence[Work], tokens: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """Launch decode steps whose input tokens are not on the host yet: tokens [n] on the device, rows[i] the
+        one steps[i] takes -> logits [len(steps), vocab]. Each step is then `record`ed once its token is read,
+        or `discard`ed."""
+        ids = tokens if list(rows) == list(range(len(tokens))) else tokens[self.runner.to_device(torch.tensor(rows))]
+        return self.runner.decode([w.request.cache.slot for w in steps], ids)
+
+    def record(self, step: Work, token: int) -> None:
+        step.request.cache.record(step.start, [token])
+
+    def discard(self, step: Work) -> None:
+        """Undo a launched step that is not wanted (its request finished, or nobody reads it)."""
+        if self.runner.length(step.request.cache.slot) != step.end:
+            raise RuntimeError(f"step {step.start}..{step.end} of request {step.request.request_id} is not its slot's last")
+        self.runner.drop_last(step.request.cache.slot)
 
     def _prefill(self, work: Work) -> torch.Tensor:
         """Run a chunk (or replay) into its slot -> logits [vocab] of its last position. With overlapping
@@ -88,8 +106,3 @@ class FastExecutor:
             logits = self.runner.prefill(seq.slot, tokens[start:end], start_pos=start)
             seq.record(start, tokens[start:end])
         return logits
-
-
-def _is_step(work: Work) -> bool:
-    """One token appended to a slot that already holds a prompt: what a batched decode step computes."""
-    return not work.replay and work.end - work.start == 1 and work.start > 0

@@ -4,6 +4,9 @@ One engine step asks the scheduler for work (decode tokens and prefill chunks un
 runs it through the model with each request's cache (an executor per implementation: the reference
 model over paged KV blocks, or the fast runner over sequence slots with the step's decodes batched),
 samples where a piece ends on the last known token, and commits what was computed to the prefix cache.
+While every running request decodes greedily and none waits, the fast engine launches each decode step
+before it reads the tokens of the one before (the device never waits for the host's turn between steps),
+and drops the step run ahead for a request that stopped.
 Prefix hits restore the cached global KV; with SWA bounded replay (the default) the hit's last window is
 recomputed to rebuild the sliding windows, with it off the windows come from the cache and a hit
 reproduces a cold run.
@@ -213,10 +216,50 @@ class LLM:
     def _run(self) -> Iterator[tuple[Request, int]]:
         while self.scheduler.has_work:
             for works, logits in self.executor.run(self.scheduler.schedule()):
-                yield from self._complete(works, logits)
+                if self._steady(works):
+                    yield from self._decode_ahead(works, logits)
+                else:
+                    yield from self._complete(works, logits)
 
-    def _complete(self, works: list[Work], logits: torch.Tensor | None) -> Iterator[tuple[Request, int]]:
-        """Record computed works (logits [len(works), vocab]); sample where they reach the last token."""
+    def _steady(self, works: list[Work]) -> bool:
+        """Whether every step until the batch's last request finishes is known before any token is read: all
+        running requests decode greedily in this group and none waits for a slot (a finish would admit it)."""
+        return (isinstance(self.executor, FastExecutor) and not self.scheduler.waiting
+                and len(works) == len(self.scheduler.running)
+                and all(w.is_step and w.request.params.temperature == 0 for w in works))
+
+    def _decode_ahead(self, works: list[Work], logits: torch.Tensor) -> Iterator[tuple[Request, int]]:
+        """The decode steps of a steady batch, each launched before the tokens of the one before it are read, so
+        the device runs a step while the host reads tokens, finishes requests and prepares the next (it would
+        idle otherwise). A step run ahead for a request that then stops is discarded."""
+        rows = list(range(len(works)))  # works[i]'s row of logits
+        ahead: list[Work] = []  # launched, tokens not read: dropped if the consumer stops
+        try:
+            while works:
+                tokens = self._mask(logits).argmax(dim=-1)  # [len(logits)] on the device
+                going = [i for i, w in enumerate(works) if not w.request.last_step]
+                ahead = [Work(works[i].request, works[i].end, works[i].end + 1) for i in going]
+                next_logits = self.executor.decode_ahead(ahead, tokens, [rows[i] for i in going]) if ahead else None
+                drawn = tokens.tolist()  # waits for this step only
+                drawn = [drawn[row] for row in rows]  # works[i]'s token
+                kept = []  # of the steps ahead, those whose request goes on (their rows of next_logits)
+                for j, (i, step) in enumerate(zip(going, ahead)):
+                    if step.request.stops_at(drawn[i]):
+                        self.executor.discard(step)
+                    else:
+                        self.executor.record(step, drawn[i])
+                        kept.append(j)
+                ahead = [ahead[j] for j in kept]
+                yield from self._complete(works, drawn=drawn)
+                works, rows, logits, ahead = ahead, kept, next_logits, []
+        finally:
+            for step in ahead:
+                self.executor.discard(step)
+
+    def _complete(self, works: list[Work], logits: torch.Tensor | None = None,
+                  drawn: list[int] | None = None) -> Iterator[tuple[Request, int]]:
+        """Record computed works (logits [len(works), vocab]); sample where they reach the last token, unless
+        the tokens are `drawn` already (one per work)."""
         rows, requests = [], []
         for i, work in enumerate(works):
             req = work.request
@@ -230,7 +273,10 @@ class LLM:
                 requests.append(req)
         if not requests:
             return
-        tokens = self._sample(logits if len(rows) == len(logits) else logits[rows], requests)
+        if drawn is not None:
+            tokens = [drawn[i] for i in rows]
+        else:
+            tokens = self._sample(logits if len(rows) == len(logits) else logits[rows], requests)
         for req, token in zip(requests, tokens):  # the whole group first: a consumer may stop at any yield
             req.append(token)
             if req.finished:
@@ -240,18 +286,25 @@ class LLM:
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits [n, vocab] -> each request's next token: one argmax over the rows serves the greedy ones (one host
         sync); the others are drawn one by one with their own generators."""
-        image = self.config.image_token_id if self.config.is_v41 else None
-        if image is not None and image < logits.shape[-1]:  # image input is not supported: never emit one
-            # on a copy: the executor's logits are inference tensors, read-only out here (a slice's fill
-            # uploads no index, so the host does not wait for the device)
-            logits = logits.clone()
-            logits[:, image] = float("-inf")
+        logits = self._mask(logits)
         tokens = logits.argmax(dim=-1).tolist()
         for i, req in enumerate(requests):
             sp = req.params
             if sp.temperature != 0:
                 tokens[i] = int(sample(logits[i : i + 1], sp.temperature, sp.top_k, sp.top_p, req.generator))
         return tokens
+
+    def _mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [n, vocab] with the tokens that are never sampled at -inf: V4.1's image token (image input is
+        not supported)."""
+        image = self.config.image_token_id if self.config.is_v41 else None
+        if image is None or image >= logits.shape[-1]:
+            return logits
+        # on a copy: the executor's logits are inference tensors, read-only out here (a slice's fill uploads no
+        # index, so the host does not wait for the device)
+        logits = logits.clone()
+        logits[:, image] = float("-inf")
+        return logits
 
     def _text(self, req: Request) -> str | None:
         return self.decode(req.output_ids)

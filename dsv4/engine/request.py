@@ -103,13 +103,21 @@ class Request:
         now = time.perf_counter()
         if not self.output_ids:
             self.metrics.first_token_time = now
+        self.finish_reason = self.stops_at(token)
         self.output_ids.append(token)
-        if token in self.stop_ids:
-            self.finish_reason = "stop"
-        elif len(self.output_ids) >= self.params.max_tokens:
-            self.finish_reason = "length"
         if self.finished:
             self.metrics.finished_time = now
+
+    @property
+    def last_step(self) -> bool:
+        """The next token is the last: max_tokens ends the request there."""
+        return len(self.output_ids) + 1 >= self.params.max_tokens
+
+    def stops_at(self, token: int) -> str | None:
+        """The finish reason that appending `token` gives (None: the request goes on)."""
+        if token in self.stop_ids:
+            return "stop"
+        return "length" if self.last_step else None
 
     def to_output(self, text: str | None) -> RequestOutput:
         completion = CompletionOutput(0, list(self.output_ids), text, self.finish_reason)

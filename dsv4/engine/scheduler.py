@@ -33,6 +33,11 @@ class Work:
         """The chunk reaches the last known token, so its last logits give the next token."""
         return not self.replay and self.end == len(self.request.token_ids)
 
+    @property
+    def is_step(self) -> bool:
+        """One token appended to a cache that already holds a prompt: what a batched decode step computes."""
+        return not self.replay and self.end - self.start == 1 and self.start > 0
+
 
 class Scheduler:
     def __init__(self, kv, max_num_batched_tokens: int = 512, max_num_seqs: int = 64):

@@ -138,9 +138,9 @@ class Runner:
         device ids has to)."""
         ids = (ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids, dtype=torch.int64)).reshape(1, -1)
         self.model.reject_image_tokens(ids)
-        return self._to_device(ids)
+        return self.to_device(ids)
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A tensor on the runner's device. Host tensors go through pinned memory: a copy from pageable
         memory waits for the device's queue to drain, so the host could not prepare the next step meanwhile."""
         if t.device.type != "cpu" or self.state.device.type != "cuda":
@@ -220,8 +220,8 @@ class Runner:
             raise ValueError(f"a decode batch of {B} exceeds max_seqs {self.state.max_seqs}")
         for slot in slots:
             self._length[slot] += 1
-        slot_ids = self._to_device(torch.tensor(list(slots) + [self.state.scratch] * (size - B)))
-        padded = F.pad(self._to_device(ids), (0, size - B))  # padding rows decode token 0 in the scratch slot
+        slot_ids = self.to_device(torch.tensor(list(slots) + [self.state.scratch] * (size - B)))
+        padded = F.pad(self.to_device(ids), (0, size - B))  # padding rows decode token 0 in the scratch slot
         if not self.cuda_graphs:
             return self.step(padded, slot_ids, self.state)[:B]
         graph, static_ids, static_slots, logits = self._graph(size)
@@ -229,6 +229,21 @@ class Runner:
         static_slots.copy_(slot_ids)
         graph.replay()
         return logits[:B]
+
+    def drop_last(self, slot: int) -> None:
+        """Forget the slot's last position (a decode step run ahead for a sequence that had stopped). What that
+        step wrote stays until the position is computed again, and nothing reads it before: compressed rows and
+        index keys are read up to the slot's length, and the rows it overwrote in rings of raw projections (2
+        ratios or more back) and in the window (a window back) are older than any later step reads. One
+        position only: a longer run of dropped steps would wrap the rings onto the unfinished group."""
+        end, span = self._length[slot], self.state.resume_span
+        if end < 2:
+            raise ValueError(f"slot {slot} holds {end} tokens: no decode step to drop")
+        self._length[slot] = end - 1
+        self.state.lengths[slot].fill_(end - 1)
+        if span is not None:  # the rings moved on to `end`: the group before a boundary more than span back is gone
+            self._held_from[slot] = max(self._held_from[slot], end - span)
+            self._marks[slot] = {m for m in self._marks[slot] if end - m <= span and m < end}
 
     def capture(self, max_batch: int) -> None:
         """Capture now the decode graphs that batches of up to `max_batch` sequences use (each compiles and

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dsv4.config import Dsv4Config
+from dsv4.engine.executor import FastExecutor
 from dsv4.engine.llm import LLM, default_block_size
 from dsv4.engine.request import SamplingParams
 from dsv4.fast.cache import SlotState
@@ -71,15 +72,64 @@ def test_a_decode_batch_mixing_greedy_and_sampled_requests_samples_each_as_alone
 def test_a_stream_left_inside_a_decode_batch_leaves_every_request_schedulable(tiny_v41_dir):
     # the first 3 tokens come from the prefills; the 4th is the first of a batched decode step's group
     fast = fast_engine(tiny_v41_dir, slots=4)
-    stream = fast.stream([prompt(1, 10), prompt(2, 7), prompt(3, 12)], SamplingParams(max_tokens=4, ignore_eos=True))
+    prompts, params = [prompt(1, 10), prompt(2, 7), prompt(3, 12)], SamplingParams(max_tokens=4, ignore_eos=True)
+    stream = fast.stream(prompts, params)
     for _ in range(4):
         next(stream)
     stream.close()
-    running = fast.scheduler.running
+    running = list(fast.scheduler.running)
     assert len(running) == 3 and all(r.computed == len(r.token_ids) - 1 for r in running)
-    # the next stream finishes them too, yielding only its own tokens
+    # the next stream finishes them too, yielding only its own tokens; the step that ran ahead when the
+    # stream was left was dropped and runs again
     assert [i for i, _ in fast.stream([prompt(4, 9)], SamplingParams(max_tokens=2, ignore_eos=True))] == [0, 0]
     assert not fast.scheduler.has_work
+    whole = fast_engine(tiny_v41_dir, slots=4).generate(prompts, params)
+    assert [r.output_ids for r in running] == tokens(whole)
+
+
+def first_repeat_free(ids: list[int], start: int) -> int:
+    """The first token at or after `start` that does not occur before it."""
+    return next(t for k, t in enumerate(ids) if k >= start and t not in ids[:k])
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["bounded-replay", "no-replay"])
+def test_decode_steps_run_ahead_change_nothing(arch_dir, replay, monkeypatch):
+    """The fast engine launches a steady batch's next decode step before it reads the tokens of the last, and
+    drops the step of a request that stopped on a stop token. Its tokens are the reference engine's, and each
+    session's next turn (a prefix hit on the slot the dropped step wrote into) is what the same engine computes
+    with no step run ahead."""
+    sessions = ["a", "b", "c"]
+    n = 40 if Dsv4Config.from_json(arch_dir).is_v41 else 140  # V4: past its 128-token block
+    prompts = [prompt(11, n), prompt(12, n - 7), prompt(13, 30)]
+    free = tokens(reference_engine(arch_dir).generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True)))
+    # the first two stop on a token of their own (after 3 and 5 tokens or later), the third runs to max_tokens
+    params = [SamplingParams(max_tokens=8, stop_token_ids=[first_repeat_free(free[0], 2)]),
+              SamplingParams(max_tokens=8, stop_token_ids=[first_repeat_free(free[1], 4)]),
+              SamplingParams(max_tokens=8, ignore_eos=True)]
+    want = tokens(reference_engine(arch_dir).generate(prompts, params))
+
+    def two_turns():
+        fast = fast_engine(arch_dir, slots=4, swa_bounded_replay=replay)
+        first = fast.generate(prompts, params, session_ids=sessions)
+        turn2 = [p + o.outputs[0].token_ids + prompt(14 + i, 9) for i, (p, o) in enumerate(zip(prompts, first))]
+        return first, fast.generate(turn2, SamplingParams(max_tokens=4, ignore_eos=True), session_ids=sessions)
+
+    dropped = []
+    discard = FastExecutor.discard
+    with monkeypatch.context() as patch:
+        patch.setattr(FastExecutor, "discard", lambda self, step: (dropped.append(step), discard(self, step)))
+        first, second = two_turns()
+    with monkeypatch.context() as patch:
+        patch.setattr(LLM, "_steady", lambda self, works: False)  # every step waits for the tokens before it
+        first_in_turn, second_in_turn = two_turns()
+    assert tokens(first) == tokens(first_in_turn) == want
+    assert [o.outputs[0].finish_reason for o in first] == ["stop", "stop", "length"]
+    assert sorted(step.request.prompt_ids for step in dropped) == sorted(prompts[:2])  # a step ran ahead of each stop
+    assert tokens(second) == tokens(second_in_turn)
+    computed = [len(p) + len(o.outputs[0].token_ids) - 1 for p, o in zip(prompts, first)]
+    block = default_block_size(Dsv4Config.from_json(arch_dir))
+    cached = [o.num_cached_tokens for o in second]
+    assert cached == [o.num_cached_tokens for o in second_in_turn] == [c // block * block if replay else c for c in computed]
 
 
 @pytest.mark.parametrize("replay", [True, False], ids=["bounded-replay", "no-replay"])

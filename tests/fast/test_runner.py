@@ -147,6 +147,48 @@ def test_a_slot_resumed_with_new_tokens_serves_a_hit_at_its_resume_point(tiny_v4
     assert_close(runner.resume(runner.allocate(), slot, H, ids[H : H + 6]), seq.run(ids[H : H + 6]), EXACT)
 
 
+def test_a_slot_goes_on_as_if_its_dropped_step_never_ran(arch_dir):
+    """An engine runs a decode step ahead and drops it when the sequence has stopped: after `drop_last`, a slot
+    continues (prefill where it stops, as a hit with replay off does, or decode) as the reference does, though
+    the dropped step completed a compressor group and wrote its row."""
+    ref, fast = models(arch_dir, packed=False)
+    runner = Runner(fast, max_seqs=2, max_len=96)
+    ids, n = prompt(72, 8), 63  # position 63 ends a group of every compressor of ratio 2 or 4
+    slot, seq = runner.allocate(), ReferenceSequence(ref)
+    runner.prefill(slot, ids[:n])
+    seq.run(ids[:n])
+    runner.decode([slot], torch.tensor([5]))
+    runner.drop_last(slot)
+    assert runner.length(slot) == n
+    assert_close(runner.prefill(slot, ids[n:70]), seq.run(ids[n:70]), EXACT)
+    runner.decode([slot], torch.tensor([5]))
+    runner.drop_last(slot)
+    assert_close(runner.decode([slot], torch.tensor([ids[70]]))[0], seq.run([ids[70]]), EXACT)
+
+
+def test_a_dropped_step_counts_against_the_resume_span(tiny_v4_dir):
+    """A decode step run ahead wrote the overlapping compressors' rings before it was dropped: a slot whose rings
+    moved past the resume span of a boundary by that step no longer serves a hit there; one step less still does."""
+    ref, fast = models(tiny_v4_dir, packed=False)
+    H, span = 128, 20
+    runner = Runner(fast, max_seqs=3, max_len=H + 32, resume_span=span)
+    ids = prompt(H + span + 1, 10)
+    source = runner.allocate()
+    runner.prefill(source, ids[:H])
+    for token in ids[H : H + span]:  # the last one dropped: the rings reached H + span
+        runner.decode([source], torch.tensor([token]))
+    runner.drop_last(source)
+    assert runner.resumable(source, H)
+    slot = runner.allocate()
+    runner.resume(slot, source, H)
+    seq = ReferenceSequence(ref, bounded_replay_state(ref, torch.tensor([ids[:H]])), H)
+    assert_close(runner.prefill(slot, ids[H : H + 5]), seq.run(ids[H : H + 5]), EXACT)
+    runner.decode([source], torch.tensor([ids[H + span - 1]]))
+    runner.decode([source], torch.tensor([ids[H + span]]))  # dropped: the rings reached H + span + 1
+    runner.drop_last(source)
+    assert runner.length(source) == H + span and not runner.resumable(source, H)
+
+
 def test_packed_kv_formats_stay_within_one_rounding_code(tiny_v41_dir):
     ref, fast = models(tiny_v41_dir, packed=True)
     runner = Runner(fast, max_seqs=1, max_len=64)
