@@ -223,10 +223,9 @@ class LLM:
 
     def _steady(self, works: list[Work]) -> bool:
         """Whether every step until the batch's last request finishes is known before any token is read: all
-        running requests decode greedily in this group and none waits for a slot (a finish would admit it)."""
+        running requests decode in this group and none waits for a slot (a finish would admit it)."""
         return (isinstance(self.executor, FastExecutor) and not self.scheduler.waiting
-                and len(works) == len(self.scheduler.running)
-                and all(w.is_step and w.request.params.temperature == 0 for w in works))
+                and len(works) == len(self.scheduler.running) and all(w.is_step for w in works))
 
     def _decode_ahead(self, works: list[Work], logits: torch.Tensor) -> Iterator[tuple[Request, int]]:
         """The decode steps of a steady batch, each launched before the tokens of the one before it are read, so
@@ -236,7 +235,8 @@ class LLM:
         ahead: list[Work] = []  # launched, tokens not read: dropped if the consumer stops
         try:
             while works:
-                tokens = self._mask(logits).argmax(dim=-1)  # [len(logits)] on the device
+                # [len(logits)] on the device; rows of dropped steps draw nothing from their requests' generators
+                tokens = self._draw(logits, _by_row(works, rows, len(logits)))
                 going = [i for i, w in enumerate(works) if not w.request.last_step]
                 ahead = [Work(works[i].request, works[i].end, works[i].end + 1) for i in going]
                 next_logits = self.executor.decode_ahead(ahead, tokens, [rows[i] for i in going]) if ahead else None
@@ -276,22 +276,23 @@ class LLM:
         if drawn is not None:
             tokens = [drawn[i] for i in rows]
         else:
-            tokens = self._sample(logits if len(rows) == len(logits) else logits[rows], requests)
+            tokens = self._draw(logits if len(rows) == len(logits) else logits[rows], requests).tolist()
         for req, token in zip(requests, tokens):  # the whole group first: a consumer may stop at any yield
             req.append(token)
             if req.finished:
                 self.scheduler.finish(req)
         yield from zip(requests, tokens)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """logits [n, vocab] -> each request's next token: one argmax over the rows serves the greedy ones (one host
-        sync); the others are drawn one by one with their own generators."""
+    def _draw(self, logits: torch.Tensor, requests: Sequence[Request | None]) -> torch.Tensor:
+        """logits [n, vocab] -> each row's next token [n] on the logits' device, with no host sync: one argmax
+        over the rows serves the greedy ones (and rows of no request); the others are drawn one by one with
+        their own generators."""
         logits = self._mask(logits)
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = logits.argmax(dim=-1)
         for i, req in enumerate(requests):
-            sp = req.params
-            if sp.temperature != 0:
-                tokens[i] = int(sample(logits[i : i + 1], sp.temperature, sp.top_k, sp.top_p, req.generator))
+            if req is not None and req.params.temperature != 0:
+                sp = req.params
+                tokens[i] = sample(logits[i : i + 1], sp.temperature, sp.top_k, sp.top_p, req.generator)[0]
         return tokens
 
     def _mask(self, logits: torch.Tensor) -> torch.Tensor:
@@ -360,3 +361,11 @@ def _tokenizer(model_dir: Path | None):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(file))
+
+
+def _by_row(works: list[Work], rows: list[int], n: int) -> list[Request | None]:
+    """The request of each of n logits rows (works[i] owns rows[i]; None: a row nobody reads)."""
+    out: list[Request | None] = [None] * n
+    for work, row in zip(works, rows):
+        out[row] = work.request
+    return out

@@ -95,21 +95,22 @@ def first_repeat_free(ids: list[int], start: int) -> int:
 @pytest.mark.parametrize("replay", [True, False], ids=["bounded-replay", "no-replay"])
 def test_decode_steps_run_ahead_change_nothing(arch_dir, replay, monkeypatch):
     """The fast engine launches a steady batch's next decode step before it reads the tokens of the last, and
-    drops the step of a request that stopped on a stop token. Its tokens are the reference engine's, and each
-    session's next turn (a prefix hit on the slot the dropped step wrote into) is what the same engine computes
-    with no step run ahead."""
-    sessions = ["a", "b", "c"]
+    drops the step of a request that stopped on a stop token. Its tokens are the reference engine's (a sampled
+    request's too: the same draws from its generator), and each session's next turn (a prefix hit on the slot
+    the dropped step wrote into) is what the same engine computes with no step run ahead."""
+    sessions = ["a", "b", "c", "d"]
     n = 40 if Dsv4Config.from_json(arch_dir).is_v41 else 140  # V4: past its 128-token block
-    prompts = [prompt(11, n), prompt(12, n - 7), prompt(13, 30)]
+    prompts = [prompt(11, n), prompt(12, n - 7), prompt(13, 30), prompt(15, 21)]
     free = tokens(reference_engine(arch_dir).generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True)))
-    # the first two stop on a token of their own (after 3 and 5 tokens or later), the third runs to max_tokens
+    # the first two stop on a token of their own (after 3 and 5 tokens or later), the others run to max_tokens
     params = [SamplingParams(max_tokens=8, stop_token_ids=[first_repeat_free(free[0], 2)]),
               SamplingParams(max_tokens=8, stop_token_ids=[first_repeat_free(free[1], 4)]),
-              SamplingParams(max_tokens=8, ignore_eos=True)]
+              SamplingParams(max_tokens=8, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=1.0, top_k=50, seed=3, ignore_eos=True)]
     want = tokens(reference_engine(arch_dir).generate(prompts, params))
 
     def two_turns():
-        fast = fast_engine(arch_dir, slots=4, swa_bounded_replay=replay)
+        fast = fast_engine(arch_dir, slots=5, swa_bounded_replay=replay)
         first = fast.generate(prompts, params, session_ids=sessions)
         turn2 = [p + o.outputs[0].token_ids + prompt(14 + i, 9) for i, (p, o) in enumerate(zip(prompts, first))]
         return first, fast.generate(turn2, SamplingParams(max_tokens=4, ignore_eos=True), session_ids=sessions)
@@ -123,7 +124,7 @@ def test_decode_steps_run_ahead_change_nothing(arch_dir, replay, monkeypatch):
         patch.setattr(LLM, "_steady", lambda self, works: False)  # every step waits for the tokens before it
         first_in_turn, second_in_turn = two_turns()
     assert tokens(first) == tokens(first_in_turn) == want
-    assert [o.outputs[0].finish_reason for o in first] == ["stop", "stop", "length"]
+    assert [o.outputs[0].finish_reason for o in first] == ["stop", "stop", "length", "length"]
     assert sorted(step.request.prompt_ids for step in dropped) == sorted(prompts[:2])  # a step ran ahead of each stop
     assert tokens(second) == tokens(second_in_turn)
     computed = [len(p) + len(o.outputs[0].token_ids) - 1 for p, o in zip(prompts, first)]
