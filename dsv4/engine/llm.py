@@ -4,7 +4,7 @@ One engine step asks the scheduler for work (decode tokens and prefill chunks un
 runs it through the model with each request's cache (an executor per implementation: the reference
 model over paged KV blocks, or the fast runner over sequence slots with the step's decodes batched),
 samples where a piece ends on the last known token, and commits what was computed to the prefix cache.
-While every running request decodes greedily and none waits, the fast engine launches each decode step
+While every running request decodes and none waits, the fast engine launches each decode step
 before it reads the tokens of the one before (the device never waits for the host's turn between steps),
 and drops the step run ahead for a request that stopped.
 Prefix hits restore the cached global KV; with SWA bounded replay (the default) the hit's last window is
@@ -122,6 +122,8 @@ class LLM:
         self.executor = FastExecutor(self.kv) if impl == "fast" else ReferenceExecutor(self.model, self.scheduler)
         self._ids = itertools.count()
         self.last_num_cached_tokens = 0  # of the last streamed request, for the CLI's chat report
+        self._runs = 0  # engine loops started: a loop a later one took over stops when resumed
+        self._in_flight: list[Work] = []  # decode steps run ahead by a loop left at a yield (a stream not read on)
 
     def _slots(self, quant_sim, memory, fraction, block_size, replay, prefix_caching):
         """The fast model (in place of the reference one) on its device, and its runner's slots as the KV
@@ -214,12 +216,21 @@ class LLM:
                              f"{limit} (max_model_len)")
 
     def _run(self) -> Iterator[tuple[Request, int]]:
+        """The engine loop: it takes over the requests a stream left unfinished, and stops when a later loop has
+        taken over its own."""
+        for step in self._in_flight:  # a step ahead of a stream left at a yield: run again when scheduled
+            self.executor.discard(step)
+        self._in_flight = []
+        self._runs += 1
+        run = self._runs
         while self.scheduler.has_work:
             for works, logits in self.executor.run(self.scheduler.schedule()):
                 if self._steady(works):
-                    yield from self._decode_ahead(works, logits)
+                    yield from self._decode_ahead(works, logits, run)
                 else:
                     yield from self._complete(works, logits)
+                if self._runs != run:
+                    return
 
     def _steady(self, works: list[Work]) -> bool:
         """Whether every step until the batch's last request finishes is known before any token is read: all
@@ -227,34 +238,46 @@ class LLM:
         return (isinstance(self.executor, FastExecutor) and not self.scheduler.waiting
                 and len(works) == len(self.scheduler.running) and all(w.is_step for w in works))
 
-    def _decode_ahead(self, works: list[Work], logits: torch.Tensor) -> Iterator[tuple[Request, int]]:
+    def _decode_ahead(self, works: list[Work], logits: torch.Tensor, run: int) -> Iterator[tuple[Request, int]]:
         """The decode steps of a steady batch, each launched before the tokens of the one before it are read, so
         the device runs a step while the host reads tokens, finishes requests and prepares the next (it would
-        idle otherwise). A step run ahead for a request that then stops is discarded."""
+        idle otherwise). A step run ahead for a request that then stops is dropped, as are the steps ahead when
+        the consumer leaves; on an error the computed steps complete and the steps ahead are dropped, so the
+        slots hold what the requests record (one step past it could be dropped, never two)."""
         rows = list(range(len(works)))  # works[i]'s row of logits
-        ahead: list[Work] = []  # launched, tokens not read: dropped if the consumer stops
+        ahead: list[Work] = []  # launched after `works`, their input tokens not read yet
+        tokens = None  # works' tokens on the device, once drawn
         try:
             while works:
-                # [len(logits)] on the device; rows of dropped steps draw nothing from their requests' generators
-                tokens = self._draw(logits, _by_row(works, rows, len(logits)))
+                tokens = self._draw(logits, _by_row(works, rows, len(logits)))  # [len(logits)]
                 going = [i for i, w in enumerate(works) if not w.request.last_step]
-                ahead = [Work(works[i].request, works[i].end, works[i].end + 1) for i in going]
-                next_logits = self.executor.decode_ahead(ahead, tokens, [rows[i] for i in going]) if ahead else None
-                drawn = tokens.tolist()  # waits for this step only
-                drawn = [drawn[row] for row in rows]  # works[i]'s token
-                kept = []  # of the steps ahead, those whose request goes on (their rows of next_logits)
-                for j, (i, step) in enumerate(zip(going, ahead)):
-                    if step.request.stops_at(drawn[i]):
-                        self.executor.discard(step)
-                    else:
+                steps = [Work(works[i].request, works[i].end, works[i].end + 1) for i in going]
+                next_logits = self.executor.decode_ahead(steps, tokens, [rows[i] for i in going]) if steps else None
+                ahead = steps
+                drawn = _read(tokens, rows)  # waits for this step only
+                kept = [j for j, i in enumerate(going) if not works[i].request.stops_at(drawn[i])]
+                for j, (i, step) in enumerate(zip(going, steps)):
+                    if j in kept:
                         self.executor.record(step, drawn[i])
-                        kept.append(j)
-                ahead = [ahead[j] for j in kept]
-                yield from self._complete(works, drawn=drawn)
-                works, rows, logits, ahead = ahead, kept, next_logits, []
+                    else:
+                        self.executor.discard(step)
+                ahead = self._in_flight = [steps[j] for j in kept]  # a later loop drops them if left at a yield
+                done, works = works, []
+                yield from self._complete(done, drawn=drawn)
+                if self._runs != run:
+                    return  # a later loop took the requests over (and dropped the steps ahead)
+                works, rows, logits, ahead, tokens, self._in_flight = ahead, kept, next_logits, [], None, []
         finally:
-            for step in ahead:
-                self.executor.discard(step)
+            if self._runs == run:
+                if works and tokens is not None:  # drawn, not completed: complete them, read from the device again
+                    for _ in self._complete(works, drawn=_read(tokens, rows)):
+                        pass
+                elif works:  # not drawn: the steps that computed them run again
+                    for step in works:
+                        self.executor.discard(step)
+                for step in ahead:
+                    self.executor.discard(step)
+                self._in_flight = []
 
     def _complete(self, works: list[Work], logits: torch.Tensor | None = None,
                   drawn: list[int] | None = None) -> Iterator[tuple[Request, int]]:
@@ -369,3 +392,9 @@ def _by_row(works: list[Work], rows: list[int], n: int) -> list[Request | None]:
     for work, row in zip(works, rows):
         out[row] = work.request
     return out
+
+
+def _read(tokens: torch.Tensor, rows: list[int]) -> list[int]:
+    """Device tokens [n] -> on the host, those of `rows` in their order (waits for the device)."""
+    drawn = tokens.tolist()
+    return [drawn[row] for row in rows]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dsv4.config import Dsv4Config
+from dsv4.engine import llm as llm_module
 from dsv4.engine.executor import FastExecutor
 from dsv4.engine.llm import LLM, default_block_size
 from dsv4.engine.request import SamplingParams
@@ -85,6 +86,45 @@ def test_a_stream_left_inside_a_decode_batch_leaves_every_request_schedulable(ti
     assert not fast.scheduler.has_work
     whole = fast_engine(tiny_v41_dir, slots=4).generate(prompts, params)
     assert [r.output_ids for r in running] == tokens(whole)
+
+
+class Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("how", ["closed", "left open", "interrupted"])
+def test_requests_of_a_stream_left_while_steps_run_ahead_finish_as_if_uninterrupted(tiny_v41_dir, how, monkeypatch):
+    """A stream left at a yield (closed, or only no longer read) while a decode step runs ahead, or interrupted
+    while it waits for the tokens with two steps launched: the next engine call finishes its requests with the
+    tokens of an uninterrupted run (the steps ahead are dropped, the computed ones completed)."""
+    prompts, params = [prompt(1, 10), prompt(2, 7), prompt(3, 12)], SamplingParams(max_tokens=6, ignore_eos=True)
+    whole = tokens(fast_engine(tiny_v41_dir, slots=4).generate(prompts, params))
+    fast = fast_engine(tiny_v41_dir, slots=4)
+    stream = fast.stream(prompts, params)
+    if how == "interrupted":
+        read, reads = llm_module._read, []
+
+        def interrupted_once(*args):
+            reads.append(1)
+            if len(reads) == 2:  # the second step's tokens: the third step is launched already
+                raise Interrupted
+            return read(*args)
+
+        with monkeypatch.context() as patch, pytest.raises(Interrupted):
+            patch.setattr(llm_module, "_read", interrupted_once)
+            for _ in stream:
+                pass
+    else:
+        for _ in range(5):  # the prefills' 3 tokens, then inside the decode steps
+            next(stream)
+        if how == "closed":
+            stream.close()
+    running = list(fast.scheduler.running)
+    assert len(running) == 3 and all(r.computed == len(r.token_ids) - 1 for r in running)
+    fast.generate(prompt(4, 9), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert [r.output_ids for r in running] == whole
+    stream.close()  # a loop a later one took over leaves everything as it is
+    assert not fast.scheduler.has_work
 
 
 def first_repeat_free(ids: list[int], start: int) -> int:
@@ -215,3 +255,22 @@ def test_an_engine_over_a_loaded_model_equals_one_over_its_checkpoint(tiny_v41_d
         llm = fast_engine(model, 2)
         assert llm.tokenizer is None and llm.model is model
         assert tokens(llm.generate(prompts, params)) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_steps_run_ahead_through_cuda_graphs_change_nothing(tiny_v41_dir, monkeypatch):
+    """On the GPU a decode step's logits are its graph's output buffer, which the step run ahead overwrites:
+    every read of them is queued before that step. Stop tokens shrink the batch (other graph sizes) and a seeded
+    request samples: the tokens of the same engine reading each step's tokens before it launches the next."""
+    prompts = [prompt(i, 20 + 7 * i) for i in range(5)]
+    llm = LLM(tiny_v41_dir, impl="fast", max_num_seqs=5, max_model_len=256, kv_cache_memory=2**28,
+              enable_prefix_caching=False)
+    free = tokens(llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True)))
+    params = [SamplingParams(max_tokens=24, stop_token_ids=[first_repeat_free(free[i], 2 + 4 * i)]) for i in range(3)]
+    params += [SamplingParams(max_tokens=24, ignore_eos=True),
+               SamplingParams(max_tokens=20, temperature=1.0, top_k=50, seed=3, ignore_eos=True)]
+    ahead = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)]
+    monkeypatch.setattr(LLM, "_steady", lambda self, works: False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)] == ahead
+    assert [reason for _, reason in ahead][:3] == ["stop"] * 3
