@@ -79,6 +79,7 @@ class Runner:
         # earlier prefill forwards (`_marks`), while within resume_span; a prefill forward writes only
         # the last groups it reaches, so a slot can be resumed at no other point
         self._held_from = [0] * max_seqs
+        self._stepped = [False] * max_seqs  # the slot's last position came from a decode step (drop_last's)
         self._marks: list[set[int]] = [set() for _ in range(max_seqs)]
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -105,6 +106,7 @@ class Runner:
         self.state.clear(slot)
         self._length[slot] = self._window_start[slot] = self._held_from[slot] = 0
         self._marks[slot] = set()
+        self._stepped[slot] = False
         return slot
 
     def release(self, slot: int) -> None:
@@ -127,6 +129,7 @@ class Runner:
         cache = SlotCache(self.state, slot, held, self._window_start[slot])
         hidden = self.model.hidden_states(ids, cache=cache, start_pos=start)
         self._length[slot] = start + ids.shape[1]
+        self._stepped[slot] = False
         self._window_start[slot] = cache.window_start
         # the compressors skip a replay's positions (below what the slot held): they start at `held`
         self._rings_written(slot, max(start, held), self._length[slot])
@@ -191,6 +194,7 @@ class Runner:
         self.state.copy_prefix(source, slot, length)
         self._length[slot] = self._window_start[slot] = self._held_from[slot] = length
         self._marks[slot] = set()
+        self._stepped[slot] = False
 
     def resume(self, slot: int, source: int, length: int, ids: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
         """`restore`, then the bounded replay of the window before `length`, in one forward with `ids` (the tokens
@@ -220,6 +224,7 @@ class Runner:
             raise ValueError(f"a decode batch of {B} exceeds max_seqs {self.state.max_seqs}")
         for slot in slots:
             self._length[slot] += 1
+            self._stepped[slot] = True
         slot_ids = self.to_device(torch.tensor(list(slots) + [self.state.scratch] * (size - B)))
         padded = F.pad(self.to_device(ids), (0, size - B))  # padding rows decode token 0 in the scratch slot
         if not self.cuda_graphs:
@@ -234,11 +239,12 @@ class Runner:
         """Forget the slot's last position (a decode step run ahead for a sequence that had stopped). What that
         step wrote stays until the position is computed again, and nothing reads it before: compressed rows and
         index keys are read up to the slot's length, and the rows it overwrote in rings of raw projections (2
-        ratios or more back) and in the window (a window back) are older than any later step reads. One
-        position only: a longer run of dropped steps would wrap the rings onto the unfinished group."""
+        ratios or more back) and in the window (a window back) are older than any later step reads. One decode
+        step only: after two, the second's window write would have replaced a row the first position reads."""
         end, span = self._length[slot], self.state.resume_span
-        if end < 2:
-            raise ValueError(f"slot {slot} holds {end} tokens: no decode step to drop")
+        if not self._stepped[slot]:
+            raise ValueError(f"slot {slot}'s last position is not a decode step's (or one was dropped already)")
+        self._stepped[slot] = False
         self._length[slot] = end - 1
         self.state.lengths[slot].fill_(end - 1)
         if span is not None:  # the rings moved on to `end`: the group before a boundary more than span back is gone

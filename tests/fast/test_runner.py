@@ -157,9 +157,13 @@ def test_a_slot_goes_on_as_if_its_dropped_step_never_ran(arch_dir):
     slot, seq = runner.allocate(), ReferenceSequence(ref)
     runner.prefill(slot, ids[:n])
     seq.run(ids[:n])
+    with pytest.raises(ValueError, match="not a decode step's"):
+        runner.drop_last(slot)  # a prefill's position
     runner.decode([slot], torch.tensor([5]))
     runner.drop_last(slot)
     assert runner.length(slot) == n
+    with pytest.raises(ValueError, match="dropped already"):
+        runner.drop_last(slot)
     assert_close(runner.prefill(slot, ids[n:70]), seq.run(ids[n:70]), EXACT)
     runner.decode([slot], torch.tensor([5]))
     runner.drop_last(slot)
