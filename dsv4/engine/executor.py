@@ -70,7 +70,7 @@ class FastExecutor:
             slots = [w.request.cache.slot for w in steps]
             logits = self.runner.decode(slots, torch.tensor(ids))  # [B, vocab]; the runner uploads the ids
             for work, token in zip(steps, ids):
-                work.request.cache.record(work.start, [token])
+                self.record(work, token)
             yield steps, logits
         for work in works:
             if not work.is_step:
@@ -84,6 +84,7 @@ class FastExecutor:
         return self.runner.decode([w.request.cache.slot for w in steps], ids)
 
     def record(self, step: Work, token: int) -> None:
+        """The step's input token, now known on the host, is its slot's."""
         step.request.cache.record(step.start, [token])
 
     def discard(self, step: Work) -> None:
