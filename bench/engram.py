@@ -2,6 +2,7 @@
 
     python bench/engram.py          # H200: < 3 minutes, ~8.5 GB of pinned host memory per table mode
     python bench/engram.py --smoke  # tiny table on the CPU (Triton interpreter), checks the plumbing
+    python bench/engram.py --modes auto --programs 8 16 32   # gather grid caps side by side, same tables
 
 Two synthetic tables of --rows rows x 264 B (default 16M rows = 4.2 GB each; the real ones are 384M,
 98 GB) stand for V4.1's Engram layers 1 and 14; each token reads 24 random rows per layer. Token counts:
@@ -56,7 +57,8 @@ def parse_args():
     p.add_argument("--compute-us", type=float, default=368.0, help="stand-in compute for decode steps")
     p.add_argument("--prefill-compute-us", type=float, default=15400.0, help="stand-in compute, >= 512 tokens")
     p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--programs", type=int, default=None, help="gather grid cap (default: one per SM)")
+    p.add_argument("--programs", type=int, nargs="*", default=None,
+                   help="gather grid caps, one run each on the same tables (default: the prefetch's own)")
     return p.parse_args()
 
 
@@ -205,7 +207,8 @@ class StandIn:
         return y
 
 
-def bench_mode(mode, tokens_list, reps, device):
+def bench_mode(mode, tokens_list, reps, device) -> list[dict]:
+    """One table memory mode: a run (table info and rows) per gather grid cap of --programs."""
     cuda = device == "cuda"
     t0 = time.time()
     tables = [HostEngramTable(ARGS.rows if cuda else 4096, mode=mode if cuda else "pageable") for _ in range(L)]
@@ -215,9 +218,23 @@ def bench_mode(mode, tokens_list, reps, device):
     info = {"mode_requested": mode, "mode": tables[0].mode, "thp_anon_huge_kb": tables[0].thp_kb,
             "notes": tables[0].notes, "rows": tables[0].rows, "alloc_s": round(alloc_s, 2),
             "fill_s": round(time.time() - t0 - alloc_s, 2), "table_gb": round(tables[0].nbytes / 1e9, 3)}
-    pre = EngramPrefetcher(tables, device, max_tokens=max(tokens_list), programs=ARGS.programs)
+    runs = []
+    for programs in ARGS.programs or [None]:
+        pre = EngramPrefetcher(tables, device, max_tokens=max(tokens_list), programs=programs)
+        results, breakdown = measure(pre, tables, tokens_list, reps, device)
+        cap = programs or ("min(32, SMs): the prefetch default" if cuda else "4: the host default")
+        runs.append({**info, "gather_programs": cap, "host_breakdown_us": breakdown, "results": results})
+        pre.buffers = []
+    for t in tables:
+        t.close()  # unregisters a THP mapping; the memory goes when the tables do (on return)
+    return runs
+
+
+def measure(pre, tables, tokens_list, reps, device) -> tuple[list[dict], dict | None]:
+    """Rows per token count, and the host time of start()'s pieces at the first count (CUDA)."""
+    cuda = device == "cuda"
     gen = torch.Generator(device=device).manual_seed(0)
-    results = []
+    results, breakdown = [], None
     for n in tokens_list:
         sets = [torch.randint(0, tables[0].rows, (n, 1, L, C), device=device, generator=gen) for _ in range(8)]
         # correctness
@@ -267,13 +284,10 @@ def bench_mode(mode, tokens_list, reps, device):
         row["speedup_vs_sync"] = row["sync_us"] / row["lookup_us"]
         row["speedup_idle_vs_sync"] = row["sync_us"] / row["lookup_idle_us"]
         row["lookup_GBps"] = row["bytes_per_step"] / row["lookup_us"] / 1e3
-        if n == tokens_list[0] and "host_breakdown_us" not in info:
-            info["host_breakdown_us"] = host_breakdown(pre, sets[0])
+        if n == tokens_list[0]:
+            breakdown = host_breakdown(pre, sets[0])
         results.append(row)
-    pre.buffers = []
-    for t in tables:
-        t.close()  # unregisters a THP mapping; the memory goes when the tables do (on return)
-    return info, results
+    return results, breakdown
 
 
 def main():
@@ -286,10 +300,9 @@ def main():
     t_start = time.time()
     runs = []
     for mode in modes:
-        info, results = bench_mode(mode, tokens, reps, device)
-        runs.append({**info, "results": results})
+        runs += bench_mode(mode, tokens, reps, device)
         gc.collect()
-        if info["mode"] == "pinned" and mode == "auto" and "pinned" in modes:
+        if runs[-1]["mode"] == "pinned" and mode == "auto" and "pinned" in modes:
             break  # auto fell back to pinned already: nothing new to measure
     meta = {
         "bench": "engram",
@@ -305,7 +318,6 @@ def main():
                    "with a spin kernel queued first (the host runs ahead: GPU cost only); *_idle: CUDA events "
                    "on an idle GPU (the host's launch time counts)"),
         "reps": reps,
-        "gather_programs": ARGS.programs or ("min(32, SMs): the prefetch default" if device == "cuda" else 4),
         "goals": {"speedup_vs_sync_fastest": 10, "hidden": 0.9},
         "runs": runs,
     }
@@ -319,7 +331,7 @@ def main():
     ok = True
     for run in runs:
         print(f"\ntable mode {run['mode']} (asked {run['mode_requested']}), AnonHugePages {run['thp_anon_huge_kb']} kB, "
-              f"{run['rows']} rows = {run['table_gb']} GB, alloc {run['alloc_s']} s")
+              f"{run['rows']} rows = {run['table_gb']} GB, alloc {run['alloc_s']} s, gather programs {run['gather_programs']}")
         print(f"{'tokens':>6s} {'ok':>3s} {'sync us':>9s} {'raw us':>9s} {'lookup us':>9s}" + ("" if device == "cpu" else
               f" {'speedup':>8s} {'GB/s':>6s} {'compute':>8s} {'overlap':>8s} {'hidden':>7s} {'start host us':>13s}"
               f" | idle GPU: {'lookup':>7s} {'speedup':>8s} {'compute':>8s} {'overlap':>8s} {'hidden':>7s}"))
@@ -334,7 +346,7 @@ def main():
                   f"{r['compute_us']:8.1f} {r['overlap_us']:8.1f} {r['hidden']:7.1%} {r['start_host_us']:13.1f}"
                   f" |           {r['lookup_idle_us']:7.1f} {r['speedup_idle_vs_sync']:7.1f}x {r['compute_idle_us']:8.1f} "
                   f"{r['overlap_idle_us']:8.1f} {r['hidden_idle']:7.1%}")
-        if "host_breakdown_us" in run:
+        if run["host_breakdown_us"] is not None:
             print("host us of start()'s pieces:", json.dumps(run["host_breakdown_us"]))
     if not ok:
         print("CORRECTNESS FAILED")
