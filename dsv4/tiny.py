@@ -203,6 +203,14 @@ def _v41_config(tokenizer) -> dict:
     }
 
 
+def _with_overrides(raw: dict, overrides: dict) -> dict:
+    """config.json with fields replaced wherever the layout puts them (V4.1: most in text_config)."""
+    out = copy.deepcopy(raw)
+    for key, value in overrides.items():
+        (out["text_config"] if key in out.get("text_config", {}) else out)[key] = value
+    return out
+
+
 def _without_quantization(raw: dict) -> dict:
     """The twin's config: no quantization_config and no expert_dtype, wherever the layout puts them."""
     drop = ("quantization_config", "expert_dtype")
@@ -310,15 +318,18 @@ def _write_json(path: Path, payload: dict) -> None:
     path.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
 
 
-def make_tiny_checkpoint(arch: str, out_dir: str | os.PathLike, seed: int = 0, dequantized: bool = False) -> Path:
+def make_tiny_checkpoint(arch: str, out_dir: str | os.PathLike, seed: int = 0, dequantized: bool = False,
+                         overrides: dict | None = None) -> Path:
     """Write a tiny random checkpoint of `arch` ("v4-flash" or "v41-flash") into out_dir; returns it.
 
     The quantized checkpoint and its `dequantized` twin of the same seed hold the same weights.
+    `overrides` replaces config.json fields (e.g. the released engram_head_dim of 256, which the host
+    Engram tables' packed rows assume).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = byte_level_tokenizer(_TEXT_FIELDS["vocab_size"])
-    raw = tiny_config_dict(arch, tokenizer)
+    raw = _with_overrides(tiny_config_dict(arch, tokenizer), overrides or {})
     config = Dsv4Config.from_dict(raw)
     with torch.device("meta"):
         model = Dsv4Model(config)

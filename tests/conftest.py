@@ -56,6 +56,13 @@ def tiny_v41_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_v41_wide_engram_dir(tmp_path_factory) -> Path:
+    """The tiny V4.1 with Engram rows of the released width (256 values): what host-resident tables hold."""
+    return make_tiny_checkpoint("v41-flash", tmp_path_factory.mktemp("tiny-v41-wide-engram"),
+                                overrides={"engram_head_dim": 256})
+
+
+@pytest.fixture(scope="session")
 def tiny_v41_dequantized_dir(tmp_path_factory) -> Path:
     return make_tiny_checkpoint("v41-flash", tmp_path_factory.mktemp("tiny-v41-dequantized"), dequantized=True)
 

@@ -64,6 +64,10 @@ class LLM:
         max_num_batched_tokens / max_num_seqs: the scheduler's budget per step. "fast" on a GPU compiles and
             captures the decode graph of every batch size up to max_num_seqs when it is built (each padded up to
             a power of two), so no request's step waits for one.
+        engram_tables: "device" (default) or "host": "fast" keeps V4.1's Engram tables in pinned host memory
+            (THP where the OS allows) and its decode steps prefetch their rows on a side stream, for
+            checkpoints whose tables (V4.1-Flash: 2 x 98 GB) the GPU cannot hold (see
+            `dsv4.fast.engram_prefetch`).
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class LLM:
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
         progress: bool = False,
+        engram_tables: str = "device",
     ):
         from dsv4.checkpoint import resolve_model_dir
         from dsv4.reference.model import Dsv4Model, load_model
@@ -95,13 +100,16 @@ class LLM:
         self.impl, self.device = impl, torch.device(device) if device else default_device(impl)
         if impl == "reference" and self.device.type != "cpu":
             raise ValueError(f"impl='reference' runs on the host, not on {self.device}: device is for impl='fast'")
+        if engram_tables not in ("device", "host") or (engram_tables == "host" and impl != "fast"):
+            raise ValueError(f"engram_tables is 'device' or, for impl='fast', 'host'; got {engram_tables!r}")
         if isinstance(model, Dsv4Model):
-            self.model_dir, self.model = None, model.to(self.device)
+            self.model_dir = None
+            self.model = _placed(model, self.device, engram_tables)
             self.model.set_quant_sim(quant_sim)
         else:
             self.model_dir = resolve_model_dir(model)
             dtype = dtype or default_dtype(impl, self.device)
-            self.model = load_model(str(self.model_dir), dtype, quant_sim, progress).to(self.device)
+            self.model = _placed(load_model(str(self.model_dir), dtype, quant_sim, progress), self.device, engram_tables)
         self.config = self.model.config
         self.max_model_len = _max_model_len(self.config, impl, max_model_len)
         self.tokenizer = _tokenizer(self.model_dir)
@@ -384,6 +392,15 @@ def _tokenizer(model_dir: Path | None):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(file))
+
+
+def _placed(model: Dsv4Model, device: torch.device, engram_tables: str) -> Dsv4Model:
+    """The model on `device`, its Engram tables left in host memory when asked (moved there first)."""
+    if engram_tables == "host":
+        from dsv4.fast.engram_prefetch import keep_engram_on_host
+
+        keep_engram_on_host(model)
+    return model.to(device)
 
 
 def _by_row(works: list[Work], rows: list[int], n: int) -> list[Request | None]:

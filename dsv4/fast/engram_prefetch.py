@@ -19,6 +19,14 @@ all of a step's rows can be fetched at forward entry, while the embedding and la
     Loading copies the checkpoint tensors (e.g. memory-mapped safetensors) in row chunks straight into
     the table, so the 98 GB never exist twice.
 
+`keep_engram_on_host(model, mode="auto")`
+    Moves every Engram layer's table of a loaded model (still on the host: before `model.to("cuda")`)
+    into a `HostEngramTable` and makes its `engram.embed` a `HostEngramEmbedding`: `weight` and `scale`
+    (the checkpoint's names) become views of the table's records, `Module.to` leaves them in host memory,
+    and a lookup gathers on the device the ids are on. `make_fast` then gives the model an
+    `EngramPrefetcher` over the tables, which its decode steps start at entry and wait for at the Engram
+    layers; a prefill chunk gathers at each Engram layer on the main stream.
+
 `EngramPrefetcher(tables, device, max_tokens=8192, dtype=bf16, stream=None, programs=None)`
     `start(hash_ids [B, S, L, C])`: at forward entry. On CUDA it makes a side stream wait for the
     current (main) stream - the ids are ready and the previous step no longer reads the buffers - and
@@ -55,11 +63,13 @@ from dsv4.fast.kernels.engram import (
     ROW_SCALES,
     ROW_VALUES,
     default_programs,
+    engram_gather,
     engram_gather_twin,
     gather_args,
     gather_grid,
     launch_gather,
 )
+from dsv4.reference.engram import EngramEmbedding
 
 _HUGE = 2 << 20
 _CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2
@@ -189,6 +199,41 @@ class HostEngramTable:
     def from_embedding(cls, embed, mode: str = "auto") -> HostEngramTable:
         """From a `dsv4.reference.engram.EngramEmbedding` (head_dim 256)."""
         return cls.from_tensors(embed.weight.data, embed.scale.data, mode)
+
+
+class HostEngramEmbedding(EngramEmbedding):
+    """An EngramEmbedding whose table (`table`, a HostEngramTable) stays in host memory whatever device the
+    model moves to; `weight` and `scale` are views of the table's records. A lookup gathers on the device
+    of the ids: on CUDA the kernel reads the pinned rows over PCIe (no host round trip), on the host the
+    twin. Same rows as EngramEmbedding.forward, bit for bit."""
+
+    table: HostEngramTable
+
+    def _apply(self, fn, recurse=True):  # Module.to / .cuda / .half: the table stays where and what it is
+        return self
+
+    def forward(self, row_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return engram_gather(self.table.data, row_ids, dtype=dtype)
+
+
+def keep_engram_on_host(model, mode: str = "auto") -> list[HostEngramTable]:
+    """Every Engram layer's table of `model` into host memory (see the module doc) -> the tables, in
+    Engram layer order."""
+    tables = []
+    for layer in model.layers:
+        if not layer.role.engram:
+            continue
+        embed = layer.engram.embed
+        if not isinstance(embed, HostEngramEmbedding):
+            if embed.embedding_dim != ROW_VALUES:
+                raise ValueError(f"host Engram tables hold rows of {ROW_VALUES} values, not {embed.embedding_dim}")
+            table = HostEngramTable.from_embedding(embed, mode)
+            embed.__class__ = HostEngramEmbedding
+            embed.table = table
+            embed.weight = torch.nn.Parameter(table.data[:, :ROW_VALUES].view(torch.float8_e4m3fn), False)
+            embed.scale = torch.nn.Parameter(table.data[:, ROW_VALUES:].view(torch.float8_e8m0fnu), False)
+        tables.append(embed.table)
+    return tables
 
 
 class EngramPrefetcher:

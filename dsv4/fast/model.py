@@ -15,6 +15,10 @@ Two ways through the model:
 - `decode_step(ids, slots, state)`: one token for each of B sequences in `SlotState` slots, with static
   shapes, positions read from device memory and no host synchronization, so the runner captures it in
   a CUDA graph per batch size.
+
+V4.1's Engram tables stay in pinned host memory when `dsv4.fast.engram_prefetch.keep_engram_on_host` ran
+before the model moved to the GPU: a decode step starts their rows' prefetch at its entry and waits for
+it at the Engram layers; a prefill chunk gathers them at each Engram layer.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.fast.cache import POOL_BLOCK, SlotState
+from dsv4.fast.engram_prefetch import EngramPrefetcher, HostEngramEmbedding
 from dsv4.fast.kernels.attention import sparse_attn_bf16, sparse_attn_fp4
 from dsv4.fast.kernels.engram import engram_hash
 from dsv4.fast.kernels.indexer import mqa_index_scores_pool, select_candidate_blocks_fast
@@ -287,10 +292,11 @@ class FastBlock(Block):
         flat = mhc_post(f.flatten(0, 1), flat, post, comb)
         return flat.view_as(h), ffn_pre.view(B, S, -1)
 
-    def decode(self, h, pre, ids, pos, slots, state, shared, hash_ids):
-        """One token per row: h [B, hc, D], pre [B, hc] (V4.1) -> (h, pre)."""
+    def decode(self, h, pre, ids, pos, slots, state, shared, engram_rows):
+        """One token per row: h [B, hc, D], pre [B, hc] (V4.1), this layer's Engram rows [B, C, head_dim] ->
+        (h, pre)."""
         if self.role.engram:
-            h = self.engram(h[:, None], hash_ids[:, None])[:, 0]
+            h = self.engram.mix(h[:, None], engram_rows[:, None])[:, 0]
         single_pass = self.config.is_v41
         x, attn_pre, post, comb = self.site(h, "attn", pre if single_pass else None)
         h = mhc_post(self.attn.decode(self.attn_norm(x), pos, slots, state, shared), h, post, comb)
@@ -302,6 +308,7 @@ class FastBlock(Block):
 # ---------------------------------------------------------------------------------------------- model
 class FastModel(Dsv4Model):
     block_cls = FastBlock
+    engram_prefetch: EngramPrefetcher | None = None  # host-resident Engram tables (keep_engram_on_host)
 
     @torch.no_grad()
     def decode_step(self, ids: torch.Tensor, slots: torch.Tensor, state: SlotState) -> torch.Tensor:
@@ -318,9 +325,11 @@ class FastModel(Dsv4Model):
         one_hot = (torch.arange(c.hc_mult, device=ids.device) == 0).float()  # V4.1's first collapse: stream 0
         pre = one_hot.expand(ids.shape[0], -1) if c.is_v41 else None
         hash_ids = self._decode_hash_ids(pos, slots, state) if c.is_v41 and c.engram_layer_ids else None
+        if self.engram_prefetch is not None:
+            self._prefetch_start(hash_ids)
         shared = SharedKV()
         for layer in self.layers:
-            rows = hash_ids[:, c.engram_layer_ids.index(layer.role.layer_id)] if layer.role.engram else None
+            rows = self._engram_rows(layer, hash_ids) if layer.role.engram else None
             h, pre = layer.decode(h, pre, ids, pos, slots, state, shared, rows)
         if c.is_v41:
             x = hc_collapse(h[:, None], pre[:, None])[:, 0]
@@ -332,6 +341,24 @@ class FastModel(Dsv4Model):
     def _check_prompt(self, input_ids: torch.Tensor) -> None:
         """The runner checks prompts where they arrive (on the host, before the upload: `Runner._upload`);
         a check of device ids here would stall the host every forward."""
+
+    def _engram_rows(self, layer: FastBlock, hash_ids: torch.Tensor) -> torch.Tensor:
+        """The decode step's rows of an Engram layer [B, C, head_dim]: from the prefetch (the current stream
+        waits for its gather here), or gathered from the device-resident table now."""
+        index = self.config.engram_layer_ids.index(layer.role.layer_id)
+        if self.engram_prefetch is not None:
+            return self._prefetched(index)
+        return layer.engram.embed(hash_ids[:, index], self.embed.weight.dtype)
+
+    # the prefetch's stream and event calls run eagerly: torch.compile breaks the step around them (the
+    # CUDA graph of the step still captures them)
+    @torch.compiler.disable
+    def _prefetch_start(self, hash_ids: torch.Tensor) -> None:
+        self.engram_prefetch.start(hash_ids[:, None])  # [B, 1, L, C]: one position per row
+
+    @torch.compiler.disable
+    def _prefetched(self, index: int) -> torch.Tensor:
+        return self.engram_prefetch.wait(index)[:, 0]
 
     def _decode_hash_ids(self, pos, slots, state: SlotState) -> torch.Tensor:
         """Engram rows of the new tokens [B, n_layers, (N-1)*H] from the slots' last N tokens."""
@@ -363,6 +390,7 @@ def make_fast(model: Dsv4Model, packed_kv: bool = True) -> FastModel:
     every module, name and tensor of the checkpoint where the loader put it. Move the model to its
     device first: the re-laid-out weights and RoPE frequencies are made where the weights are."""
     if isinstance(model, FastModel):  # already converted: its weights are laid out; only the KV formats change
+        _attach_engram_prefetch(model)
         model.set_quant_sim(packed_kv, activations=False)
         return model
     if model.embed.weight.is_meta:
@@ -386,8 +414,17 @@ def make_fast(model: Dsv4Model, packed_kv: bool = True) -> FastModel:
             _dequantize_in_place(m, torch.float32 if m.fp32 else dtype)
     for block in model.layers:
         block.ffn.prepare()
+    _attach_engram_prefetch(model)
     model.set_quant_sim(packed_kv, activations=False)
     return model
+
+
+def _attach_engram_prefetch(model: FastModel) -> None:
+    """A prefetcher over the Engram tables kept in host memory (`keep_engram_on_host`), if there are any."""
+    embeds = [b.engram.embed for b in model.layers if b.role.engram]
+    if model.engram_prefetch is None and embeds and all(isinstance(e, HostEngramEmbedding) for e in embeds):
+        weight = model.embed.weight
+        model.engram_prefetch = EngramPrefetcher([e.table for e in embeds], weight.device, dtype=weight.dtype)
 
 
 def _dequantize_in_place(linear: Linear, dtype: torch.dtype) -> None:

@@ -500,8 +500,12 @@ class Engram(nn.Module):
         self, h: torch.Tensor, hash_ids: torch.Tensor, token_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """h [B, S, hc, D], hash_ids [B, S, (N-1)*H] (this layer's rows), token_mask [B, S] -> h'."""
+        return self.mix(h, self.embed(hash_ids, h.dtype), token_mask)
+
+    def mix(self, h: torch.Tensor, rows: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """h [B, S, hc, D] and the looked-up rows [B, S, (N-1)*H, head_dim] (in h's dtype) -> h'."""
         b, s = h.shape[:2]
-        e = self.embed(hash_ids, h.dtype).flatten(-2)  # [B, S, (N-1)*H*head_dim]
+        e = rows.flatten(-2)  # [B, S, (N-1)*H*head_dim]
         key, value = self.wkv(e).split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().view(b, s, self.hc, self.dim)  # [B, S, hc, D]
         hf = h.float()

@@ -257,6 +257,18 @@ def test_an_engine_over_a_loaded_model_equals_one_over_its_checkpoint(tiny_v41_d
         assert tokens(llm.generate(prompts, params)) == want
 
 
+def test_an_engine_keeping_engram_tables_in_host_memory_computes_the_same_tokens(tiny_v41_wide_engram_dir):
+    """engram_tables="host": the tables stay in host memory, prefill chunks gather from them and decode steps
+    prefetch from them; the tokens of the engine holding them on the device."""
+    prompts, sp = [prompt(1, 30), prompt(2, 17)], SamplingParams(max_tokens=6, ignore_eos=True)
+    host = fast_engine(tiny_v41_wide_engram_dir, slots=3, engram_tables="host")
+    assert host.model.engram_prefetch is not None
+    want = tokens(fast_engine(tiny_v41_wide_engram_dir, slots=3).generate(prompts, sp))
+    assert tokens(host.generate(prompts, sp)) == want
+    with pytest.raises(ValueError, match="engram_tables is 'device' or, for impl='fast', 'host'"):
+        reference_engine(tiny_v41_wide_engram_dir, engram_tables="host")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_steps_run_ahead_through_cuda_graphs_change_nothing(tiny_v41_dir, monkeypatch):

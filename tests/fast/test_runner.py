@@ -20,6 +20,7 @@ import torch
 
 from dsv4.engine.llm import LLM
 from dsv4.engine.request import SamplingParams
+from dsv4.fast.engram_prefetch import keep_engram_on_host
 from dsv4.fast.model import make_fast
 from dsv4.fast.runner import OutOfSlots, Runner
 from dsv4.reference.cache import DenseCache
@@ -193,6 +194,34 @@ def test_a_dropped_step_counts_against_the_resume_span(tiny_v4_dir):
     assert runner.length(source) == H + span and not runner.resumable(source, H)
 
 
+def host_engram_model(path, dtype=torch.float32, device="cpu", packed: bool = False):
+    """The fast model with its Engram tables kept in host memory (moved to `device` after that)."""
+    model = load_model(str(path), dtype, progress=False)
+    keep_engram_on_host(model)
+    return make_fast(model.to(device), packed_kv=packed)
+
+
+def test_engram_tables_in_host_memory_change_nothing(tiny_v41_wide_engram_dir):
+    """keep_engram_on_host: the tables stay in host memory under the checkpoint's names (views of the packed
+    records, left where they are by Module.to); a prefill gathers at each Engram layer, a decode step through
+    the prefetch started at its entry: the logits of the device-resident tables, exactly."""
+    _, fast = models(tiny_v41_wide_engram_dir, packed=False)
+    host = host_engram_model(tiny_v41_wide_engram_dir)
+    assert host.engram_prefetch is not None and fast.engram_prefetch is None
+    embeds = [(layer.engram.embed, other.engram.embed) for layer, other in zip(host.layers, fast.layers)
+              if layer.role.engram]
+    assert embeds
+    for embed, other in embeds:
+        assert embed.weight.data_ptr() == embed.table.data.data_ptr()
+        assert embed.to(torch.float64).weight.dtype == torch.float8_e4m3fn  # Module.to leaves the table
+        assert torch.equal(embed.weight.view(torch.uint8), other.weight.view(torch.uint8))
+        assert torch.equal(embed.scale.view(torch.uint8), other.scale.view(torch.uint8))
+    assert host.state_dict().keys() == fast.state_dict().keys()
+    want, fed = decode_steps(Runner(fast, max_seqs=4, max_len=96), 5)
+    got, _ = decode_steps(Runner(host, max_seqs=4, max_len=96), 5, fed)
+    assert torch.equal(got, want)
+
+
 def test_packed_kv_formats_stay_within_one_rounding_code(tiny_v41_dir):
     ref, fast = models(tiny_v41_dir, packed=True)
     runner = Runner(fast, max_seqs=1, max_len=64)
@@ -339,3 +368,20 @@ def test_a_decode_step_is_queued_while_the_device_is_busy(tiny_v41_dir):
     host_ms = (time.perf_counter() - start) * 1e3
     torch.cuda.synchronize()
     assert host_ms < spin[0].elapsed_time(spin[1]) / 4, f"{host_ms:.1f} ms on the host"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engram_prefetch_from_host_memory_through_cuda_graphs(tiny_v41_wide_engram_dir):
+    """Host-resident Engram tables on the GPU: the prefetch's side stream and events are captured in the decode
+    graph (graphs on and off: the same logits), and the rows are the device-resident tables' (uncompiled, the
+    same logits)."""
+    host = host_engram_model(tiny_v41_wide_engram_dir, torch.bfloat16, "cuda", packed=True)
+    assert host.layers[1].engram.embed.weight.device.type == "cpu" and host.engram_prefetch.cuda
+    outputs = {graphs: decode_steps(Runner(host, max_seqs=4, max_len=128, cuda_graphs=graphs), 8) for graphs in (False, True)}
+    assert torch.equal(outputs[False][0], outputs[True][0])
+    _, fast = models(tiny_v41_wide_engram_dir, packed=True, dtype=torch.bfloat16, device="cuda")
+    fed = outputs[True][1]
+    want, _ = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 8, fed)
+    got, _ = decode_steps(Runner(host, max_seqs=4, max_len=128, compile=False), 8, fed)
+    assert torch.equal(got, want)

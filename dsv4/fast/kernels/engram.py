@@ -18,8 +18,9 @@
     read as 66 int32 words; e4m3 bytes are decoded with integer ops into fp32, times the power-of-two
     scale, then rounded to bf16 (round to nearest even, done on the bit pattern). Twin:
     `EngramEmbedding.forward` (`dequantize_fp8(...).to(dtype)`), which `engram_gather_twin` repeats
-    on the same packed table. Not a custom op: it runs eagerly on the prefetch side stream, outside
-    compiled regions (as vLLM does, behind an eager break).
+    on the same packed table. Not a custom op: it runs eagerly, on the prefetch side stream (outside
+    compiled regions, as vLLM does, behind an eager break) and in the module path's Engram layers over
+    host-resident tables (`HostEngramEmbedding`).
 """
 
 from __future__ import annotations
