@@ -219,14 +219,13 @@ class HostEngramEmbedding(EngramEmbedding):
 def keep_engram_on_host(model, mode: str = "auto") -> list[HostEngramTable]:
     """Every Engram layer's table of `model` into host memory (see the module doc) -> the tables, in
     Engram layer order."""
+    embeds = [layer.engram.embed for layer in model.layers if layer.role.engram]
+    widths = sorted({e.embedding_dim for e in embeds} - {ROW_VALUES})
+    if widths:  # before any table moves: all of them or none
+        raise ValueError(f"host Engram tables hold rows of {ROW_VALUES} values, not {widths}")
     tables = []
-    for layer in model.layers:
-        if not layer.role.engram:
-            continue
-        embed = layer.engram.embed
+    for embed in embeds:
         if not isinstance(embed, HostEngramEmbedding):
-            if embed.embedding_dim != ROW_VALUES:
-                raise ValueError(f"host Engram tables hold rows of {ROW_VALUES} values, not {embed.embedding_dim}")
             table = HostEngramTable.from_embedding(embed, mode)
             embed.__class__ = HostEngramEmbedding
             embed.table = table
@@ -258,6 +257,8 @@ class EngramPrefetcher:
         fast_launch: bool = True,
     ):
         self.tables = [t.data if isinstance(t, HostEngramTable) else t for t in tables]
+        # the HostEngramTables own their mappings and registrations: they live as long as the gathers
+        self._owners = [t for t in tables if isinstance(t, HostEngramTable)]
         self.device = torch.device(device)
         if self.device.type == "cuda":
             for t in tables:
@@ -297,7 +298,8 @@ class EngramPrefetcher:
             self.max_tokens = max(self.max_tokens, tokens)
             self._columns = columns
             per = self.max_tokens * columns * ROW_VALUES
-            self._flat = torch.empty(len(self.tables) * per, dtype=self.dtype, device=self.device)
+            with torch.inference_mode(False):  # written in and out of inference mode (a runner's steps, a tool's)
+                self._flat = torch.empty(len(self.tables) * per, dtype=self.dtype, device=self.device)
             self.buffers = [self._flat[i * per : (i + 1) * per] for i in range(len(self.tables))]
             self._compiled = [None] * len(self._groups)
             self._arg_cache = [None] * len(self._groups)

@@ -422,8 +422,13 @@ def make_fast(model: Dsv4Model, packed_kv: bool = True) -> FastModel:
 def _attach_engram_prefetch(model: FastModel) -> None:
     """A prefetcher over the Engram tables kept in host memory (`keep_engram_on_host`), if there are any."""
     embeds = [b.engram.embed for b in model.layers if b.role.engram]
-    if model.engram_prefetch is None and embeds and all(isinstance(e, HostEngramEmbedding) for e in embeds):
-        weight = model.embed.weight
+    host = [isinstance(e, HostEngramEmbedding) for e in embeds]
+    if not any(host):
+        return
+    if not all(host):
+        raise ValueError("some Engram tables are in host memory and some are not: keep_engram_on_host moves them all")
+    weight, prefetch = model.embed.weight, model.engram_prefetch
+    if prefetch is None or prefetch.device != weight.device:
         model.engram_prefetch = EngramPrefetcher([e.table for e in embeds], weight.device, dtype=weight.dtype)
 
 

@@ -220,6 +220,7 @@ def test_engram_tables_in_host_memory_change_nothing(tiny_v41_wide_engram_dir):
     want, fed = decode_steps(Runner(fast, max_seqs=4, max_len=96), 5)
     got, _ = decode_steps(Runner(host, max_seqs=4, max_len=96), 5, fed)
     assert torch.equal(got, want)
+    assert not host.engram_prefetch.buffers[0].is_inference()  # a step outside inference mode may write them too
 
 
 def test_packed_kv_formats_stay_within_one_rounding_code(tiny_v41_dir):
