@@ -263,12 +263,13 @@ class LLM:
                 next_logits = self.executor.decode_ahead(steps, tokens, [rows[i] for i in going]) if steps else None
                 ahead = steps
                 drawn = _read(tokens, rows)  # waits for this step only
-                kept = [j for j, i in enumerate(going) if not works[i].request.stops_at(drawn[i])]
+                kept = []  # of the steps ahead, those whose request goes on (their rows of next_logits)
                 for j, (i, step) in enumerate(zip(going, steps)):
-                    if j in kept:
-                        self.executor.record(step, drawn[i])
-                    else:
+                    if step.request.stops_at(drawn[i]):
                         self.executor.discard(step)
+                    else:
+                        self.executor.record(step, drawn[i])
+                        kept.append(j)
                 ahead = self._in_flight = [steps[j] for j in kept]  # a later loop drops them if left at a yield
                 done, works = works, []
                 yield from self._complete(done, drawn=drawn)
@@ -278,8 +279,7 @@ class LLM:
         finally:
             if self._runs == run:
                 if works and tokens is not None:  # drawn, not completed: complete them, read from the device again
-                    for _ in self._complete(works, drawn=_read(tokens, rows)):
-                        pass
+                    self._complete(works, drawn=_read(tokens, rows))
                 elif works:  # not drawn: the steps that computed them run again
                     for step in works:
                         self.executor.discard(step)
@@ -288,9 +288,10 @@ class LLM:
                 self._in_flight = []
 
     def _complete(self, works: list[Work], logits: torch.Tensor | None = None,
-                  drawn: list[int] | None = None) -> Iterator[tuple[Request, int]]:
+                  drawn: list[int] | None = None) -> list[tuple[Request, int]]:
         """Record computed works (logits [len(works), vocab]); sample where they reach the last token, unless
-        the tokens are `drawn` already (one per work)."""
+        the tokens are `drawn` already (one per work) -> (request, token) of each sampled one. Every request
+        of the group is recorded before the caller yields any of them: a consumer may stop at any yield."""
         rows, requests = [], []
         for i, work in enumerate(works):
             req = work.request
@@ -303,16 +304,16 @@ class LLM:
                 rows.append(i)
                 requests.append(req)
         if not requests:
-            return
+            return []
         if drawn is not None:
             tokens = [drawn[i] for i in rows]
         else:
             tokens = self._draw(logits if len(rows) == len(logits) else logits[rows], requests).tolist()
-        for req, token in zip(requests, tokens):  # the whole group first: a consumer may stop at any yield
+        for req, token in zip(requests, tokens):
             req.append(token)
             if req.finished:
                 self.scheduler.finish(req)
-        yield from zip(requests, tokens)
+        return list(zip(requests, tokens))
 
     def _draw(self, logits: torch.Tensor, requests: Sequence[Request | None]) -> torch.Tensor:
         """logits [n, vocab] -> each row's next token [n] on the logits' device, with no host sync: one argmax

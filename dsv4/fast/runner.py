@@ -104,9 +104,7 @@ class Runner:
             raise OutOfSlots(f"all {self.state.max_seqs} sequence slots are in use")
         slot = self._free.pop(0)
         self.state.clear(slot)
-        self._length[slot] = self._window_start[slot] = self._held_from[slot] = 0
-        self._marks[slot] = set()
-        self._stepped[slot] = False
+        self._start_over(slot, 0)
         return slot
 
     def release(self, slot: int) -> None:
@@ -192,6 +190,10 @@ class Runner:
         if problem is not None:
             raise ValueError(problem)
         self.state.copy_prefix(source, slot, length)
+        self._start_over(slot, length)
+
+    def _start_over(self, slot: int, length: int) -> None:
+        """The host mirrors of a slot that holds `length` tokens from a fresh start or a restored prefix."""
         self._length[slot] = self._window_start[slot] = self._held_from[slot] = length
         self._marks[slot] = set()
         self._stepped[slot] = False

@@ -89,7 +89,7 @@ def test_a_stream_left_inside_a_decode_batch_leaves_every_request_schedulable(ti
 
 
 class Interrupted(Exception):
-    pass
+    """What the test raises where a KeyboardInterrupt could land: while the host waits for the tokens."""
 
 
 @pytest.mark.parametrize("how", ["closed", "left open", "interrupted"])
@@ -112,8 +112,7 @@ def test_requests_of_a_stream_left_while_steps_run_ahead_finish_as_if_uninterrup
 
         with monkeypatch.context() as patch, pytest.raises(Interrupted):
             patch.setattr(llm_module, "_read", interrupted_once)
-            for _ in stream:
-                pass
+            list(stream)
     else:
         for _ in range(5):  # the prefills' 3 tokens, then inside the decode steps
             next(stream)
@@ -282,7 +281,8 @@ def test_steps_run_ahead_through_cuda_graphs_change_nothing(tiny_v41_dir, monkey
     params = [SamplingParams(max_tokens=24, stop_token_ids=[first_repeat_free(free[i], 2 + 4 * i)]) for i in range(3)]
     params += [SamplingParams(max_tokens=24, ignore_eos=True),
                SamplingParams(max_tokens=20, temperature=1.0, top_k=50, seed=3, ignore_eos=True)]
-    ahead = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)]
+    run = lambda: [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)]
+    ahead = run()
     monkeypatch.setattr(LLM, "_steady", lambda self, works: False)
-    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)] == ahead
+    assert run() == ahead
     assert [reason for _, reason in ahead][:3] == ["stop"] * 3
