@@ -74,10 +74,11 @@ from dsv4.reference.engram import EngramEmbedding
 _HUGE = 2 << 20
 _CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2
 LOAD_CHUNK_ROWS = 1 << 18
-# gather programs of the prefetch (at most): one per SM competes with the main stream's GEMMs for every
-# SM (the bench measured the 64-token step's compute slowed by more than the whole lookup); 32 keep
-# ~100 of the H200's 132 SMs free while still keeping hundreds of rows of PCIe reads in flight
-PREFETCH_PROGRAMS = 32  # 66 MB per copy chunk
+# gather programs of the prefetch (at most): the side-stream gather holds its SMs while the main stream's kernels
+# want them all. H200 sweep, a 2048-token chunk behind 17 ms of compute (`engram-programs*.json`): 4 / 8 / 16 / 32
+# programs hid 90 / 84-86 / 75 / 57% of the lookup, which took 6.0 / 3.2 / 2.8 / 2.9 ms; 8 hides nearly what 4
+# does at half its lookup time (a 64-token decode lookup: 100 us, well inside the layers before an Engram layer)
+PREFETCH_PROGRAMS = 8
 
 
 def thp_setting() -> str:
