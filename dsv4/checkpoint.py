@@ -35,6 +35,8 @@ TRANSFORMERS_RENAMES = (
     (re.compile(r"^model\."), ""),
 )
 
+NAN_CHECK_CHUNK = 1 << 26  # elements per step of the loader's NaN check (64 MB of temporaries per e4m3 step)
+
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -132,6 +134,16 @@ def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _has_nan(tensor: torch.Tensor, chunk: int = NAN_CHECK_CHUNK) -> bool:
+    """Any NaN (e4m3: the code with all exponent and mantissa bits set), checked a chunk of elements at a
+    time: a whole-tensor check would make table-sized temporaries (two 98 GB ones for an Engram table)."""
+    flat = tensor.reshape(-1)
+    if tensor.dtype == torch.float8_e4m3fn:
+        bits = flat.view(torch.uint8)
+        return any(bool(((bits[i : i + chunk] & 0x7F) == 0x7F).any()) for i in range(0, bits.numel(), chunk))
+    return any(bool(flat[i : i + chunk].isnan().any()) for i in range(0, flat.numel(), chunk))
+
+
 def _fit(name: str, tensor: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     """Check one tensor against the model's slot and convert where the conversion is exact in intent."""
     if tuple(tensor.shape) != tuple(expected.shape):
@@ -142,11 +154,11 @@ def _fit(name: str, tensor: torch.Tensor, expected: torch.Tensor) -> torch.Tenso
     if want in (torch.int64, torch.int32) and not got.is_floating_point and got != torch.bool:
         return tensor.to(want)
     if want.is_floating_point and want.itemsize > 1 and got.is_floating_point and got.itemsize > 1:
-        if torch.isnan(tensor).any():
+        if _has_nan(tensor):
             raise CheckpointError(f"{name}: contains NaN")
         return tensor if got == want else tensor.to(want)
     if want == got:
-        if want == torch.float8_e4m3fn and ((tensor.view(torch.uint8) & 0x7F) == 0x7F).any():
+        if want == torch.float8_e4m3fn and _has_nan(tensor):
             raise CheckpointError(f"{name}: contains NaN")
         return tensor
     raise CheckpointError(f"{name}: dtype {got}, expected {want}")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dsv4.checkpoint import CheckpointError, load_into
+from dsv4.checkpoint import CheckpointError, _has_nan, load_into
 from dsv4.config import ConfigError, Dsv4Config
 from dsv4.reference.model import Dsv4Model, load_model
 from dsv4.released import V4_FLASH, V41_FLASH
@@ -219,6 +219,17 @@ def test_nan_is_named(tiny_v4_dir, edited_checkpoint, name, dtype):
     value.view(-1)[7] = float("nan")
     edited = edited_checkpoint(tiny_v4_dir, {name: value.to(dtype)})
     assert f"{name}: contains NaN" in load_error(edited)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("where", [0, 999, 1000, 2047])
+def test_the_nan_check_goes_through_every_chunk(dtype, where):
+    """The loader checks large tensors a chunk at a time (no tensor-sized temporaries): a NaN in any chunk,
+    the last and a partial one included, is found, and a clean tensor passes."""
+    value = torch.zeros(2048)
+    assert not _has_nan(value.to(dtype), chunk=1000)
+    value[where] = float("nan")
+    assert _has_nan(value.to(dtype), chunk=1000)
 
 
 def test_unknown_tensor_fails(tiny_v4_dir, edited_checkpoint):

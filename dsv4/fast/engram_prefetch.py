@@ -108,6 +108,23 @@ def anon_huge_kb(address: int, length: int) -> int:
     return total
 
 
+def clear_cuda_error() -> int:
+    """Reset the CUDA runtime's last error -> the error it held (0: none).
+
+    A failed runtime call leaves its error as the thread's last error, and torch's next kernel launch check
+    (cudaGetLastError) would raise it as that kernel's failure. torch binds no cudaGetLastError, so it is
+    called in the libcudart the process has loaded (dlopen of a loaded library returns that same instance)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "libcudart.so" in line})
+    except OSError:
+        return 0
+    errors = [int(ctypes.CDLL(p).cudaGetLastError()) for p in paths]
+    return next((e for e in errors if e), 0)
+
+
 class HostEngramTable:
     """One Engram layer's table in host memory: uint8 [rows, 264] (e4m3 values, then e8m0 scales)."""
 
@@ -153,6 +170,7 @@ class HostEngramTable:
         err = cudart.cudaHostRegister(ptr, length, _CUDA_HOST_REGISTER_PORTABLE_MAPPED)
         if int(err) != 0:
             self.notes.append(f"cudaHostRegister failed: error {int(err)}")
+            clear_cuda_error()
             del data
             try:
                 mm.close()
@@ -215,6 +233,24 @@ class HostEngramEmbedding(EngramEmbedding):
 
     def forward(self, row_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return engram_gather(self.table.data, row_ids, dtype=dtype)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # the gathers read the table: load_state_dict (assign=True too) copies into it, the views stay views
+        loaded = {}
+        for name, dtype in (("weight", torch.float8_e4m3fn), ("scale", torch.float8_e8m0fnu)):
+            value = state_dict.get(prefix + name)
+            if value is None:
+                missing_keys.append(prefix + name)
+            elif value.dtype != dtype:
+                error_msgs.append(f"{prefix}{name}: dtype {value.dtype}, expected {dtype}")
+            else:
+                loaded[name] = value.detach().cpu()
+        if len(loaded) == 2:
+            try:
+                self.table.load_(loaded["weight"], loaded["scale"])
+            except ValueError as e:
+                error_msgs.append(f"{prefix[:-1]}: {e}")
 
 
 def keep_engram_on_host(model, mode: str = "auto") -> list[HostEngramTable]:
@@ -292,9 +328,15 @@ class EngramPrefetcher:
             self.stream, self.events = None, [None] * len(self.tables)
             self._programs = programs or default_programs(self.device)
         self._waited = None  # stream handle that already waits on this step's event
+        self._captured = False  # a CUDA graph holds the buffers' addresses: they may not move any more
 
     def _ensure(self, tokens: int, columns: int) -> None:
         if self._columns != columns or tokens > self.max_tokens:
+            if self._captured:  # a graph captured earlier writes and reads the old buffers
+                raise RuntimeError(
+                    f"EngramPrefetcher: {tokens} tokens x {columns} rows do not fit the buffers "
+                    f"({self.max_tokens} x {self._columns}) that CUDA graphs were captured with; "
+                    "build the prefetcher with a larger max_tokens")
             # a longer chunk than planned grows the buffers once (they stay at the larger size)
             self.max_tokens = max(self.max_tokens, tokens)
             self._columns = columns
@@ -318,7 +360,9 @@ class EngramPrefetcher:
         return (*head, ids, out, rows, *tail)
 
     def start(self, hash_ids: torch.Tensor) -> None:
-        """hash_ids [B, S, L, C] int64 (on `device`): launch every layer's gather; returns at once."""
+        """hash_ids [B, S, L, C] int64 (on `device`): launch every layer's gather; returns at once. The
+        buffers grow to a longer step's size until a CUDA graph captures a start; from then on a step that
+        does not fit them raises (the graph would go on writing the freed ones)."""
         B, S, L, C = hash_ids.shape
         if L != len(self.tables):
             raise ValueError(f"EngramPrefetcher.start: hash_ids has {L} layers, {len(self.tables)} tables")
@@ -343,6 +387,7 @@ class EngramPrefetcher:
                     self.buffers[layer][:n].view(self._shape).copy_(
                         engram_gather_twin(table, hash_ids[:, :, layer], self.dtype))
             return
+        self._captured |= torch.cuda.is_current_stream_capturing()
         main = torch.cuda.current_stream(self._index)
         # the side stream waits for the ids, and for the previous step's readers of the buffers
         self._ready.record(main)

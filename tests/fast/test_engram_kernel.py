@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4.fast.engram_prefetch import EngramPrefetcher, HostEngramTable, thp_setting
+from dsv4.fast.engram_prefetch import EngramPrefetcher, HostEngramTable, clear_cuda_error, thp_setting
 from dsv4.fast.kernels import engram as E
 from dsv4.reference.engram import DEAD, EngramEmbedding, engram_hash_ids
 
@@ -266,3 +266,43 @@ def test_gpu_prefetch_never_blocks_host_or_main_stream():
     assert not main.query(), "the lookup did not overlap the main stream's work"
     rows = pre.wait(1)
     assert same_rows(rows, embs[1](ids[:, :, 1].cpu(), torch.bfloat16))
+
+
+@gpu
+@needs_cuda
+def test_gpu_prefetch_buffers_stay_where_a_graph_captured_them():
+    """Once a CUDA graph captured a start, a step larger than the buffers raises instead of reallocating them
+    (the graph would go on writing the freed ones); steps that fit go on, and the graph's rows are right."""
+    embs, tables = _tables()
+    pre = EngramPrefetcher(tables, "cuda", max_tokens=8)
+    ids = torch.randint(0, 20000, (4, 1, 2, 24), device="cuda")
+    pre.start(ids)  # warm-up: buffers and the compiled kernel
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pre.start(ids)
+        rows = [pre.wait(layer).clone() for layer in range(2)]
+    ids.copy_(torch.randint(0, 20000, ids.shape, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for layer in range(2):
+        assert same_rows(rows[layer], embs[layer](ids[:, :, layer].cpu(), torch.bfloat16))
+    with pytest.raises(RuntimeError, match="larger max_tokens"):
+        pre.start(torch.randint(0, 20000, (16, 1, 2, 24), device="cuda"))
+    small = torch.randint(0, 20000, (2, 1, 2, 24), device="cuda")
+    pre.start(small)
+    assert same_rows(pre.wait(0), embs[0](small[:, :, 0].cpu(), torch.bfloat16))
+
+
+@gpu
+@needs_cuda
+def test_gpu_a_failed_host_registration_leaves_no_cuda_error():
+    """A failed cudaHostRegister (here: the range is registered already) leaves the runtime's last error set,
+    which torch's next kernel launch check would raise; clear_cuda_error resets it."""
+    table = HostEngramTable(1000, mode="registered")
+    assert table.mode == "registered", f"registration failed here: {table.notes}"
+    err = int(torch.cuda.cudart().cudaHostRegister(table.data.data_ptr(), table.nbytes, 0))
+    assert err != 0
+    assert clear_cuda_error() == err
+    assert clear_cuda_error() == 0
+    assert torch.ones(4, device="cuda").add_(1).sum().item() == 8

@@ -20,10 +20,11 @@ import torch
 
 from dsv4.engine.llm import LLM
 from dsv4.engine.request import SamplingParams
-from dsv4.fast.engram_prefetch import keep_engram_on_host
+from dsv4.fast.engram_prefetch import HostEngramEmbedding, keep_engram_on_host
 from dsv4.fast.model import make_fast
 from dsv4.fast.runner import OutOfSlots, Runner
 from dsv4.reference.cache import DenseCache
+from dsv4.reference.engram import EngramEmbedding
 from dsv4.reference.model import bounded_replay_state, load_model
 
 EXACT = 1e-5  # of max |logit|: float32 summation order
@@ -221,6 +222,26 @@ def test_engram_tables_in_host_memory_change_nothing(tiny_v41_wide_engram_dir):
     got, _ = decode_steps(Runner(host, max_seqs=4, max_len=96), 5, fed)
     assert torch.equal(got, want)
     assert not host.engram_prefetch.buffers[0].is_inference()  # a step outside inference mode may write them too
+
+
+def test_a_state_dict_loads_into_the_host_engram_tables(tiny_v41_wide_engram_dir):
+    """load_state_dict (assign=True as well) writes the rows the gathers read, and the checkpoint's names stay
+    views of the table; a table of the wrong dtype is refused by name."""
+    host = host_engram_model(tiny_v41_wide_engram_dir)
+    name, embed = next((n, m) for n, m in host.named_modules() if isinstance(m, HostEngramEmbedding))
+    g = torch.Generator().manual_seed(3)
+    rows, dim = embed.weight.shape
+    for assign in (False, True):
+        weight = torch.randint(0, 0x7F, (rows, dim), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        scale = torch.randint(120, 134, (rows, dim // 32), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        host.load_state_dict({**host.state_dict(), f"{name}.weight": weight, f"{name}.scale": scale}, assign=assign)
+        assert embed.weight.data_ptr() == embed.table.data.data_ptr()
+        want = EngramEmbedding(rows, dim)
+        want.weight, want.scale = (torch.nn.Parameter(t, False) for t in (weight, scale))
+        ids = torch.randint(0, rows, (2, 3, 24), generator=g)
+        assert torch.equal(embed(ids, torch.float32), want(ids, torch.float32))
+    with pytest.raises(RuntimeError, match=f"{name}.weight: dtype torch.uint8"):
+        host.load_state_dict({**host.state_dict(), f"{name}.weight": weight.view(torch.uint8)})
 
 
 def test_packed_kv_formats_stay_within_one_rounding_code(tiny_v41_dir):
