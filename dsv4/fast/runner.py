@@ -65,8 +65,10 @@ class Runner:
         backend = compile if isinstance(compile, str) else "inductor"
         # inductor fuses bf16 glue into fp32 arithmetic unless told to round where the model's code casts
         options = {"emulate_precision_casts": True} if backend == "inductor" else None
-        # the step decode runs and captures (what a profiler of the step should call too)
-        self.step = (torch.compile(model.decode_step, backend=backend, dynamic=False, options=options) if compile
+        # the step decode runs and captures (what a profiler of the step should call too). Shapes are automatic
+        # dynamic: batch 1 compiles as it is and the next size once more with the batch as a symbol, which then
+        # serves every larger size (two compiles for all the graphs, not one per size: the engine's start-up)
+        self.step = (torch.compile(model.decode_step, backend=backend, dynamic=None, options=options) if compile
                      else model.decode_step)
         self.batch_sizes = sorted({b for b in batch_sizes if b < max_seqs} | {max_seqs})
         self._free = list(range(max_seqs))
