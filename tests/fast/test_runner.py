@@ -17,6 +17,7 @@ from itertools import pairwise
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from dsv4.engine.llm import LLM
 from dsv4.engine.request import SamplingParams
@@ -242,6 +243,25 @@ def test_a_state_dict_loads_into_the_host_engram_tables(tiny_v41_wide_engram_dir
         assert torch.equal(embed(ids, torch.float32), want(ids, torch.float32))
     with pytest.raises(RuntimeError, match=f"{name}.weight: dtype torch.uint8"):
         host.load_state_dict({**host.state_dict(), f"{name}.weight": weight.view(torch.uint8)})
+
+
+def test_one_compile_of_the_decode_step_serves_every_batch_size_above_one(tiny_v4_dir):
+    """The runner compiles its decode step with the batch dynamic: batch 1, then one compile for every larger
+    (padded) size, not one per size; the compiled steps' logits are the uncompiled ones'."""
+    _, fast = models(tiny_v4_dir, packed=True)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = Runner(fast, max_seqs=8, max_len=64, compile="eager")
+    plain = Runner(fast, max_seqs=8, max_len=64)
+    slots = {r: [r.allocate() for _ in range(8)] for r in (compiled, plain)}
+    for r in (compiled, plain):
+        for i, slot in enumerate(slots[r]):
+            r.prefill(slot, prompt(6 + i, i))
+    g = torch.Generator().manual_seed(4)
+    for B in (1, 2, 3, 5, 8):
+        ids = torch.randint(0, 256, (B,), generator=g)
+        assert torch.equal(compiled.decode(slots[compiled][:B], ids), plain.decode(slots[plain][:B], ids))
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 def test_packed_kv_formats_stay_within_one_rounding_code(tiny_v41_dir):
