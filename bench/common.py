@@ -154,6 +154,11 @@ def timed(fn: Callable[[], Any], device, reps: int = 1) -> float:
     return (time.perf_counter() - t) / reps
 
 
+def timer(device) -> Callable[[Callable[[], Any], int], float]:
+    """`timed` bound to `device`: timer(device)(fn, reps) -> seconds per call (what full_width.decode_rows takes)."""
+    return lambda fn, reps: timed(fn, device, reps)
+
+
 def copy_bandwidth(device) -> float:
     """Bytes/s of a 2 GiB device-to-device copy (read + write counted), the rooflines' bandwidth; NaN off CUDA."""
     import torch

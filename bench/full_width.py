@@ -100,16 +100,19 @@ def full_width_layers(arch: str, n_layers: int) -> list[int]:
 
 
 def full_width_config(
-    arch: str, n_layers: int | None = None, overrides: dict | None = None, layers: Sequence[int] | None = None
+    arch: str, n_layers: int | None = None, overrides: dict | None = None, layers: Sequence[int] | None = None,
+    engram_vocab_size: int | None = None,
 ) -> Dsv4Config:
     """The released config of `arch` ("v41" or "v4") cut to `n_layers` layers (`full_width_layers`), or to the
     released layers `layers` (sorted; any set whose roles the config validation accepts).
 
     The per-layer lists are cut and renumbered: compress_ratios (drafter entries dropped), V4.1's
     kv_source_layer_ids / index_source_layer_ids / candidate_source_layer_id (-1 when layer 20 is not kept),
-    V4's num_hash_layers (the kept layers among the first 3: hash layers stay a prefix). The Engram layers
-    and the drafter are removed. `overrides` replaces text-config fields afterwards (e.g. tiny widths for
-    CPU tests; the layer structure is unchanged).
+    V4's num_hash_layers (the kept layers among the first 3: hash layers stay a prefix). The drafter is
+    removed, and so are the Engram lookups unless `engram_vocab_size` is given (V4.1): then the kept layers of
+    the released Engram layers (1, 14) keep theirs, with that many hash buckets per head instead of 16M, so each
+    table has about 24x `engram_vocab_size` rows (3 n-gram sizes x 8 heads) instead of 384M. `overrides`
+    replaces text-config fields afterwards (e.g. tiny widths for CPU tests; the layer structure is unchanged).
     """
     arch = _arch(arch)
     if layers is None:
@@ -132,12 +135,29 @@ def full_width_config(
         for key in ("kv_source_layer_ids", "index_source_layer_ids"):
             text[key] = [new_id[i] for i in text[key] if i in new_id]
         text["candidate_source_layer_id"] = new_id.get(text["candidate_source_layer_id"], -1)
-        text["engram_layer_ids"], text["engram_num_embeddings"] = [], []
+        text["engram_layer_ids"], text["engram_num_embeddings"] = _cut_engram(text, new_id, engram_vocab_size)
         text["dspark_target_layer_ids"] = []
     else:
+        if engram_vocab_size is not None:
+            raise ValueError("engram_vocab_size: V4 has no Engram layers")
         text["num_hash_layers"] = sum(1 for i in layers if i < text["num_hash_layers"])
     text.update(copy.deepcopy(overrides or {}))
     return Dsv4Config.from_dict(raw)
+
+
+def _cut_engram(text: dict, new_id: dict[int, int], vocab_size: int | None) -> tuple[list[int], list[int]]:
+    """The cut model's Engram layer ids and table rows (none without `vocab_size`); sets the bucket count."""
+    if vocab_size is None:
+        return [], []
+    from dsv4.reference.engram import engram_primes
+
+    kept = [new_id[i] for i in text["engram_layer_ids"] if i in new_id]
+    if not kept:
+        raise ValueError(f"engram_vocab_size: none of the kept layers {sorted(new_id)} has an Engram lookup "
+                         f"(released: {text['engram_layer_ids']})")
+    text["engram_vocab_size"] = vocab_size
+    primes = engram_primes(len(kept), vocab_size, text["engram_max_ngram_size"], text["engram_n_heads"])
+    return kept, [sum(map(sum, layer)) for layer in primes]
 
 
 # ----------------------------------------------------------------------------------------------- weights
@@ -152,7 +172,8 @@ def build_random_model(
     as `dsv4.checkpoint.load_into` does for a checkpoint tensor (`_fit`: shape, dtype, NaN) and assigned.
     One tensor (at most one fp32 expert matrix, or the fp32 embedding) is in flight at a time. Deterministic
     in (seed, device type); on the CPU the values are the tiny checkpoint's (`dsv4.tiny.random_tensors`).
-    quant_sim is on, as after `load_model`. `device="meta"` returns the unmaterialized model.
+    quant_sim is on, as after `load_model`. `device="meta"` returns the unmaterialized model. With Engram layers
+    (`full_width_config(..., engram_vocab_size=...)`) the model gets a hasher over a synthetic token map.
     """
     from torch import nn
 
@@ -181,8 +202,20 @@ def build_random_model(
     missing = [n for n in slots if n not in seen]
     if missing:  # the generators cover every slot by construction; this guards a future model change
         raise RuntimeError(f"build_random_model left tensors unset: {missing[:8]}")
+    if config.is_v41 and config.engram_layer_ids:
+        model.engram_hasher = synthetic_engram_hasher(config).to(device)
     model.set_quant_sim(True)
     return model.eval()
+
+
+def synthetic_engram_hasher(config: Dsv4Config):
+    """The Engram hasher over a synthetic token map, token t -> t mod the compressed vocabulary (the released
+    tokenizer, whose map the loader builds, is not at hand; which compressed id a token gets does not change what
+    a lookup costs)."""
+    from dsv4.reference.engram import EngramHasher, compute_layout
+
+    token_map = [t % config.engram_compressed_vocab_size for t in range(config.vocab_size)]
+    return EngramHasher(compute_layout(config, token_map), token_map)
 
 
 # ----------------------------------------------------------------------------------------------- transformers
@@ -350,6 +383,41 @@ def cold_prefill(runner, ids: torch.Tensor, chunk: int) -> None:
     slot = runner.allocate()
     prefill_chunks(runner, slot, ids, chunk)
     runner.release(slot)
+
+
+def fill_slots(runner, context: int, slots: int, chunk: int) -> list[int]:
+    """`slots` sequences holding the same `context` random tokens: one prefill, then prefix hits."""
+    g = torch.Generator().manual_seed(0)
+    ids = random_ids(runner.config, context, g)
+    first = runner.allocate()
+    prefill_chunks(runner, first, ids, chunk)
+    out = [first]
+    for _ in range(slots - 1):
+        out.append(runner.allocate())
+        runner.resume(out[-1], first, context)
+    return out
+
+
+def decode_rows(runner, timed, context: int, batches: list[int], chunk: int, reps: int,
+                logits: dict | None = None) -> dict:
+    """Decode step time per batch size over `context`-token slots (released afterwards); each size decodes on
+    from where the previous one stopped (reps + 2 tokens). The rows' tokens differ, so they route to different
+    experts as a real batch does (one token repeated in every row would read one token's experts). `logits`,
+    when given, gets each size's first (graph-capturing) step's logits, on the host. `timed(fn, reps)` -> seconds
+    per call."""
+    slots = fill_slots(runner, context, max(batches), chunk)
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for B in batches:
+        ids = random_ids(runner.config, B, g).to(runner.state.device)
+        first = runner.decode(slots[:B], ids)  # capture
+        if logits is not None:
+            logits[B] = first.float().cpu()
+        step = timed(lambda: runner.decode(slots[:B], ids), reps)  # noqa: B023 (called at once)
+        out[B] = {"step_ms": step * 1e3, "tokens_per_s": B / step}
+    for slot in slots:
+        runner.release(slot)
+    return out
 
 
 def random_ids(config: Dsv4Config, shape, generator: torch.Generator | None = None, device=None) -> torch.Tensor:

@@ -54,7 +54,7 @@ from full_width import (  # noqa: E402
     build_random_model,
     cold_prefill,
     decode_bytes,
-    prefill_chunks,
+    decode_rows,
     random_ids,
     released_depth,
 )
@@ -62,36 +62,6 @@ from full_width import (  # noqa: E402
 from dsv4.fast.model import make_fast  # noqa: E402
 from dsv4.fast.runner import Runner  # noqa: E402
 from dsv4.reference.cache import DenseCache  # noqa: E402
-
-def fill(runner, context: int, slots: int) -> list[int]:
-    """`slots` sequences holding the same `context` random tokens: one prefill, then prefix hits."""
-    g = torch.Generator().manual_seed(0)
-    ids = random_ids(runner.config, context, g)
-    first = runner.allocate()
-    prefill_chunks(runner, first, ids, ARGS.chunk)
-    out = [first]
-    for _ in range(slots - 1):
-        out.append(runner.allocate())
-        runner.resume(out[-1], first, context)
-    return out
-
-
-def fast_rows(runner, device, context: int, batches: list[int]) -> dict:
-    """Decode step time per batch size; each size decodes on from where the previous one stopped (a few
-    tokens past `context`). The rows' tokens differ, so they route to different experts as a real batch does
-    (one token repeated in every row would read one token's experts)."""
-    slots = fill(runner, context, max(batches))
-    g = torch.Generator().manual_seed(1)
-    out = {}
-    for B in batches:
-        ids = random_ids(runner.config, B, g).to(device)
-        runner.decode(slots[:B], ids)  # capture
-        step = common.timed(lambda: runner.decode(slots[:B], ids), device, ARGS.steps // 2)
-        out[B] = {"step_ms": step * 1e3, "tokens_per_s": B / step}
-    for slot in slots:
-        runner.release(slot)
-    return out
-
 
 def fast_prefill(runner, device, context: int) -> dict:
     ids = random_ids(runner.config, context)
@@ -106,13 +76,14 @@ def fast_results(config, device, context: int, ref_context: int, batches: list[i
     runner = Runner(fast, max_seqs=max(batches), max_len=context + steps)
     bw = common.copy_bandwidth(device)
     nbytes = decode_bytes(fast, runner.state, context)
-    rows = fast_rows(runner, device, context, batches)
+    rows = decode_rows(runner, common.timer(device), context, batches, ARGS.chunk, ARGS.steps // 2)
     out = {"fast_decode": rows, "fast_prefill": fast_prefill(runner, device, context)}
     out["roofline"] = {"bytes_per_step": nbytes, "copy_bandwidth_Bps": bw, "floor_ms": nbytes / bw * 1e3,
                        "fraction_at_batch1": (nbytes / bw) / (rows[batches[0]]["step_ms"] * 1e-3)}
     out["whole_model"] = extrapolate(fast, rows[batches[0]]["step_ms"], nbytes, bw, device, config)
     if not ARGS.no_reference:
-        out["fast_at_ref_context"] = {"decode": fast_rows(runner, device, ref_context, [1])[1],
+        out["fast_at_ref_context"] = {"decode": decode_rows(runner, common.timer(device), ref_context, [1], ARGS.chunk,
+                                                          ARGS.steps // 2)[1],
                                       "prefill": fast_prefill(runner, device, ref_context)}
     return out
 

@@ -26,6 +26,7 @@ from bench.full_width import (
 )
 from dsv4.checkpoint import _fit, _slots, load_into
 from dsv4.config import Dsv4Config
+from dsv4.reference.engram import engram_primes
 from dsv4.reference.model import Dsv4Model
 from dsv4.tiny import random_tensors
 
@@ -227,6 +228,30 @@ def test_forward_runs(arch, quant_sim):
         logits = model(random_ids(config, 40))
     assert logits.shape == (2, 40, config.vocab_size) and logits.dtype == torch.float32
     assert bool(logits.isfinite().all()) and logits.std() > 0
+
+
+def test_a_cut_can_keep_its_engram_lookups_with_smaller_tables():
+    """engram_vocab_size keeps the kept Engram layers (released layer 1, first in this cut) with tables of exactly
+    the rows the hash addresses at that bucket count; the built model hashes over a synthetic token map, and its
+    lookup moves the output."""
+    overrides = {**SHRINK, "engram_compressed_vocab_size": 256}
+    config = full_width_config("v41", layers=[1, 2, 20], overrides=overrides, engram_vocab_size=1000)
+    assert config.engram_layer_ids == [0] and [r.engram for r in config.layer_roles] == [True, False, False]
+    primes = engram_primes(1, 1000, config.engram_max_ngram_size, config.engram_n_heads)
+    assert config.engram_num_embeddings == [sum(map(sum, primes[0]))]
+    assert 24 * 1000 < config.engram_num_embeddings[0] < 24 * 1100
+    model = build_random_model(config, "cpu")
+    assert model.layers[0].engram.embed.weight.shape == (config.engram_num_embeddings[0], 256)
+    ids = random_ids(config, 12)
+    with torch.inference_mode():
+        logits = model(ids)
+        model.layers[0].engram.embed.scale.view(torch.uint8).fill_(0)  # every row scaled to 2^-127
+        without = model(ids)
+    assert bool(logits.isfinite().all()) and not torch.equal(logits, without)
+    with pytest.raises(ValueError, match="V4 has no Engram"):
+        full_width_config("v4", 2, engram_vocab_size=1000)
+    with pytest.raises(ValueError, match="none of the kept layers"):
+        full_width_config("v41", layers=[2, 20], engram_vocab_size=1000)
 
 
 def test_transformers_model_matches_the_reference():
