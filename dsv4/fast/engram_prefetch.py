@@ -24,8 +24,9 @@ all of a step's rows can be fetched at forward entry, while the embedding and la
     into a `HostEngramTable` and makes its `engram.embed` a `HostEngramEmbedding`: `weight` and `scale`
     (the checkpoint's names) become views of the table's records, `Module.to` leaves them in host memory,
     and a lookup gathers on the device the ids are on. `make_fast` then gives the model an
-    `EngramPrefetcher` over the tables, which its decode steps start at entry and wait for at the Engram
-    layers; a prefill chunk gathers at each Engram layer on the main stream.
+    `EngramPrefetcher` over the tables, which its decode steps and prefill forwards start at entry and wait
+    for at the Engram layers (`rows_for`: the rows of exactly the ids the forward started); a forward longer
+    than the buffers of a captured decode graph gathers at each Engram layer on the main stream.
 
 `EngramPrefetcher(tables, device, max_tokens=8192, dtype=bf16, stream=None, programs=None)`
     `start(hash_ids [B, S, L, C])`: at forward entry. On CUDA it makes a side stream wait for the
@@ -227,12 +228,15 @@ class HostEngramEmbedding(EngramEmbedding):
     twin. Same rows as EngramEmbedding.forward, bit for bit."""
 
     table: HostEngramTable
+    prefetch: EngramPrefetcher | None = None  # the model's, when make_fast attached one (this is its layer `index`)
+    index: int = 0
 
     def _apply(self, fn, recurse=True):  # Module.to / .cuda / .half: the table stays where and what it is
         return self
 
     def forward(self, row_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return engram_gather(self.table.data, row_ids, dtype=dtype)
+        rows = self.prefetch.rows_for(self.index, row_ids, dtype) if self.prefetch is not None else None
+        return rows if rows is not None else engram_gather(self.table.data, row_ids, dtype=dtype)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -329,6 +333,7 @@ class EngramPrefetcher:
             self._programs = programs or default_programs(self.device)
         self._waited = None  # stream handle that already waits on this step's event
         self._captured = False  # a CUDA graph holds the buffers' addresses: they may not move any more
+        self._ids = None  # the last start's hash ids, as given (held: rows_for identifies them by address)
 
     def _ensure(self, tokens: int, columns: int) -> None:
         if self._columns != columns or tokens > self.max_tokens:
@@ -366,6 +371,7 @@ class EngramPrefetcher:
         B, S, L, C = hash_ids.shape
         if L != len(self.tables):
             raise ValueError(f"EngramPrefetcher.start: hash_ids has {L} layers, {len(self.tables)} tables")
+        self._ids = hash_ids
         if hash_ids.dtype != torch.int64 or not hash_ids.is_contiguous():
             hash_ids = hash_ids.to(torch.int64).contiguous()
         self._ensure(B * S, C)
@@ -409,6 +415,21 @@ class EngramPrefetcher:
         self._done.record(self.stream)
         if not torch.cuda.is_current_stream_capturing():
             hash_ids.record_stream(self.stream)  # the caller may free the ids before the gather ran
+
+    def fits(self, tokens: int, columns: int) -> bool:
+        """Whether a start for `tokens` x `columns` rows can run: always before a CUDA graph captured one, after
+        that only within the captured buffers."""
+        return not self._captured or (columns == self._columns and tokens <= self.max_tokens)
+
+    def rows_for(self, layer: int, row_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """`wait(layer)` if the last start fetched exactly these ids (row_ids is that start's `layer` slice, the
+        very tensor view: the prefetcher holds the ids, so their memory cannot have been reused) in `dtype`;
+        else None."""
+        if self._ids is None or dtype != self.dtype:
+            return None
+        mine = self._ids[:, :, layer]
+        same = (row_ids.data_ptr(), row_ids.shape, row_ids.stride()) == (mine.data_ptr(), mine.shape, mine.stride())
+        return self.wait(layer) if same else None
 
     def wait(self, layer: int) -> torch.Tensor:
         """Rows of `layer`, [B, S, C, 256] in `dtype`; the current stream waits on the gather's event."""

@@ -17,8 +17,9 @@ Two ways through the model:
   a CUDA graph per batch size.
 
 V4.1's Engram tables stay in pinned host memory when `dsv4.fast.engram_prefetch.keep_engram_on_host` ran
-before the model moved to the GPU: a decode step starts their rows' prefetch at its entry and waits for
-it at the Engram layers; a prefill chunk gathers them at each Engram layer.
+before the model moved to the GPU: a decode step, and a prefill forward whose rows fit the prefetch's buffers,
+starts their rows' prefetch at its entry and waits for it at the Engram layers (a longer forward gathers them
+at each Engram layer).
 """
 
 from __future__ import annotations
@@ -350,6 +351,15 @@ class FastModel(Dsv4Model):
             return self._prefetched(index)
         return layer.engram.embed(hash_ids[:, index], self.embed.weight.dtype)
 
+    def engram_hash_ids(self, history: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """As the reference; with host tables a forward's rows start coming now, on the prefetch's side stream (when
+        they fit its buffers; the Engram layers gather the rest themselves)."""
+        ids = super().engram_hash_ids(history, start_pos)  # [B, S, L, C]
+        pre = self.engram_prefetch
+        if pre is not None and pre.fits(ids.shape[0] * ids.shape[1], ids.shape[3]):
+            pre.start(ids)
+        return ids
+
     # the prefetch's stream and event calls run eagerly: torch.compile breaks the step around them (the
     # CUDA graph of the step still captures them)
     @torch.compiler.disable
@@ -430,6 +440,8 @@ def _attach_engram_prefetch(model: FastModel) -> None:
     weight, prefetch = model.embed.weight, model.engram_prefetch
     if prefetch is None or prefetch.device != weight.device:
         model.engram_prefetch = EngramPrefetcher([e.table for e in embeds], weight.device, dtype=weight.dtype)
+    for index, embed in enumerate(embeds):  # a prefill's Engram layers take the rows its forward's entry started
+        embed.prefetch, embed.index = model.engram_prefetch, index
 
 
 def _dequantize_in_place(linear: Linear, dtype: torch.dtype) -> None:

@@ -148,7 +148,7 @@ class Dsv4Model(nn.Module):
         B, S = input_ids.shape
         positions = torch.arange(start_pos, start_pos + S, device=input_ids.device)
         history = cache.write_tokens(start_pos, input_ids)
-        hash_ids = self.engram_hasher.hash_ids(history, start_pos) if c.is_v41 and c.engram_layer_ids else None
+        hash_ids = self.engram_hash_ids(history, start_pos) if c.is_v41 and c.engram_layer_ids else None
         h = self.embed(input_ids).unsqueeze(2).repeat(1, 1, c.hc_mult, 1)  # [B, S, hc, D]
         pre = one_hot_pre(h) if c.is_v41 else None
         shared = SharedKV()
@@ -167,6 +167,11 @@ class Dsv4Model(nn.Module):
             return hc_collapse(h, pre)
         head_pre = hc_head_pre(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.rms_norm_eps, c.hc_eps)
         return hc_collapse(h, head_pre)
+
+    def engram_hash_ids(self, history: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Engram rows of positions start_pos.. of history [B, T] -> [B, T - start_pos, n_layers, (N-1)*H], at the
+        forward's entry (where the fast model starts fetching them)."""
+        return self.engram_hasher.hash_ids(history, start_pos)
 
     @torch.no_grad()
     def draft(

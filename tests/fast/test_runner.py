@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 
 from dsv4.engine.llm import LLM
 from dsv4.engine.request import SamplingParams
+from dsv4.fast import engram_prefetch
 from dsv4.fast.engram_prefetch import HostEngramEmbedding, keep_engram_on_host
 from dsv4.fast.model import make_fast
 from dsv4.fast.runner import OutOfSlots, Runner
@@ -223,6 +224,29 @@ def test_engram_tables_in_host_memory_change_nothing(tiny_v41_wide_engram_dir):
     got, _ = decode_steps(Runner(host, max_seqs=4, max_len=96), 5, fed)
     assert torch.equal(got, want)
     assert not host.engram_prefetch.buffers[0].is_inference()  # a step outside inference mode may write them too
+
+
+def test_a_prefill_takes_the_engram_rows_its_entry_prefetched(tiny_v41_wide_engram_dir, monkeypatch):
+    """A prefill forward starts the host tables' prefetch at its entry and its Engram layers take those rows, with
+    no gather of their own; a forward longer than the buffers a captured decode graph holds gathers at the layers.
+    The logits are the device tables' either way."""
+    _, fast = models(tiny_v41_wide_engram_dir, packed=False)
+    host = host_engram_model(tiny_v41_wide_engram_dir)
+    gathers = []
+    gather = engram_prefetch.engram_gather
+    monkeypatch.setattr(engram_prefetch, "engram_gather", lambda *a, **k: gathers.append(1) or gather(*a, **k))
+    ids = prompt(40, 7)
+    on_host, on_device = Runner(host, max_seqs=2, max_len=96), Runner(fast, max_seqs=2, max_len=96)
+    slot_h, slot_d = on_host.allocate(), on_device.allocate()
+    assert torch.equal(on_host.prefill(slot_h, ids[:30]), on_device.prefill(slot_d, ids[:30]))
+    assert not gathers
+    pre = host.engram_prefetch
+    pre._captured, pre.max_tokens = True, 4  # as after a decode graph captured buffers of 4 tokens
+    assert torch.equal(on_host.prefill(slot_h, ids[30:]), on_device.prefill(slot_d, ids[30:]))
+    assert len(gathers) == len(host.config.engram_layer_ids)
+    started = pre._ids[:, :, 0]
+    assert pre.rows_for(0, started.clone(), pre.dtype) is None  # equal ids elsewhere are not the started ones
+    assert pre.rows_for(0, started, torch.float64) is None
 
 
 def test_a_state_dict_loads_into_the_host_engram_tables(tiny_v41_wide_engram_dir):
