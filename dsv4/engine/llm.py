@@ -65,7 +65,7 @@ class LLM:
             captures the decode graph of every batch size up to max_num_seqs when it is built (each padded up to
             a power of two), so no request's step waits for one.
         engram_tables: "device" (default) or "host": "fast" keeps V4.1's Engram tables in pinned host memory
-            (THP where the OS allows) and its decode steps prefetch their rows on a side stream, for
+            (THP where the OS allows) and its forwards prefetch their rows on a side stream, for
             checkpoints whose tables (V4.1-Flash: 2 x 98 GB) the GPU cannot hold (see
             `dsv4.fast.engram_prefetch`).
     """
