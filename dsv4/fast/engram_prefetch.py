@@ -29,13 +29,15 @@ all of a step's rows can be fetched at forward entry, while the embedding and la
     than the buffers of a captured decode graph gathers at each Engram layer on the main stream.
 
 `EngramPrefetcher(tables, device, max_tokens=8192, dtype=bf16, stream=None, programs=None)`
-    `start(hash_ids [B, S, L, C])`: at forward entry. On CUDA it makes a side stream wait for the
+    `start(hash_ids [B, S, L, C], hold=False)`: at forward entry. On CUDA it makes a side stream wait for the
     current (main) stream - the ids are ready and the previous step no longer reads the buffers - and
     launches one UVA gather kernel (`dsv4.fast.kernels.engram`) for up to four layers: the GPU reads the
     needed rows from pinned host memory over PCIe and writes dequantized rows into a
     persistent device buffer, then records one event. The host never waits (~15 us of host time).
     `wait(layer) -> rows [B, S, C, 256]`: the current stream waits on that layer's event (a GPU-side
-    wait); the rows stay valid until the next `start`.
+    wait); the rows are views of the persistent buffers, valid until the next `start` or the next replay of
+    a decode graph that captured one. `rows_for(layer, row_ids, dtype)`: `wait(layer)` when row_ids is that
+    layer's slice of the ids a `start(..., hold=True)` got (a module-path forward's Engram layers), else None.
     Without CUDA, `start` gathers synchronously into the same kind of persistent buffers (the tests).
 
 Why the UVA gather rather than a host index_select into a pinned staging buffer + an async copy:
@@ -109,6 +111,14 @@ def anon_huge_kb(address: int, length: int) -> int:
     return total
 
 
+def cuda_runtime_paths(maps_lines) -> list[str]:
+    """The CUDA runtime libraries (libcudart*.so*, hashed wheel names too) among /proc/<pid>/maps lines, whose
+    sixth field is the path (it may hold spaces; a replaced file ends in " (deleted)")."""
+    fields = (line.rstrip("\n").split(None, 5) for line in maps_lines)
+    return sorted({f[5].removesuffix(" (deleted)") for f in fields
+                   if len(f) == 6 and "libcudart" in f[5].rsplit("/", 1)[-1] and ".so" in f[5]})
+
+
 def clear_cuda_error() -> int:
     """Reset the CUDA runtime's last error -> the error it held (0: none).
 
@@ -119,10 +129,15 @@ def clear_cuda_error() -> int:
 
     try:
         with open("/proc/self/maps") as f:
-            paths = sorted({line.split()[-1] for line in f if "libcudart.so" in line})
+            paths = cuda_runtime_paths(f)
     except OSError:
         return 0
-    errors = [int(ctypes.CDLL(p).cudaGetLastError()) for p in paths]
+    errors = []
+    for path in paths:
+        try:
+            errors.append(int(ctypes.CDLL(path).cudaGetLastError()))
+        except (OSError, AttributeError):  # gone from the disk, or not a runtime after all
+            continue
     return next((e for e in errors if e), 0)
 
 
@@ -225,7 +240,8 @@ class HostEngramEmbedding(EngramEmbedding):
     """An EngramEmbedding whose table (`table`, a HostEngramTable) stays in host memory whatever device the
     model moves to; `weight` and `scale` are views of the table's records. A lookup gathers on the device
     of the ids: on CUDA the kernel reads the pinned rows over PCIe (no host round trip), on the host the
-    twin. Same rows as EngramEmbedding.forward, bit for bit."""
+    twin; or, for the ids a forward's entry started prefetching, returns the prefetch's rows (views of its
+    buffers, `EngramPrefetcher.rows_for`). Same rows as EngramEmbedding.forward, bit for bit."""
 
     table: HostEngramTable
     prefetch: EngramPrefetcher | None = None  # the model's, when make_fast attached one (this is its layer `index`)
@@ -241,6 +257,11 @@ class HostEngramEmbedding(EngramEmbedding):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         # the gathers read the table: load_state_dict (assign=True too) copies into it, the views stay views
+        for hook in self._load_state_dict_pre_hooks.values():
+            hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if strict:  # as Module._load_from_state_dict: a key under this module's prefix that names nothing
+            unexpected_keys += [k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in
+                                ("weight", "scale")]
         loaded = {}
         for name, dtype in (("weight", torch.float8_e4m3fn), ("scale", torch.float8_e8m0fnu)):
             value = state_dict.get(prefix + name)
@@ -333,7 +354,7 @@ class EngramPrefetcher:
             self._programs = programs or default_programs(self.device)
         self._waited = None  # stream handle that already waits on this step's event
         self._captured = False  # a CUDA graph holds the buffers' addresses: they may not move any more
-        self._ids = None  # the last start's hash ids, as given (held: rows_for identifies them by address)
+        self._ids = None  # the last start's hash ids when it held them (rows_for identifies them by address)
 
     def _ensure(self, tokens: int, columns: int) -> None:
         if self._columns != columns or tokens > self.max_tokens:
@@ -346,6 +367,8 @@ class EngramPrefetcher:
             self.max_tokens = max(self.max_tokens, tokens)
             self._columns = columns
             per = self.max_tokens * columns * ROW_VALUES
+            if self._flat is not None and self.cuda:  # a gather still queued on the side stream may write it
+                self._flat.record_stream(self.stream)
             with torch.inference_mode(False):  # written in and out of inference mode (a runner's steps, a tool's)
                 self._flat = torch.empty(len(self.tables) * per, dtype=self.dtype, device=self.device)
             self.buffers = [self._flat[i * per : (i + 1) * per] for i in range(len(self.tables))]
@@ -364,17 +387,21 @@ class EngramPrefetcher:
         head, out, tail = cached
         return (*head, ids, out, rows, *tail)
 
-    def start(self, hash_ids: torch.Tensor) -> None:
+    def start(self, hash_ids: torch.Tensor, hold: bool = False) -> None:
         """hash_ids [B, S, L, C] int64 (on `device`): launch every layer's gather; returns at once. The
         buffers grow to a longer step's size until a CUDA graph captures a start; from then on a step that
-        does not fit them raises (the graph would go on writing the freed ones)."""
+        does not fit them raises (the graph would go on writing the freed ones). `hold` keeps the ids, so that
+        `rows_for` knows them (a decode step passes rows itself and holds nothing: its ids live in the graph's
+        memory)."""
         B, S, L, C = hash_ids.shape
         if L != len(self.tables):
             raise ValueError(f"EngramPrefetcher.start: hash_ids has {L} layers, {len(self.tables)} tables")
-        self._ids = hash_ids
+        self._ids = None
+        given = hash_ids
         if hash_ids.dtype != torch.int64 or not hash_ids.is_contiguous():
             hash_ids = hash_ids.to(torch.int64).contiguous()
         self._ensure(B * S, C)
+        self._ids = given if hold else None
         self._shape = (B, S, C, ROW_VALUES)
         if self._views_key != self._shape:
             n = B * S * C * ROW_VALUES
@@ -417,12 +444,12 @@ class EngramPrefetcher:
             hash_ids.record_stream(self.stream)  # the caller may free the ids before the gather ran
 
     def fits(self, tokens: int, columns: int) -> bool:
-        """Whether a start for `tokens` x `columns` rows can run: always before a CUDA graph captured one, after
-        that only within the captured buffers."""
-        return not self._captured or (columns == self._columns and tokens <= self.max_tokens)
+        """Whether a start for `tokens` x `columns` rows fits the buffers as planned (max_tokens), without
+        growing them: a long prefill must not leave them large for good (decode graphs capture them)."""
+        return tokens <= self.max_tokens and self._columns in (None, columns)
 
     def rows_for(self, layer: int, row_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-        """`wait(layer)` if the last start fetched exactly these ids (row_ids is that start's `layer` slice, the
+        """`wait(layer)` if the last start held exactly these ids (row_ids is that start's `layer` slice, the
         very tensor view: the prefetcher holds the ids, so their memory cannot have been reused) in `dtype`;
         else None."""
         if self._ids is None or dtype != self.dtype:

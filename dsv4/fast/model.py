@@ -353,11 +353,11 @@ class FastModel(Dsv4Model):
 
     def engram_hash_ids(self, history: torch.Tensor, start_pos: int) -> torch.Tensor:
         """As the reference; with host tables a forward's rows start coming now, on the prefetch's side stream (when
-        they fit its buffers; the Engram layers gather the rest themselves)."""
+        they fit its buffers as planned; the Engram layers of a longer forward gather their rows themselves)."""
         ids = super().engram_hash_ids(history, start_pos)  # [B, S, L, C]
         pre = self.engram_prefetch
         if pre is not None and pre.fits(ids.shape[0] * ids.shape[1], ids.shape[3]):
-            pre.start(ids)
+            pre.start(ids, hold=True)
         return ids
 
     # the prefetch's stream and event calls run eagerly: torch.compile breaks the step around them (the

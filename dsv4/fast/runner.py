@@ -36,7 +36,8 @@ class Runner:
         max_seqs: sequence slots; max_len: tokens per slot (prompt + generation).
         cuda_graphs: capture decode steps (default: on a CUDA device).
         compile: run the decode step through torch.compile, which fuses the torch glue between the kernels
-            into a few Triton kernels (default: on a CUDA device; each captured batch size compiles once); a
+            into a few Triton kernels (default: on a CUDA device; two compiles serve every batch size: batch 1,
+            and the rest with the batch as a symbol); a
             string names the torch.compile backend instead of inductor (the tests trace with "aot_eager" on
             the host, where inductor's C++ code cannot hold the float8_e8m0fnu scales).
         batch_sizes: decode batch sizes to capture; a batch runs padded to the next one.

@@ -21,7 +21,13 @@ pytest.importorskip("triton")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4.fast.engram_prefetch import EngramPrefetcher, HostEngramTable, clear_cuda_error, thp_setting
+from dsv4.fast.engram_prefetch import (
+    EngramPrefetcher,
+    HostEngramTable,
+    clear_cuda_error,
+    cuda_runtime_paths,
+    thp_setting,
+)
 from dsv4.fast.kernels import engram as E
 from dsv4.reference.engram import DEAD, EngramEmbedding, engram_hash_ids
 
@@ -163,6 +169,40 @@ def test_prefetcher_cpu_rows_and_buffer_reuse():
         assert ptrs is None or now == ptrs, "the staging buffers must be reused, not reallocated"
         ptrs = now
     assert pre.buffers[0].numel() == 16 * 24 * 256
+
+
+def test_prefetcher_holds_only_the_ids_of_a_start_that_ran():
+    """rows_for knows the ids of the last start made with hold=True, and of no start that failed (a graph's
+    buffers would have handed another step's rows) or did not hold them."""
+    embs = [make_embedding(500, 4)]
+    pre = EngramPrefetcher([HostEngramTable.from_embedding(embs[0], mode="pageable")], "cpu", max_tokens=2)
+    small = torch.randint(0, 500, (1, 2, 1, 24))
+    pre.start(small, hold=True)
+    assert same_rows(pre.rows_for(0, small[:, :, 0], torch.bfloat16), embs[0](small[:, :, 0], torch.bfloat16))
+    pre._captured = True  # as after a CUDA graph captured a start
+    big = torch.randint(0, 500, (1, 8, 1, 24))
+    with pytest.raises(RuntimeError, match="larger max_tokens"):
+        pre.start(big, hold=True)
+    assert pre.rows_for(0, big[:, :, 0], torch.bfloat16) is None
+    assert pre.rows_for(0, small[:, :, 0], torch.bfloat16) is None
+    pre.start(small)
+    assert pre.rows_for(0, small[:, :, 0], torch.bfloat16) is None
+    assert pre.fits(2, 24) and not pre.fits(3, 24) and not pre.fits(2, 16)
+
+
+def test_the_cuda_runtime_is_found_among_the_mappings():
+    lines = [
+        "7f00-7f10 r-xp 00000000 08:01 1 /usr/lib/libcudart.so.13.0.1\n",
+        "7f10-7f20 r--p 00010000 08:01 1 /usr/lib/libcudart.so.13.0.1\n",
+        "7f20-7f30 r-xp 00000000 08:01 2 /opt/my libs/libcudart.so.12 (deleted)\n",
+        "7f30-7f40 r-xp 00000000 08:01 3 /wheels/torch/lib/libcudart-d0da41ae.so.11.0\n",
+        "7f40-7f50 r-xp 00000000 08:01 4 /usr/lib/libcudart_static_helper.a\n",
+        "7f50-7f60 r-xp 00000000 08:01 5 /usr/lib/libcudnn.so.9\n",
+        "7f60-7f70 rw-p 00000000 00:00 0\n",
+        "7f70-7f80 r-xp 00000000 08:01 6 /home/libcudart_fans/libfoo.so\n",
+    ]
+    assert cuda_runtime_paths(lines) == ["/opt/my libs/libcudart.so.12", "/usr/lib/libcudart.so.13.0.1",
+                                         "/wheels/torch/lib/libcudart-d0da41ae.so.11.0"]
 
 
 # ------------------------------------------------------------------------------------------------ GPU

@@ -241,12 +241,12 @@ def test_a_prefill_takes_the_engram_rows_its_entry_prefetched(tiny_v41_wide_engr
     assert torch.equal(on_host.prefill(slot_h, ids[:30]), on_device.prefill(slot_d, ids[:30]))
     assert not gathers
     pre = host.engram_prefetch
-    pre._captured, pre.max_tokens = True, 4  # as after a decode graph captured buffers of 4 tokens
-    assert torch.equal(on_host.prefill(slot_h, ids[30:]), on_device.prefill(slot_d, ids[30:]))
-    assert len(gathers) == len(host.config.engram_layer_ids)
     started = pre._ids[:, :, 0]
     assert pre.rows_for(0, started.clone(), pre.dtype) is None  # equal ids elsewhere are not the started ones
     assert pre.rows_for(0, started, torch.float64) is None
+    pre.max_tokens = 4  # buffers planned for 4 tokens: a longer forward must not grow them for good
+    assert torch.equal(on_host.prefill(slot_h, ids[30:]), on_device.prefill(slot_d, ids[30:]))
+    assert len(gathers) == len(host.config.engram_layer_ids) and pre.max_tokens == 4
 
 
 def test_a_state_dict_loads_into_the_host_engram_tables(tiny_v41_wide_engram_dir):
@@ -267,6 +267,8 @@ def test_a_state_dict_loads_into_the_host_engram_tables(tiny_v41_wide_engram_dir
         assert torch.equal(embed(ids, torch.float32), want(ids, torch.float32))
     with pytest.raises(RuntimeError, match=f"{name}.weight: dtype torch.uint8"):
         host.load_state_dict({**host.state_dict(), f"{name}.weight": weight.view(torch.uint8)})
+    with pytest.raises(RuntimeError, match=f"Unexpected key.*{name}.wieght"):
+        host.load_state_dict({**host.state_dict(), f"{name}.wieght": weight})
 
 
 def test_one_compile_of_the_decode_step_serves_every_batch_size_above_one(tiny_v4_dir):
