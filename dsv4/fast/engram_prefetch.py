@@ -26,7 +26,7 @@ all of a step's rows can be fetched at forward entry, while the embedding and la
     and a lookup gathers on the device the ids are on. `make_fast` then gives the model an
     `EngramPrefetcher` over the tables, which its decode steps and prefill forwards start at entry and wait
     for at the Engram layers (`rows_for`: the rows of exactly the ids the forward started); a forward longer
-    than the buffers of a captured decode graph gathers at each Engram layer on the main stream.
+    than the buffers (`max_tokens`) gathers at each Engram layer on the main stream.
 
 `EngramPrefetcher(tables, device, max_tokens=8192, dtype=bf16, stream=None, programs=None)`
     `start(hash_ids [B, S, L, C], hold=False)`: at forward entry. On CUDA it makes a side stream wait for the
