@@ -9,6 +9,8 @@ Each Engram table has `--engram-vocab` hash buckets per head (24 heads: 3 n-gram
 rows (the released tables: 16M buckets, 384M rows, 98 GB each). Per batch size: the CUDA-graph decode step with
 device tables and with host tables, the prefetch's gather alone for that many tokens, and the share of the lookup
 hidden, 1 - (host step - device step) / gather alone. The logits of both steps are compared (same rows, same bits).
+And a cold prefill of `--context` tokens in `--chunk`-token forwards both ways: each forward's entry starts the
+rows' gather on the side stream, its Engram layer waits for them.
 
     python bench/engram_decode.py                   # 700K buckets: 16.8M rows, 4.4 GB per table
     python bench/engram_decode.py --smoke           # tiny widths on CPU, to check the script
@@ -40,7 +42,14 @@ if ARGS.smoke:  # whole models under the interpreter take hours: the smoke run c
 
 import torch  # noqa: E402
 
-from full_width import SMOKE_WIDTHS, build_random_model, decode_rows, full_width_config  # noqa: E402
+from full_width import (  # noqa: E402
+    SMOKE_WIDTHS,
+    build_random_model,
+    cold_prefill,
+    decode_rows,
+    full_width_config,
+    random_ids,
+)
 
 from dsv4.fast.engram_prefetch import keep_engram_on_host  # noqa: E402
 from dsv4.fast.model import make_fast  # noqa: E402
@@ -49,13 +58,16 @@ from dsv4.fast.runner import Runner  # noqa: E402
 LAYERS = [1, 2, 20, 21, 24]
 
 
-def steps(fast, device, context: int, batches: list[int], logits: dict) -> dict:
+def steps(fast, device, context: int, batches: list[int], logits: dict) -> tuple[dict, float]:
+    """Decode rows per batch size, and the seconds of a cold prefill of `context` tokens."""
     runner = Runner(fast, max_seqs=max(batches), max_len=context + len(batches) * (ARGS.steps + 2))
     rows = decode_rows(runner, common.timer(device), context, batches, ARGS.chunk, ARGS.steps, logits)
+    ids = random_ids(fast.config, context, torch.Generator().manual_seed(2))
+    prefill_s = common.timed(lambda: cold_prefill(runner, ids, ARGS.chunk), device, 3)
     del runner
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return rows
+    return rows, prefill_s
 
 
 def gather_alone(fast, device, B: int) -> float:
@@ -83,13 +95,15 @@ def main():
     t0 = time.time()
     fast = make_fast(build_random_model(config, device, torch.bfloat16, seed=0))
     on_device, on_host = {}, {}
-    device_rows = steps(fast, device, context, batches, on_device)
+    device_rows, device_prefill = steps(fast, device, context, batches, on_device)
     tables = keep_engram_on_host(fast)  # the device tables go; views of pinned host tables take their names
     make_fast(fast)  # attaches the prefetcher
-    host_rows = steps(fast, device, context, batches, on_host)
+    host_rows, host_prefill = steps(fast, device, context, batches, on_host)
     result = {**common.metadata(str(device)), "layers": LAYERS, "context": context,
               "engram_rows": config.engram_num_embeddings, "table_mode": [t.mode for t in tables],
-              "thp_kb": [t.thp_kb for t in tables], "gather_programs": fast.engram_prefetch._programs, "rows": {}}
+              "thp_kb": [t.thp_kb for t in tables], "gather_programs": fast.engram_prefetch._programs,
+              "prefill": {"chunk": ARGS.chunk, "device_tables_s": device_prefill, "host_tables_s": host_prefill},
+              "rows": {}}
     for B in batches:
         lookup = gather_alone(fast, device, B)
         dev_ms, host_ms = device_rows[B]["step_ms"], host_rows[B]["step_ms"]
@@ -102,7 +116,8 @@ def main():
     path = common.write_result("engram-decode", ARGS.smoke, result)
     print(path)
     print(f"tables {result['table_mode']}, {config.engram_num_embeddings} rows, gather programs "
-          f"{result['gather_programs']}")
+          f"{result['gather_programs']}; cold prefill of {context} tokens: device tables {device_prefill:.3f} s, "
+          f"host tables {host_prefill:.3f} s")
     common.print_table(
         [("batch", "batch", "d"), ("device step ms", "device_step_ms", ".3f"), ("host step ms", "host_step_ms", ".3f"),
          ("gather alone ms", "gather_alone_ms", ".3f"), ("hidden", "hidden", ".1%"),
