@@ -68,7 +68,9 @@ class Runner:
         options = {"emulate_precision_casts": True} if backend == "inductor" else None
         # the step decode runs and captures (what a profiler of the step should call too). Shapes are automatic
         # dynamic: batch 1 compiles as it is and the next size once more with the batch as a symbol, which then
-        # serves every larger size (two compiles for all the graphs, not one per size: the engine's start-up)
+        # serves every larger size (two compiles for all the graphs, not one per size: the engine's start-up).
+        # Compiled code lives on decode_step's code object: a second runner of other slot sizes on the same
+        # model compiles again, with those sizes symbolic too
         self.step = (torch.compile(model.decode_step, backend=backend, dynamic=None, options=options) if compile
                      else model.decode_step)
         self.batch_sizes = sorted({b for b in batch_sizes if b < max_seqs} | {max_seqs})
