@@ -38,17 +38,19 @@ CPU_NAME = "cpu (Triton interpreter)"
 
 
 def parse_args(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
-               argv: Sequence[str] | None = None) -> argparse.Namespace:
+               argv: Sequence[str] | None = None, whole_model: bool = False) -> argparse.Namespace:
     """The script's arguments: --smoke plus whatever `add_arguments(parser)` adds; the help text is `doc`.
 
-    With --smoke, sets TRITON_INTERPRET=1, so call this before importing any kernel module."""
+    With --smoke, sets TRITON_INTERPRET=1 (0 for a `whole_model` bench: whole models under the interpreter take
+    hours, so their smoke runs check the script with the kernels' twins), so call this before importing any
+    kernel module."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
     if add_arguments is not None:
         add_arguments(p)
     args = p.parse_args(argv)
     if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["TRITON_INTERPRET"] = "0" if whole_model else "1"
     return args
 
 

@@ -53,11 +53,7 @@ def add_arguments(p):
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
 
 
-ARGS = common.parse_args(__doc__, add_arguments)
-if ARGS.smoke:
-    import os
-
-    os.environ["TRITON_INTERPRET"] = "0"  # the kernels' twins: the interpreter would take minutes per turn
+ARGS = common.parse_args(__doc__, add_arguments, whole_model=True)
 
 import torch
 from full_width import bench_setup, build_random_model, random_ids

@@ -34,11 +34,7 @@ def add_arguments(p):
     p.add_argument("--chunk", type=int, default=2048)
 
 
-ARGS = common.parse_args(__doc__, add_arguments)
-if ARGS.smoke:  # whole models under the interpreter take hours: the smoke run checks the script with the twins
-    import os
-
-    os.environ["TRITON_INTERPRET"] = "0"
+ARGS = common.parse_args(__doc__, add_arguments, whole_model=True)
 
 import torch  # noqa: E402
 
@@ -63,7 +59,7 @@ def steps(fast, device, context: int, batches: list[int], logits: dict) -> tuple
     runner = Runner(fast, max_seqs=max(batches), max_len=context + len(batches) * (ARGS.steps + 2))
     rows = decode_rows(runner, common.timer(device), context, batches, ARGS.chunk, ARGS.steps, logits)
     ids = random_ids(fast.config, context, torch.Generator().manual_seed(2))
-    prefill_s = common.timed(lambda: cold_prefill(runner, ids, ARGS.chunk), device, 3)
+    prefill_s = common.timed(lambda r=runner: cold_prefill(r, ids, ARGS.chunk), device, 3)
     del runner
     if device.type == "cuda":
         torch.cuda.empty_cache()

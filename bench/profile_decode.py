@@ -30,11 +30,7 @@ def add_arguments(p):
                    help="also profile a cold prefill of --context tokens in chunks of this many")
 
 
-ARGS = common.parse_args(__doc__, add_arguments)
-if ARGS.smoke:
-    import os
-
-    os.environ["TRITON_INTERPRET"] = "0"
+ARGS = common.parse_args(__doc__, add_arguments, whole_model=True)
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402

@@ -41,11 +41,7 @@ def add_arguments(p):
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a result file")
 
 
-ARGS = common.parse_args(__doc__, add_arguments)
-if ARGS.smoke:  # whole models under the interpreter take hours: the smoke run checks the script with the twins
-    import os
-
-    os.environ["TRITON_INTERPRET"] = "0"
+ARGS = common.parse_args(__doc__, add_arguments, whole_model=True)
 
 import torch  # noqa: E402
 

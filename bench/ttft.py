@@ -37,11 +37,7 @@ def add_arguments(p):
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a result file")
 
 
-ARGS = common.parse_args(__doc__, add_arguments)
-if ARGS.smoke:
-    import os
-
-    os.environ["TRITON_INTERPRET"] = "0"
+ARGS = common.parse_args(__doc__, add_arguments, whole_model=True)
 
 import torch
 from full_width import bench_setup, build_random_model, prefill_chunks, random_ids
