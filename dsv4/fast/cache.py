@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4.config import Dsv4Config
+from dsv4.config import Dsv4Config, LayerRole
 from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant
-from dsv4.reference.compressor import overlaps
 from dsv4.quant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
+from dsv4.reference.compressor import overlaps
 
 POOL_BLOCK = 64  # entries per block of the indexer's pool-layout scoring (see dsv4.fast.kernels.indexer)
 
@@ -115,6 +115,26 @@ class Rows:
 
     def _typed(self, data, scale):
         return data.view(self.dtypes[0]), None if scale is None else scale.view(self.dtypes[1])
+
+
+@dataclass
+class LayerSlots:
+    """One layer's part of a SlotState (`SlotState.layer`), looked up by layer id outside the compiled decode
+    block: nothing the block reads depends on which layer it is, so the layers of one kind share its code.
+
+    - window: the layer's window ring (rows in the stored form), window_start [slots];
+    - store: the compressed entries the layer attends to, its KV source's (a source writes its own), capacity
+      entries per slot; a window-only layer's is the empty global store, capacity 0;
+    - index_keys: the keys its indexer scores (V4: its own, V4.1: its source's), None without;
+    - carry, index_carry: the rings of its compressor and of V4's indexer compressor, None without."""
+
+    window: Rows
+    window_start: torch.Tensor
+    store: Rows
+    capacity: int
+    index_keys: Rows | None
+    carry: tuple[torch.Tensor, torch.Tensor] | None
+    index_carry: tuple[torch.Tensor, torch.Tensor] | None
 
 
 def group_capacity(max_len: int, ratio: int) -> int:
@@ -195,6 +215,13 @@ class SlotState:
         rows = [*self.windows.values(), *self.compressed.values(), *self.index_keys.values()]
         total = sum(r.data.nbytes + (0 if r.scale is None else r.scale.nbytes) for r in rows)
         return total + sum(t.nbytes for pair in self.carries.values() for t in pair) + self.tokens.nbytes
+
+    def layer(self, role: LayerRole) -> LayerSlots:
+        """The buffers of one layer, by its role."""
+        i, source = role.layer_id, role.kv_source
+        return LayerSlots(self.windows[i], self.window_start, self.compressed.get(source, self.empty_global),
+                          self.capacity.get(source, 0), self.index_keys.get(source if self.config.is_v41 else i),
+                          self.carries.get(f"{i}.compressor"), self.carries.get(f"{i}.indexer.compressor"))
 
     def clear(self, slot: int) -> None:
         """Forget a slot's sequence and zero its rows (masked-off reads of unwritten rows then see zeros)."""

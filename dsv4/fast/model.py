@@ -24,10 +24,12 @@ at each Engram layer).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from dsv4.fast.cache import POOL_BLOCK, SlotState
+from dsv4.fast.cache import POOL_BLOCK, LayerSlots, SlotState
 from dsv4.fast.engram_prefetch import EngramPrefetcher, HostEngramEmbedding
 from dsv4.fast.kernels.attention import sparse_attn_bf16, sparse_attn_fp4
 from dsv4.fast.kernels.engram import engram_hash
@@ -141,26 +143,30 @@ class FastAttention(Attention):
         return dequantize_nvfp4(*nvfp4_quant(x.contiguous(), block), block).to(x.dtype)
 
     # -------------------------------------------------------------- decode step
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, state: SlotState, shared: SharedKV):
-        """x [B, D]: one token of each sequence, at positions pos [B] of slots [B] -> [B, D]."""
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, view: LayerSlots,
+               picks: torch.Tensor | None, pool: torch.Tensor | None):
+        """x [B, D]: one token of each sequence, at positions pos [B] of slots [B], in the layer's buffers
+        `view`. `picks` [B, k]: the index source's top-k (a CSA layer without its own indexer); `pool` [B, G]:
+        the candidate source's blocks (a candidate consumer). -> (out [B, D], picks, pool): this layer's top-k
+        and candidate blocks where it computes them, else those given."""
         cos, sin = self.rotary.cos_sin(pos)  # [B, R/2]
         q, qr, kv = self._q_kv(x[:, None], cos[:, None], sin[:, None])
         q, qr, kv = q[:, 0], qr[:, 0], kv[:, 0]
-        layer, W = self.role.layer_id, self.window
-        window = state.windows[layer]
-        window.write(slots, pos % W, kv)
+        W = self.window
+        view.window.write(slots, pos % W, kv)
         back = pos[:, None] - torch.arange(W, device=x.device)  # [B, W]
         # index lists in the kernel's int32, cast here where the compiled step fuses the cast into the index
         # arithmetic (a cast inside the op would be a copy kernel of its own, per list and layer)
-        win_idx = torch.where(back >= state.window_start[slots, None], slots[:, None] * W + back % W, -1).int()
-        win_data, win_scale = window.flat()
+        win_idx = torch.where(back >= view.window_start[slots, None], slots[:, None] * W + back % W, -1).int()
+        win_data, win_scale = view.window.flat()
+        store = view.store
         if self.role.compress_ratio:
             if self.role.owns_compressor:
-                self._compress_decode(x, pos, slots, state)
-            store = state.compressed[self.role.kv_source]
-            glob_idx = self._global_ids(x, qr, pos, slots, state, shared, store.data.shape[1]).int()
+                self._compress_decode(x, pos, slots, view)
+            if self.role.owns_indexer:
+                picks, pool = self._index_decode(x, qr, pos, slots, view, pool)
+            glob_idx = self._global_ids(pos, slots, view, picks).int()
         else:
-            store = state.empty_global
             glob_idx = pos.new_zeros(pos.shape[0], 0, dtype=torch.int32)
         glob_data, glob_scale = store.flat()
         scale = self.head_dim**-0.5
@@ -169,30 +175,29 @@ class FastAttention(Attention):
                                 self.attn_sink, scale, cos, sin)
         else:
             o = sparse_attn_bf16(q, win_data, win_idx, glob_data, glob_idx, self.attn_sink, scale, cos, sin)
-        return self._output(o.to(x.dtype)[:, None])[:, 0]
+        return self._output(o.to(x.dtype)[:, None])[:, 0], picks, pool
 
-    def _global_ids(self, x, qr, pos, slots, state, shared, stride) -> torch.Tensor:
+    def _global_ids(self, pos, slots, view: LayerSlots, picks) -> torch.Tensor:
         """Rows of the source's compressed store each query attends to [B, k] (-1 = none)."""
-        role, r = self.role, self.role.compress_ratio
-        visible = (pos + 1) // r  # [B]
-        if role.index_source is None:  # HCA: every visible entry
-            entries = torch.arange(state.capacity[role.kv_source], device=x.device)
+        stride = view.store.data.shape[1]
+        if picks is None:  # HCA: every visible entry
+            visible = (pos + 1) // self.role.compress_ratio  # [B]
+            entries = torch.arange(view.capacity, device=pos.device)
             return torch.where(entries < visible[:, None], slots[:, None] * stride + entries, -1)
-        if role.owns_indexer:
-            shared.topk[role.layer_id] = self._index_decode(x, qr, pos, slots, state, shared, visible)
-        picks = shared.topk[role.index_source]
         return torch.where(picks >= 0, slots[:, None] * stride + picks, -1)
 
-    def _index_decode(self, x, qr, pos, slots, state, shared, visible) -> torch.Tensor:
-        """The indexer's top-k entry ids [B, k] (-1 = none), as Indexer.forward for one token per row."""
+    def _index_decode(self, x, qr, pos, slots, view: LayerSlots, pool):
+        """The indexer's top-k entry ids [B, k] (-1 = none), as Indexer.forward for one token per row, and the
+        candidate blocks: a candidate source's selection, a consumer's `pool` (which restricts its scores)."""
         ix, role = self.indexer, self.role
         B = x.shape[0]
+        visible = (pos + 1) // role.compress_ratio  # [B]
         cos, sin = self.rotary.cos_sin(pos)
         q = ix.wq_b(qr).unflatten(-1, (ix.n_heads, ix.head_dim))  # [B, Hi, di]
         q = apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
         w = ix.weights_proj(x) * (ix.head_dim**-0.5 * ix.n_heads**-0.5)  # [B, Hi]
-        keys = state.index_keys[role.kv_source if self.is_v41 else role.layer_id]
-        stride, cap = keys.data.shape[1], state.capacity[role.kv_source]
+        keys, cap = view.index_keys, view.capacity
+        stride = keys.data.shape[1]
         if keys.fmt == "mxfp4":
             q = ix._fp4(q)
             blocks = slots[:, None] * (stride // POOL_BLOCK) + torch.arange(cap // POOL_BLOCK, device=x.device)
@@ -203,32 +208,31 @@ class FastAttention(Attention):
             score = index_scores(q[:, None], keys.data[slots, :cap].to(q.dtype), w[:, None])[:, 0]
             score = score.masked_fill(torch.arange(cap, device=x.device) >= visible[:, None], NEG_INF)
         if role.candidate_role == "source":
-            shared.candidates = select_candidate_blocks_fast(score, visible, ix.candidate_topk_blocks,
-                                                             ix.candidate_block_size)
+            pool = select_candidate_blocks_fast(score, visible, ix.candidate_topk_blocks, ix.candidate_block_size)
         elif role.candidate_role == "consumer":
-            score = score.masked_fill(~shared.candidates, NEG_INF)
-        return topk_select(score, ix.topk).view(B, -1)
+            score = score.masked_fill(~pool, NEG_INF)
+        return topk_select(score, ix.topk).view(B, -1), pool
 
-    def _compress_decode(self, x, pos, slots, state: SlotState) -> None:
+    def _compress_decode(self, x, pos, slots, view: LayerSlots) -> None:
         """The compressor step of one token per row: carry the token, and store the entry (and index key)
         of the group it completes; rows completing no group write to the slot's spare row."""
-        role, r, layer = self.role, self.role.compress_ratio, self.role.layer_id
-        latent = _compressor_step(self.compressor, x, pos, slots, state.carries.get(f"{layer}.compressor"))
+        role, r = self.role, self.role.compress_ratio
+        latent = _compressor_step(self.compressor, x, pos, slots, view.carry)
         first = (pos + 1) // r - 1  # the group this token would complete
-        row = torch.where((pos + 1) % r == 0, first, state.capacity[layer])
+        row = torch.where((pos + 1) % r == 0, first, view.capacity)
         cos, sin = self.rotary.cos_sin(first.clamp(min=0) * r)
         cos, sin = cos[:, None], sin[:, None]
         entry = apply_rope(latent[:, None], cos, sin)
         # V4.1's NVFP4 rounding is the store's own encoding
-        state.compressed[layer].write(slots, row, (entry if self.is_v41 else self._window_quant(entry))[:, 0])
+        view.store.write(slots, row, (entry if self.is_v41 else self._window_quant(entry))[:, 0])
         if role.owns_index_keys:
             ix = self.indexer
             if self.is_v41:
                 k = ix.k_norm(ix.wk(latent))
             else:
-                k = _compressor_step(ix.compressor, x, pos, slots, state.carries[f"{layer}.indexer.compressor"])
+                k = _compressor_step(ix.compressor, x, pos, slots, view.index_carry)
             k = apply_rope(k[:, None], cos, sin)[:, 0]
-            state.index_keys[layer].write(slots, row, k if self.is_v41 or not ix.quant_sim else hadamard(k))
+            view.index_keys.write(slots, row, k if self.is_v41 or not ix.quant_sim else hadamard(k))
 
 
 def _compressor_step(comp, x, pos, slots, carry) -> torch.Tensor:
@@ -293,17 +297,19 @@ class FastBlock(Block):
         flat = mhc_post(f.flatten(0, 1), flat, post, comb)
         return flat.view_as(h), ffn_pre.view(B, S, -1)
 
-    def decode(self, h, pre, ids, pos, slots, state, shared, engram_rows):
-        """One token per row: h [B, hc, D], pre [B, hc] (V4.1), this layer's Engram rows [B, C, head_dim] ->
-        (h, pre)."""
+    def decode(self, h, pre, ids, pos, slots, view: LayerSlots, picks, pool, engram_rows):
+        """One token per row: h [B, hc, D], pre [B, hc] (V4.1), the layer's buffers `view`, the top-k and
+        candidate blocks it takes (FastAttention.decode), its Engram rows [B, C, head_dim] -> (h, pre, picks,
+        pool). Everything layer-specific comes in as arguments, so layers of one kind share compiled code."""
         if self.role.engram:
             h = self.engram.mix(h[:, None], engram_rows[:, None])[:, 0]
         single_pass = self.config.is_v41
         x, attn_pre, post, comb = self.site(h, "attn", pre if single_pass else None)
-        h = mhc_post(self.attn.decode(self.attn_norm(x), pos, slots, state, shared), h, post, comb)
+        a, picks, pool = self.attn.decode(self.attn_norm(x), pos, slots, view, picks, pool)
+        h = mhc_post(a, h, post, comb)
         x, ffn_pre, post, comb = self.site(h, "ffn", attn_pre if single_pass else None)
         h = mhc_post(self.ffn(self.ffn_norm(x)[:, None], ids[:, None])[:, 0], h, post, comb)
-        return h, ffn_pre
+        return h, ffn_pre, picks, pool
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -312,11 +318,37 @@ class FastModel(Dsv4Model):
     engram_prefetch: EngramPrefetcher | None = None  # host-resident Engram tables (keep_engram_on_host)
 
     @torch.no_grad()
-    def decode_step(self, ids: torch.Tensor, slots: torch.Tensor, state: SlotState) -> torch.Tensor:
+    def decode_step(self, ids: torch.Tensor, slots: torch.Tensor, state: SlotState,
+                    parts: tuple[Callable, Callable, Callable] | None = None) -> torch.Tensor:
         """ids [B] (one new token per sequence) in slots [B] -> logits [B, vocab] fp32.
 
         Appends each token at its slot's length and advances the lengths; every shape is static and no
-        value crosses to the host, so the runner captures this in a CUDA graph."""
+        value crosses to the host, so the runner captures this in a CUDA graph. `parts`: the entry, block
+        and exit functions to run (`compile_decode`'s compiled ones; default: these, eagerly).
+
+        The layer loop stays in Python: it looks up each layer's buffers, hands each indexer's top-k to the
+        layers that read it, and starts and awaits the Engram prefetch (stream and event calls a compiled
+        region would break around), while every layer's own work runs in the one block function."""
+        enter, block, leave = parts or (self.decode_enter, FastBlock.decode, self.decode_exit)
+        h, pre, pos, hash_ids = enter(ids, slots, state)
+        if self.engram_prefetch is not None:
+            self.engram_prefetch.start(hash_ids[:, None])  # [B, 1, L, C]: one position per row
+        topk, candidates = {}, None  # the indexers' top-k by layer id; the candidate source's blocks
+        for layer in self.layers:
+            role = layer.role
+            picks = None if role.owns_indexer else topk.get(role.index_source)
+            pool = candidates if role.candidate_role == "consumer" else None
+            rows = self._engram_rows(layer, hash_ids) if role.engram else None
+            h, pre, picks, pool = block(layer, h, pre, ids, pos, slots, state.layer(role), picks, pool, rows)
+            if role.owns_indexer:
+                topk[role.layer_id] = picks
+            if role.candidate_role == "source":
+                candidates = pool
+        return leave(h, pre)
+
+    def decode_enter(self, ids: torch.Tensor, slots: torch.Tensor, state: SlotState):
+        """The decode step's entry: positions [B], token and length writes, the embedded streams h [B, hc, D],
+        V4.1's first collapse weights pre [B, hc] and Engram hash ids [B, n_layers, C] (None without)."""
         c = self.config
         pos = state.lengths[slots]  # [B]
         state.tokens[slots, pos] = ids
@@ -324,20 +356,38 @@ class FastModel(Dsv4Model):
         state.lengths[state.scratch :].zero_()  # padding rows write at position 0 of the scratch slot, every step
         h = self.embed(ids)[:, None].expand(-1, c.hc_mult, -1).contiguous()  # [B, hc, D]
         one_hot = (torch.arange(c.hc_mult, device=ids.device) == 0).float()  # V4.1's first collapse: stream 0
-        pre = one_hot.expand(ids.shape[0], -1) if c.is_v41 else None
+        # contiguous, as every later layer's pre: the first layer's kind shares their compiled block
+        pre = one_hot.expand(ids.shape[0], -1).contiguous() if c.is_v41 else None
         hash_ids = self._decode_hash_ids(pos, slots, state) if c.is_v41 and c.engram_layer_ids else None
-        if self.engram_prefetch is not None:
-            self._prefetch_start(hash_ids)
-        shared = SharedKV()
-        for layer in self.layers:
-            rows = self._engram_rows(layer, hash_ids) if layer.role.engram else None
-            h, pre = layer.decode(h, pre, ids, pos, slots, state, shared, rows)
+        return h, pre, pos, hash_ids
+
+    def decode_exit(self, h: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
+        """The streams h [B, hc, D] collapsed, normed and projected: logits [B, vocab] fp32."""
+        c = self.config
         if c.is_v41:
             x = hc_collapse(h[:, None], pre[:, None])[:, 0]
         else:
             head_pre = hc_head_pre(h[:, None], self.hc_head_fn, self.hc_head_scale, self.hc_head_base, c.rms_norm_eps, c.hc_eps)
             x = hc_collapse(h[:, None], head_pre)[:, 0]
         return self.logits(x)
+
+    def compile_decode(self, backend: str = "inductor", options: dict | None = None) -> Callable:
+        """decode_step with its entry, block and exit compiled (torch.compile fuses the torch glue between the
+        kernels). Shapes are automatic dynamic: each part compiles for batch 1 and then once with the batch as
+        a symbol, which serves every larger size. The block compiles per layer kind, not per layer (V4.1-Flash:
+        8 kinds in 40 layers, V4-Flash: 4 in 43), so the start-up does not grow with depth.
+
+        Compiled code lives on the functions' code objects, shared by every model in the process: the limit
+        of compiles per code object rises to what this model's kinds may need (past it dynamo runs eagerly)."""
+        parts = tuple(torch.compile(f, backend=backend, dynamic=None, options=options)
+                      for f in (self.decode_enter, FastBlock.decode, self.decode_exit))
+        limit = max(torch._dynamo.config.recompile_limit, 4 * len(self.layers))
+
+        def step(ids: torch.Tensor, slots: torch.Tensor, state: SlotState) -> torch.Tensor:
+            with torch._dynamo.config.patch(recompile_limit=limit):
+                return self.decode_step(ids, slots, state, parts)
+
+        return step
 
     def _check_prompt(self, input_ids: torch.Tensor) -> None:
         """The runner checks prompts where they arrive (on the host, before the upload: `Runner._upload`);
@@ -348,7 +398,7 @@ class FastModel(Dsv4Model):
         waits for its gather here), or gathered from the device-resident table now."""
         index = self.config.engram_layer_ids.index(layer.role.layer_id)
         if self.engram_prefetch is not None:
-            return self._prefetched(index)
+            return self.engram_prefetch.wait(index)[:, 0]
         return layer.engram.embed(hash_ids[:, index], self.embed.weight.dtype)
 
     def engram_hash_ids(self, history: torch.Tensor, start_pos: int) -> torch.Tensor:
@@ -359,16 +409,6 @@ class FastModel(Dsv4Model):
         if pre is not None and pre.fits(ids.shape[0] * ids.shape[1], ids.shape[3]):
             pre.start(ids, hold=True)
         return ids
-
-    # the prefetch's stream and event calls run eagerly: torch.compile breaks the step around them (the
-    # CUDA graph of the step still captures them)
-    @torch.compiler.disable
-    def _prefetch_start(self, hash_ids: torch.Tensor) -> None:
-        self.engram_prefetch.start(hash_ids[:, None])  # [B, 1, L, C]: one position per row
-
-    @torch.compiler.disable
-    def _prefetched(self, index: int) -> torch.Tensor:
-        return self.engram_prefetch.wait(index)[:, 0]
 
     def _decode_hash_ids(self, pos, slots, state: SlotState) -> torch.Tensor:
         """Engram rows of the new tokens [B, n_layers, (N-1)*H] from the slots' last N tokens."""

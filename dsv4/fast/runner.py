@@ -35,11 +35,10 @@ class Runner:
         model: a FastModel (`dsv4.fast.model.make_fast`) on its device.
         max_seqs: sequence slots; max_len: tokens per slot (prompt + generation).
         cuda_graphs: capture decode steps (default: on a CUDA device).
-        compile: run the decode step through torch.compile, which fuses the torch glue between the kernels
-            into a few Triton kernels (default: on a CUDA device; two compiles serve every batch size: batch 1,
-            and the rest with the batch as a symbol); a
-            string names the torch.compile backend instead of inductor (the tests trace with "aot_eager" on
-            the host, where inductor's C++ code cannot hold the float8_e8m0fnu scales).
+        compile: run the decode step's parts through torch.compile (`FastModel.compile_decode`: compiles per
+            layer kind, for batch 1 and one symbolic batch; default: on a CUDA device); a string names the
+            torch.compile backend instead of inductor (the tests trace with "aot_eager" on the host, where
+            inductor's C++ code cannot hold the float8_e8m0fnu scales).
         batch_sizes: decode batch sizes to capture; a batch runs padded to the next one.
         resume_span: how far a slot may move past a prefix and still be resumed from it (SlotState).
     """
@@ -66,13 +65,8 @@ class Runner:
         backend = compile if isinstance(compile, str) else "inductor"
         # inductor fuses bf16 glue into fp32 arithmetic unless told to round where the model's code casts
         options = {"emulate_precision_casts": True} if backend == "inductor" else None
-        # the step decode runs and captures (what a profiler of the step should call too). Shapes are automatic
-        # dynamic: batch 1 compiles as it is and the next size once more with the batch as a symbol, which then
-        # serves every larger size (two compiles for all the graphs, not one per size: the engine's start-up).
-        # Compiled code lives on decode_step's code object: a second runner of other slot sizes on the same
-        # model compiles again, with those sizes symbolic too
-        self.step = (torch.compile(model.decode_step, backend=backend, dynamic=None, options=options) if compile
-                     else model.decode_step)
+        # the step decode runs and captures (what a profiler of the step should call too)
+        self.step = model.compile_decode(backend, options) if compile else model.decode_step
         self.batch_sizes = sorted({b for b in batch_sizes if b < max_seqs} | {max_seqs})
         self._free = list(range(max_seqs))
         # host mirrors of state.lengths and state.window_start: bounds checks, and what a prefill's

@@ -28,6 +28,7 @@ from dsv4.fast.runner import OutOfSlots, Runner
 from dsv4.reference.cache import DenseCache
 from dsv4.reference.engram import EngramEmbedding
 from dsv4.reference.model import bounded_replay_state, load_model
+from dsv4.tiny import make_tiny_checkpoint
 
 EXACT = 1e-5  # of max |logit|: float32 summation order
 PACKED = 5e-2  # of max |logit|: a KV value crossing an FP8/FP4 rounding boundary moves by one code
@@ -271,10 +272,16 @@ def test_a_state_dict_loads_into_the_host_engram_tables(tiny_v41_wide_engram_dir
         host.load_state_dict({**host.state_dict(), f"{name}.wieght": weight})
 
 
-def test_one_compile_of_the_decode_step_serves_every_batch_size_above_one(tiny_v4_dir):
-    """The runner compiles its decode step with the batch dynamic: batch 1, then one compile for every larger
-    (padded) size, not one per size; the compiled steps' logits are the uncompiled ones'."""
-    _, fast = models(tiny_v4_dir, packed=True)
+def test_the_decode_block_compiles_per_layer_kind_and_batch_1_or_more(tmp_path):
+    """The runner compiles the decode step's entry, block and exit with the batch dynamic (batch 1, then one
+    compile for every larger padded size) and the block once per layer kind, not per layer: 8 layers of 3
+    kinds (window, CSA, HCA) make 2 x (3 + 2) graphs. The compiled steps' logits are the uncompiled ones'."""
+    path = make_tiny_checkpoint("v4-flash", tmp_path, overrides={"num_hidden_layers": 8,
+                                                                 "compress_ratios": [0] + [4, 128] * 3 + [4, 0]})
+    _, fast = models(path, packed=True)
+    roles = fast.config.layer_roles
+    kinds = {(r.compress_ratio, r.owns_indexer, r.hash_moe) for r in roles}
+    assert (len(roles), len(kinds)) == (8, 3)
     torch._dynamo.reset()
     counters.clear()
     compiled = Runner(fast, max_seqs=8, max_len=64, compile="eager")
@@ -287,7 +294,7 @@ def test_one_compile_of_the_decode_step_serves_every_batch_size_above_one(tiny_v
     for B in (1, 2, 3, 5, 8):
         ids = torch.randint(0, 256, (B,), generator=g)
         assert torch.equal(compiled.decode(slots[compiled][:B], ids), plain.decode(slots[plain][:B], ids))
-    assert counters["stats"]["unique_graphs"] == 2
+    assert counters["stats"]["unique_graphs"] == 2 * (len(kinds) + 2)
 
 
 def test_packed_kv_formats_stay_within_one_rounding_code(tiny_v41_dir):
@@ -359,8 +366,8 @@ def reference_steps(ref, fed: torch.Tensor) -> torch.Tensor:
 
 
 def test_compiled_decode_step_traces_whole_and_changes_nothing(tiny_v41_dir):
-    """torch.compile traces the decode step without a graph break (every kernel op has a fake), and the
-    traced graph computes what the eager step does, bit for bit (aot_eager: the host's inductor cannot
+    """torch.compile traces the decode step's parts without a graph break (every kernel op has a fake), and
+    the traced graphs compute what the eager step does, bit for bit (aot_eager: the host's inductor cannot
     compile float8_e8m0fnu scales; on a GPU inductor compiles it, see the gpu test)."""
     from torch._dynamo.utils import counters
 
