@@ -1,0 +1,63 @@
+"""The decode step compiled per part (entry, one block per layer kind, exit: FastModel.compile_decode) vs compiled
+whole (torch.compile of decode_step, the old way), each in its own process with empty inductor and Triton caches:
+compile + capture time per batch size, step time, and the logits (the second run compares them with the first's,
+which it finds in $OUT).
+V4.1 full width, released layers first..last.
+
+    python bench/decode_compile.py regional 2 11 && python bench/decode_compile.py whole 2 11
+
+(Run at 28f77e3 as exp/regional_vs_whole.py, the name its results in bench/results/dev/decode-compile-*.json give.)"""
+import json
+import os
+import sys
+import tempfile
+
+cache = tempfile.mkdtemp()
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
+os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
+
+import time
+
+import common
+import torch
+from full_width import build_random_model, full_width_config, prefill_chunks, random_ids
+from safetensors.torch import load_file, save_file
+
+from dsv4.fast.model import make_fast
+from dsv4.fast.runner import Runner
+
+mode, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+dev = torch.device("cuda")
+cfg = full_width_config("v41", layers=range(first, last + 1))
+fast = make_fast(build_random_model(cfg, dev, torch.bfloat16, seed=0))
+ctx, sizes = 2048, [1, 8]
+g = torch.Generator().manual_seed(0)
+prompt = random_ids(fast.config, ctx, g)
+steps = [random_ids(fast.config, 8, g).to(dev) for _ in range(4)]
+r = Runner(fast, max_seqs=8, max_len=ctx + 128, batch_sizes=sizes)
+if mode == "whole":
+    r.step = torch.compile(fast.decode_step, dynamic=None, options={"emulate_precision_casts": True})
+slots = [r.allocate()]
+prefill_chunks(r, slots[0], prompt, 2048)
+for _ in range(7):
+    slots.append(r.allocate())
+    r.resume(slots[-1], slots[0], ctx)
+row = {"commit": os.environ.get("DSV4_COMMIT"), "gpu": torch.cuda.get_device_name(), "mode": mode,
+       "layers": [first, last], "command": " ".join(["python bench/decode_compile.py", *sys.argv[1:]]), "capture_s": {}}
+for b in sizes:
+    t = time.perf_counter()
+    r.capture(b)  # compiles and captures size b (the smaller ones are done)
+    torch.cuda.synchronize()
+    row["capture_s"][b] = time.perf_counter() - t
+logits = {b: r.decode(slots[:b], steps[0][:b]).cpu() for b in sizes}
+row["step_ms"] = {b: common.timed(lambda b=b: r.decode(slots[:b], steps[2][:b]), dev, 30) * 1e3 for b in sizes}
+out_dir = os.environ.get("OUT", ".")
+mine, other = (os.path.join(out_dir, f"decode-compile-{m}-{first}-{last}.safetensors") for m in (mode, "regional" if mode == "whole" else "whole"))
+save_file({str(b): t for b, t in logits.items()}, mine)
+if os.path.exists(other):
+    theirs = {int(b): t for b, t in load_file(other).items()}
+    row["vs_other"] = {b: {"max_abs_diff": float((logits[b] - theirs[b]).abs().max()),
+                           "argmax_equal": bool(torch.equal(logits[b].argmax(-1), theirs[b].argmax(-1)))} for b in sizes}
+print(json.dumps(row))
+with open(os.path.join(out_dir, f"decode-compile-{mode}-{first}-{last}.json"), "w") as f:
+    json.dump(row, f, indent=1)
