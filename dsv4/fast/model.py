@@ -377,8 +377,10 @@ class FastModel(Dsv4Model):
         a symbol, which serves every larger size. The block compiles per layer kind, not per layer (V4.1-Flash:
         8 kinds in 40 layers, V4-Flash: 4 in 43), so the start-up does not grow with depth.
 
-        Compiled code lives on the functions' code objects, shared by every model in the process: the limit
-        of compiles per code object rises to what this model's kinds may need (past it dynamo runs eagerly)."""
+        Compiled code lives on the functions' code objects, shared by every model in the process (a second
+        runner of other slot sizes compiles again, with those sizes symbolic too). Past a code object's limit of
+        compiles dynamo would run the rest eagerly, so the step raises the limit to what this model may need: a
+        kind per layer at most, twice (batch 1 and symbolic), for two runners."""
         parts = tuple(torch.compile(f, backend=backend, dynamic=None, options=options)
                       for f in (self.decode_enter, FastBlock.decode, self.decode_exit))
         limit = max(torch._dynamo.config.recompile_limit, 4 * len(self.layers))

@@ -365,7 +365,7 @@ def reference_steps(ref, fed: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.stack([seq.run([int(t)]) for seq, t in zip(seqs, step)]) for step in fed])
 
 
-def test_compiled_decode_step_traces_whole_and_changes_nothing(tiny_v41_dir):
+def test_compiled_decode_step_traces_without_graph_breaks_and_changes_nothing(tiny_v41_dir):
     """torch.compile traces the decode step's parts without a graph break (every kernel op has a fake), and
     the traced graphs compute what the eager step does, bit for bit (aot_eager: the host's inductor cannot
     compile float8_e8m0fnu scales; on a GPU inductor compiles it, see the gpu test)."""
