@@ -1,10 +1,11 @@
 """The decode step compiled per part (entry, one block per layer kind, exit: FastModel.compile_decode) vs compiled
 whole (torch.compile of decode_step, the old way), each in its own process with empty inductor and Triton caches:
-compile + capture time per batch size, step time, and the logits (the second run compares them with the first's,
-which it finds in $OUT).
-V4.1 full width, released layers first..last.
+compile + capture time per batch size, step time, and the logits, compared with those of every earlier run over the
+same layers that it finds in $OUT (a run's name: mode and the optional label). V4.1 full width, released layers
+first..last. GPU only.
 
     python bench/decode_compile.py regional 2 11 && python bench/decode_compile.py whole 2 11
+    python bench/decode_compile.py regional 2 11 a && python bench/decode_compile.py regional 2 11 b   # run to run
 
 (Run at 28f77e3 as exp/regional_vs_whole.py, the name its results in bench/results/dev/decode-compile-*.json give.)"""
 import json
@@ -27,6 +28,7 @@ from dsv4.fast.model import make_fast
 from dsv4.fast.runner import Runner
 
 mode, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+name = "-".join([mode, *sys.argv[4:5]])
 dev = torch.device("cuda")
 cfg = full_width_config("v41", layers=range(first, last + 1))
 fast = make_fast(build_random_model(cfg, dev, torch.bfloat16, seed=0))
@@ -42,7 +44,7 @@ prefill_chunks(r, slots[0], prompt, 2048)
 for _ in range(7):
     slots.append(r.allocate())
     r.resume(slots[-1], slots[0], ctx)
-row = {"commit": os.environ.get("DSV4_COMMIT"), "gpu": torch.cuda.get_device_name(), "mode": mode,
+row = {"commit": os.environ.get("DSV4_COMMIT"), "gpu": torch.cuda.get_device_name(), "run": name,
        "layers": [first, last], "command": " ".join(["python bench/decode_compile.py", *sys.argv[1:]]), "capture_s": {}}
 for b in sizes:
     t = time.perf_counter()
@@ -52,12 +54,15 @@ for b in sizes:
 logits = {b: r.decode(slots[:b], steps[0][:b]).cpu() for b in sizes}
 row["step_ms"] = {b: common.timed(lambda b=b: r.decode(slots[:b], steps[2][:b]), dev, 30) * 1e3 for b in sizes}
 out_dir = os.environ.get("OUT", ".")
-mine, other = (os.path.join(out_dir, f"decode-compile-{m}-{first}-{last}.safetensors") for m in (mode, "regional" if mode == "whole" else "whole"))
-save_file({str(b): t for b, t in logits.items()}, mine)
-if os.path.exists(other):
-    theirs = {int(b): t for b, t in load_file(other).items()}
-    row["vs_other"] = {b: {"max_abs_diff": float((logits[b] - theirs[b]).abs().max()),
-                           "argmax_equal": bool(torch.equal(logits[b].argmax(-1), theirs[b].argmax(-1)))} for b in sizes}
+suffix = f"-{first}-{last}.safetensors"
+row["vs"] = {}
+for f in sorted(os.listdir(out_dir)):  # earlier runs over these layers
+    if f.startswith("decode-compile-") and f.endswith(suffix):
+        theirs = {int(b): t for b, t in load_file(os.path.join(out_dir, f)).items()}
+        row["vs"][f[len("decode-compile-") : -len(suffix)]] = {
+            b: {"max_abs_diff": float((logits[b] - theirs[b]).abs().max()),
+                "argmax_equal": bool(torch.equal(logits[b].argmax(-1), theirs[b].argmax(-1)))} for b in sizes}
+save_file({str(b): t for b, t in logits.items()}, os.path.join(out_dir, f"decode-compile-{name}{suffix}"))
 print(json.dumps(row))
-with open(os.path.join(out_dir, f"decode-compile-{mode}-{first}-{last}.json"), "w") as f:
+with open(os.path.join(out_dir, f"decode-compile-{name}-{first}-{last}.json"), "w") as f:
     json.dump(row, f, indent=1)
