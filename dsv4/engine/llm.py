@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 IMPLS = ("reference", "fast")
 FAST_MAX_MODEL_LEN = 8192  # the fast engine's default slot length, at most the model's context
+FAST_BATCHED_TOKENS, REFERENCE_BATCHED_TOKENS = 8192, 512  # default scheduler budgets per step (see LLM)
 HOST_SLOTS = 4  # the fast engine's default slot count without a GPU
 
 
@@ -61,9 +62,14 @@ class LLM:
             the compression ratios).
         max_model_len: the longest prompt + max_tokens served (default: the model's context; "fast":
             at most 8192, as every slot holds that many tokens).
-        max_num_batched_tokens / max_num_seqs: the scheduler's budget per step. "fast" on a GPU compiles and
-            captures the decode graph of every batch size up to max_num_seqs when it is built (each padded up to
-            a power of two), so no request's step waits for one.
+        max_num_batched_tokens / max_num_seqs: the scheduler's budget per step. max_num_batched_tokens defaults
+            to 8192 for "fast" (vLLM's offline default; a fast slot's whole prompt in one forward): a forward of a
+            few hundred tokens already reads nearly every routed expert's weights (256 or 384 experts, 6 per
+            token), and the grouped expert kernel's time per token falls as the forward grows (H200, V4.1 widths,
+            per layer: 4.2 us at 2048 tokens, 2.7 us at 8192; BENCHMARKS.md); 512 for "reference", whose dense
+            masks grow with the chunk. "fast" on a GPU compiles and captures the decode graph of every batch size
+            up to max_num_seqs when it is built (each padded up to a power of two), so no request's step waits
+            for one.
         engram_tables: "device" (default) or "host": "fast" keeps V4.1's Engram tables in pinned host memory
             (THP where the OS allows) and its forwards prefetch their rows on a side stream, for
             checkpoints whose tables (V4.1-Flash: 2 x 98 GB) the GPU cannot hold (see
@@ -83,7 +89,7 @@ class LLM:
         kv_cache_fraction: float = 0.5,
         block_size: int | None = None,
         max_model_len: int | None = None,
-        max_num_batched_tokens: int = 512,
+        max_num_batched_tokens: int | None = None,
         max_num_seqs: int = 64,
         progress: bool = False,
         engram_tables: str = "device",
@@ -124,6 +130,8 @@ class LLM:
 
             memory = self._memory(kv_cache_memory, kv_cache_fraction)
             self.kv = KVManager(self.model, memory, block_size, swa_bounded_replay, enable_prefix_caching)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = FAST_BATCHED_TOKENS if impl == "fast" else REFERENCE_BATCHED_TOKENS
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs)
         if impl == "fast":  # every decode batch size's graph before serving, not in some request's step
             self.kv.runner.capture(max_num_seqs)

@@ -41,6 +41,9 @@ class Work:
 
 class Scheduler:
     def __init__(self, kv, max_num_batched_tokens: int = 512, max_num_seqs: int = 64):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError(f"max_num_batched_tokens and max_num_seqs must be at least 1, got {max_num_batched_tokens} "
+                             f"and {max_num_seqs}")
         self.kv = kv
         self.budget, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.waiting: deque[Request] = deque()

@@ -1,5 +1,7 @@
 """The scheduler's work plan for a prefix hit under bounded replay: the replay leads the first chunk."""
 
+import pytest
+
 from dsv4.engine.request import Request, SamplingParams
 from dsv4.engine.scheduler import Scheduler
 
@@ -33,3 +35,9 @@ def test_a_budget_the_replay_fills_runs_the_replay_alone_then_the_prompt():
     req = scheduler.running[0]
     req.replay_from = None  # as the engine does once the replay ran
     assert [(w.start, w.end, w.replay) for w in scheduler.schedule()] == [(32, 40, False)]
+
+
+@pytest.mark.parametrize("budget, seqs", [(0, 4), (8, 0)])
+def test_a_budget_or_batch_of_nothing_is_refused(budget, seqs):
+    with pytest.raises(ValueError, match="at least 1"):
+        Scheduler(HitEverything(), max_num_batched_tokens=budget, max_num_seqs=seqs)
