@@ -449,11 +449,14 @@ def test_a_decode_step_is_queued_while_the_device_is_busy(tiny_v41_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_engram_prefetch_from_host_memory_through_cuda_graphs(tiny_v41_wide_engram_dir):
     """Host-resident Engram tables on the GPU: the prefetch's side stream and events are captured in the decode
-    graph (graphs on and off: the same logits), and the rows are the device-resident tables' (uncompiled, the
-    same logits)."""
+    graph (graphs on and off: the same logits) and run between the compiled parts, which trace without a break
+    (a prefetch call inside them once left each layer's block to a frame of its own and, past dynamo's compile
+    limit, to eager mode); the rows are the device-resident tables' (uncompiled, the same logits)."""
     host = host_engram_model(tiny_v41_wide_engram_dir, torch.bfloat16, "cuda", packed=True)
     assert host.layers[1].engram.embed.weight.device.type == "cpu" and host.engram_prefetch.cuda
+    counters.clear()
     outputs = {graphs: decode_steps(Runner(host, max_seqs=4, max_len=128, cuda_graphs=graphs), 8) for graphs in (False, True)}
+    assert not counters["graph_break"], dict(counters["graph_break"])
     assert torch.equal(outputs[False][0], outputs[True][0])
     _, fast = models(tiny_v41_wide_engram_dir, packed=True, dtype=torch.bfloat16, device="cuda")
     fed = outputs[True][1]
