@@ -8,6 +8,8 @@ modules (so the same checkpoints load), with forward methods that run the Triton
   activations=False)`: packed KV and indexer formats, no FP8 activation rounding);
 - each MoE's MXFP4 experts are stacked for the fused expert kernel (the per-expert parameters become
   views into the stacked tensors, so names and bytes stay those of the checkpoint).
+The indexer's scores are the MQA kernel's on both paths: fp32 sums of exact products, where the reference in
+bf16 rounds each head's dot product to bf16 first.
 
 Two ways through the model:
 - `hidden_states(ids, cache, start_pos)` (inherited): the module path, any chunk length, for prefill and
@@ -33,7 +35,12 @@ from dsv4.fast.cache import POOL_BLOCK, LayerSlots, SlotState
 from dsv4.fast.engram_prefetch import EngramPrefetcher, HostEngramEmbedding
 from dsv4.fast.kernels.attention import sparse_attn_bf16, sparse_attn_fp4
 from dsv4.fast.kernels.engram import engram_hash
-from dsv4.fast.kernels.indexer import mqa_index_scores_pool, select_candidate_blocks_fast
+from dsv4.fast.kernels.indexer import (
+    mqa_index_scores,
+    mqa_index_scores_pool,
+    select_candidate_blocks_fast,
+    top_entries_fast,
+)
 from dsv4.fast.kernels.mhc import mhc_post, mhc_pre
 from dsv4.fast.kernels.moe_experts import moe_mxfp4_with_shared, stack_expert_weights
 from dsv4.fast.kernels.moe_routing import gate_route
@@ -97,10 +104,29 @@ class DeviceRotary(Rotary):
 
 
 class FastIndexer(Indexer):
+    """The module path's indexer (prefill, replay) with the decode step's kernels: scores by the MQA kernel,
+    which never forms the reference's [S, H, T] products, and selections by the radix select, not a sort."""
+
     def _fake_mxfp4(self, t: torch.Tensor) -> torch.Tensor:
         """By the quantization kernel: bit-identical, without the reference codec's NaN check, whose host
         read would stall every forward."""
         return dequantize_mxfp4(*mxfp4_quant(t, 32), 32).to(t.dtype)
+
+    def _scores(self, q, keys, w, visible) -> torch.Tensor:
+        """Under quant_sim the keys are MXFP4 values (the cache's packed rows, decoded), which encode back to
+        the same values (tests/test_quant.py), so the kernel scores them in that form; otherwise the
+        reference's scores."""
+        if not self.quant_sim:
+            return super()._scores(q, keys, w, visible)
+        return torch.stack([mqa_index_scores(qb, *mxfp4_quant(kb.contiguous(), 32), wb.float(), visible)
+                            for qb, kb, wb in zip(q, keys, w)])  # [B, S, T], one sequence at a time
+
+    def _candidate_blocks(self, score: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        return torch.stack([select_candidate_blocks_fast(s, visible, self.candidate_topk_blocks,
+                                                         self.candidate_block_size) for s in score])
+
+    def _top(self, score: torch.Tensor) -> torch.Tensor:
+        return torch.stack([top_entries_fast(s, self.topk) for s in score])
 
 
 class FastAttention(Attention):

@@ -163,19 +163,27 @@ class Indexer(nn.Module):
         x: [B, S, D]; qr: [B, S, q_lora_rank]; keys: [B, T, index_head_dim]; positions: [S].
         candidates: [B, S, T] pool from the candidate source, for a layer that rescores inside it.
         """
-        B, S, _ = x.shape
-        T = keys.shape[1]
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B, S, Hi, di]
         cos, sin = rotary.cos_sin(positions)
         q = self._fp4(apply_rope(q, cos[None], sin[None]))
         w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)  # [B, S, Hi]
-        score = index_scores(q, keys, w)
         visible = (positions + 1) // ratio  # [S]
-        reachable = torch.arange(T, device=x.device) < visible.unsqueeze(-1)  # [S, T]
-        score = score.masked_fill(~reachable, float("-inf"))
+        score = self._scores(q, keys, w, visible)  # [B, S, T]
         pool = None
         if select_candidates:
-            pool = select_candidate_blocks(score, visible, self.candidate_topk_blocks, self.candidate_block_size)
+            pool = self._candidate_blocks(score, visible)
         elif candidates is not None:
             score = score.masked_fill(~candidates, float("-inf"))
-        return top_entries(score, self.topk), pool
+        return self._top(score), pool
+
+    # the three steps a kernel implementation replaces (dsv4.fast.model.FastIndexer)
+    def _scores(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Scores [B, S, T] fp32 of q [B, S, Hi, di] against keys [B, T, di], -inf where t >= visible [S]."""
+        reachable = torch.arange(keys.shape[1], device=q.device) < visible.unsqueeze(-1)  # [S, T]
+        return index_scores(q, keys, w).masked_fill(~reachable, float("-inf"))
+
+    def _candidate_blocks(self, score: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        return select_candidate_blocks(score, visible, self.candidate_topk_blocks, self.candidate_block_size)
+
+    def _top(self, score: torch.Tensor) -> torch.Tensor:
+        return top_entries(score, self.topk)

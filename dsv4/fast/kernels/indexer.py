@@ -472,6 +472,14 @@ def select_candidate_blocks_fast(score: torch.Tensor, visible: torch.Tensor, top
     return keep.repeat_interleave(block, dim=-1)[:, :score.shape[-1]]
 
 
+def top_entries_fast(score: torch.Tensor, k: int) -> torch.Tensor:
+    """`top_entries(score, k)` of score [S, T] by the radix select (dsv4::topk_select); rows past
+    DENSE_SELECT_MAX_ENTRIES (one program per row) and empty rows go to torch's sort."""
+    if score.shape[-1] == 0 or score.shape[-1] > DENSE_SELECT_MAX_ENTRIES:
+        return top_entries(score, k)
+    return topk_select(score, k)
+
+
 def pool_entry_ids(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
     """[S, nb] block ids -> [S, nb * block_size] int64 entry ids of the pool layout (-1 for -1 blocks)."""
     b = blocks.long()
@@ -505,10 +513,7 @@ def mqa_index_topk(
     T = k_packed.shape[0]
     width = min(k, T)
     if blocks is None:
-        score = mqa_index_scores(q, k_packed, k_scale, weights, visible)
-        if score.shape[-1] > DENSE_SELECT_MAX_ENTRIES:  # one program per row: long rows are faster in torch
-            return top_entries(score, k)
-        return topk_select(score, k)
+        return top_entries_fast(mqa_index_scores(q, k_packed, k_scale, weights, visible), k)
     score = mqa_index_scores_pool(q, k_packed, k_scale, weights, visible, blocks, block_size)
     ids = topk_select_pool(score, blocks, block_size, k)
     extra = ids.shape[-1] - width
