@@ -46,9 +46,9 @@ import warnings
 import torch
 
 from dsv4.fast.kernels import use_triton
-from dsv4.fast.kernels.topk import topk_select, topk_select_pool
+from dsv4.fast.kernels.topk import top_entries_by_threshold, topk_select, topk_select_pool
 from dsv4.quant import dequantize_mxfp4
-from dsv4.reference.indexer import candidate_block_scores, index_scores, picks_mask, top_entries
+from dsv4.reference.indexer import candidate_block_scores, index_scores, picks_mask
 
 try:
     import triton
@@ -243,8 +243,9 @@ BF16_MODE = "scaled"
 _MODES = {"bf16": 0, "fp32": 1, "scaled": 2}
 
 
-# The radix select runs one program per row; past this many entries a row is faster in torch's top-k
-# (H200: 8K entries 87 vs 155 us, 64K 264 vs 391 us, 512K 2006 vs 229 us; bench/results/indexer.json).
+# The radix select runs one program per row; past this many entries a row is faster in torch's top-k (H200: 8K
+# entries 87 vs 155 us, 64K 264 vs 391 us, 512K 2006 vs 229 us; bench/results/indexer.json), which
+# top_entries_by_threshold makes exact (it was not itself timed)
 DENSE_SELECT_MAX_ENTRIES = 65536
 
 
@@ -474,9 +475,10 @@ def select_candidate_blocks_fast(score: torch.Tensor, visible: torch.Tensor, top
 
 def top_entries_fast(score: torch.Tensor, k: int) -> torch.Tensor:
     """`top_entries(score, k)` of score [S, T] by the radix select (dsv4::topk_select); rows past
-    DENSE_SELECT_MAX_ENTRIES (one program per row) and empty rows go to torch's sort."""
+    DENSE_SELECT_MAX_ENTRIES (one program per row) and empty rows take torch's top-k
+    (`top_entries_by_threshold`: the same picks without sorting the rows)."""
     if score.shape[-1] == 0 or score.shape[-1] > DENSE_SELECT_MAX_ENTRIES:
-        return top_entries(score, k)
+        return top_entries_by_threshold(score, k)
     return topk_select(score, k)
 
 

@@ -44,7 +44,7 @@ try:
 except ImportError:  # the torch twin still serves
     triton = None
 
-__all__ = ["topk_select", "topk_select_pool", "twin_topk_select_pool"]
+__all__ = ["top_entries_by_threshold", "topk_select", "topk_select_pool", "twin_topk_select_pool"]
 
 # (BLOCK columns per chunk, num_warps) on a GPU; the interpreter takes bigger chunks (fewer numpy calls)
 GPU_BLOCK, GPU_WARPS = 4096, 8
@@ -330,6 +330,30 @@ def topk_select(scores: torch.Tensor, k: int) -> torch.Tensor:
 @topk_select.register_fake
 def _(scores, k):
     return scores.new_empty((scores.shape[0], min(k, scores.shape[1])), dtype=torch.int64)
+
+
+def top_entries_by_threshold(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`top_entries(scores [S, T], k)` exactly, in torch without sorting the rows (the reference's stable sort of
+    every row is the cost at long rows): the k-th largest order key from torch.topk, the keys above it, then the
+    first ties at it in column order (the module docstring's order: NaN on top, -0.0 == 0.0)."""
+    _check_scores(scores, k)
+    S, T = scores.shape
+    K = min(k, T)
+    if K == 0:
+        return scores.new_empty((S, 0), dtype=torch.int64)
+    x = scores.float()
+    x = torch.where(x == 0, 0.0, x)  # -0.0 ties with 0.0
+    bits = x.view(torch.int32)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving: negatives' magnitude bits flipped
+    key = torch.where(torch.isnan(x), torch.iinfo(torch.int32).max, key)
+    kth = torch.topk(key, K, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # [S, 1]
+    above, tie = key > kth, key == kth
+    need = K - above.sum(-1, keepdim=True, dtype=torch.int32)  # ties at kth that belong to the top K
+    take = above | (tie & (tie.cumsum(-1, dtype=torch.int32) <= need))  # exactly K per row
+    cols = torch.arange(T, device=scores.device)
+    ids = -torch.topk(torch.where(take, -cols, -T), K, dim=-1).values  # the taken columns, ascending
+    picked = x.gather(-1, ids)
+    return torch.where(picked > float("-inf"), ids, -1).sort(dim=-1).values  # -inf / NaN picks: leading -1s
 
 
 def twin_topk_select_pool(scores: torch.Tensor, blocks: torch.Tensor, block_size: int, k: int) -> torch.Tensor:
