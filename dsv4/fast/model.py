@@ -45,7 +45,6 @@ from dsv4.fast.kernels.mhc import mhc_post, mhc_pre
 from dsv4.fast.kernels.moe_experts import moe_mxfp4_with_shared, stack_expert_weights
 from dsv4.fast.kernels.moe_routing import gate_route
 from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant
-from dsv4.fast.kernels.topk import topk_select
 from dsv4.quant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
 from dsv4.reference.attention import Attention, SharedKV
 from dsv4.reference.indexer import Indexer, hadamard, index_scores
@@ -237,7 +236,7 @@ class FastAttention(Attention):
             pool = select_candidate_blocks_fast(score, visible, ix.candidate_topk_blocks, ix.candidate_block_size)
         elif role.candidate_role == "consumer":
             score = score.masked_fill(~pool, NEG_INF)
-        return topk_select(score, ix.topk).view(B, -1), pool
+        return top_entries_fast(score, ix.topk).view(B, -1), pool
 
     def _compress_decode(self, x, pos, slots, view: LayerSlots) -> None:
         """The compressor step of one token per row: carry the token, and store the entry (and index key)
