@@ -350,8 +350,8 @@ def top_entries_by_threshold(scores: torch.Tensor, k: int) -> torch.Tensor:
     above, tie = key > kth, key == kth
     need = K - above.sum(-1, keepdim=True, dtype=torch.int32)  # ties at kth that belong to the top K
     take = above | (tie & (tie.cumsum(-1, dtype=torch.int32) <= need))  # exactly K per row
-    cols = torch.arange(T, device=scores.device)
-    ids = -torch.topk(torch.where(take, -cols, -T), K, dim=-1).values  # the taken columns, ascending
+    cols = torch.arange(T, device=scores.device, dtype=torch.int32)  # int32 keeps the [S, T] temporaries small
+    ids = (-torch.topk(torch.where(take, -cols, -T), K, dim=-1).values).long()  # the taken columns, ascending
     picked = x.gather(-1, ids)
     return torch.where(picked > float("-inf"), ids, -1).sort(dim=-1).values  # -inf / NaN picks: leading -1s
 
