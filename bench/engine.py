@@ -16,8 +16,8 @@ runs then), and the share of prompt tokens served from the cache. Per variant: t
 decode graphs are captured then). Random weights in the released formats (`bench/full_width.py`); one model serves the three
 engines (each engine builds its own slots over it).
 
-    python bench/engine.py --arch v41 --layers 4 --variants replay   # H200, one engine: 309 s at 994d6d6, 281 s of
-                                                                     # it the build (4 decode graphs compiled)
+    python bench/engine.py --arch v41 --layers 4 --variants replay   # H200, one engine: ~175 s at 7a97190, 136 s
+                                                                     # of it the build (decode compiled, captured)
     python bench/engine.py --arch v41 --layers 4                     # the three engines, one after another
     python bench/engine.py --smoke                                   # tiny widths on the CPU: the plumbing
 """
