@@ -204,9 +204,11 @@ def test_two_stage_select_pool_matches_twin(S, nb, bs, k, chunks, kind, neg_inf,
        neg_inf=st.sampled_from([0.0, 0.3, 1.0]), nan=st.sampled_from([0.0, 0.05]), seed=st.integers(0, 2**16))
 def test_the_torch_route_for_long_rows_matches_top_entries(S, T, k, kind, neg_inf, nan, seed):
     """top_entries_by_threshold (no sort of the row: what rows past the radix select's range take) is
-    top_entries, ties, -0.0, -inf and NaN included. Plain torch: no interpreter needed."""
+    top_entries, ties, -0.0, -inf and NaN included, whole or a row at a time. Plain torch: no interpreter."""
     x = make_scores(S, T, kind, seed, neg_inf=neg_inf, nan=nan) if T else torch.empty(S, 0)
-    assert torch.equal(tk.top_entries_by_threshold(x, k), top_entries(x, k))
+    want = top_entries(x, k)
+    assert torch.equal(tk.top_entries_by_threshold(x, k), want)
+    assert torch.equal(tk.top_entries_by_threshold(x, k, max_bytes=16 * T), want)  # one row per group
 
 
 def _gpu_check(T: int, k: int, S: int, kind: str, neg_inf: float = 0.0):
