@@ -7,7 +7,8 @@ first..last. GPU only.
     python bench/decode_compile.py regional 2 11 && python bench/decode_compile.py whole 2 11
     python bench/decode_compile.py regional 2 11 a && python bench/decode_compile.py regional 2 11 b   # run to run
 
-(Run at 28f77e3 as exp/regional_vs_whole.py, the name its results in bench/results/dev/decode-compile-*.json give.)"""
+(Run at 28f77e3 as exp/regional_vs_whole.py, the name its results in bench/results/dev/decode-compile-*.json give;
+the decode tokens were drawn from the prompt's generator then.)"""
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ import time
 
 import common
 import torch
-from full_width import build_random_model, full_width_config, prefill_chunks, random_ids
+from full_width import build_random_model, fill_slots, full_width_config, random_ids
 from safetensors.torch import load_file, save_file
 
 from dsv4.fast.model import make_fast
@@ -33,17 +34,12 @@ dev = torch.device("cuda")
 cfg = full_width_config("v41", layers=range(first, last + 1))
 fast = make_fast(build_random_model(cfg, dev, torch.bfloat16, seed=0))
 ctx, sizes = 2048, [1, 8]
-g = torch.Generator().manual_seed(0)
-prompt = random_ids(fast.config, ctx, g)
+g = torch.Generator().manual_seed(1)
 steps = [random_ids(fast.config, 8, g).to(dev) for _ in range(4)]
 r = Runner(fast, max_seqs=8, max_len=ctx + 128, batch_sizes=sizes)
 if mode == "whole":
     r.step = torch.compile(fast.decode_step, dynamic=None, options={"emulate_precision_casts": True})
-slots = [r.allocate()]
-prefill_chunks(r, slots[0], prompt, 2048)
-for _ in range(7):
-    slots.append(r.allocate())
-    r.resume(slots[-1], slots[0], ctx)
+slots = fill_slots(r, ctx, 8, 2048)
 row = {"commit": os.environ.get("DSV4_COMMIT"), "gpu": torch.cuda.get_device_name(), "run": name,
        "layers": [first, last], "command": " ".join(["python bench/decode_compile.py", *sys.argv[1:]]), "capture_s": {}}
 for b in sizes:

@@ -119,7 +119,7 @@ class Rows:
 
 @dataclass
 class LayerSlots:
-    """One layer's part of a SlotState (`SlotState.layer`), looked up by layer id outside the compiled decode
+    """One layer's part of a SlotState (`SlotState.layer_slots[layer_id]`), handed to the compiled decode
     block: nothing the block reads depends on which layer it is, so the layers of one kind share its code.
 
     - window: the layer's window ring (rows in the stored form), window_start [slots];
@@ -190,6 +190,8 @@ class SlotState:
                 self.index_keys[i] = Rows.allocate(key_fmt, slots, cap + POOL_BLOCK, c.index_head_dim, dtype, device)
                 if not v41:  # V4's indexer runs its own ratio-4 overlapping compressor
                     self._carry(f"{i}.indexer.compressor", 4, c.index_head_dim)
+        # each layer's buffers by layer id, gathered once (the buffers never move): what a decode step hands its layers
+        self.layer_slots = {r.layer_id: self._layer_slots(r) for r in c.layer_roles}
         self.clear(self.scratch)
 
     @classmethod
@@ -216,7 +218,7 @@ class SlotState:
         total = sum(r.data.nbytes + (0 if r.scale is None else r.scale.nbytes) for r in rows)
         return total + sum(t.nbytes for pair in self.carries.values() for t in pair) + self.tokens.nbytes
 
-    def layer(self, role: LayerRole) -> LayerSlots:
+    def _layer_slots(self, role: LayerRole) -> LayerSlots:
         """The buffers of one layer, by its role."""
         i, source = role.layer_id, role.kv_source
         return LayerSlots(self.windows[i], self.window_start, self.compressed.get(source, self.empty_global),

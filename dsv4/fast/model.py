@@ -364,7 +364,8 @@ class FastModel(Dsv4Model):
             picks = None if role.owns_indexer else topk.get(role.index_source)
             pool = candidates if role.candidate_role == "consumer" else None
             rows = self._engram_rows(layer, hash_ids) if role.engram else None
-            h, pre, picks, pool = block(layer, h, pre, ids, pos, slots, state.layer(role), picks, pool, rows)
+            view = state.layer_slots[role.layer_id]
+            h, pre, picks, pool = block(layer, h, pre, ids, pos, slots, view, picks, pool, rows)
             if role.owns_indexer:
                 topk[role.layer_id] = picks
             if role.candidate_role == "source":
