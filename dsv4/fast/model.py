@@ -26,6 +26,7 @@ at each Engram layer).
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 
 import torch
@@ -218,13 +219,11 @@ class FastAttention(Attention):
         B = x.shape[0]
         visible = (pos + 1) // role.compress_ratio  # [B]
         cos, sin = self.rotary.cos_sin(pos)
-        q = ix.wq_b(qr).unflatten(-1, (ix.n_heads, ix.head_dim))  # [B, Hi, di]
-        q = apply_rope(q[:, None], cos[:, None], sin[:, None])[:, 0]
-        w = ix.weights_proj(x) * (ix.head_dim**-0.5 * ix.n_heads**-0.5)  # [B, Hi]
+        q, w = ix._queries(x[:, None], qr[:, None], cos[:, None], sin[:, None])
+        q, w = q[:, 0], w[:, 0]  # [B, Hi, di], [B, Hi]
         keys, cap = view.index_keys, view.capacity
         stride = keys.data.shape[1]
         if keys.fmt == "mxfp4":
-            q = ix._fp4(q)
             blocks = slots[:, None] * (stride // POOL_BLOCK) + torch.arange(cap // POOL_BLOCK, device=x.device)
             k_data, k_scale = keys.flat()
             score = mqa_index_scores_pool(q, k_data, k_scale, w.float(), (slots * stride + visible).int(), blocks.int(),
@@ -417,6 +416,24 @@ class FastModel(Dsv4Model):
 
         return step
 
+    def compile_prefill(self, backend: str = "inductor", options: dict | None = None) -> None:
+        """Compile the module path's cache-free pieces in place (`PREFILL_PIECES`: the attention's query, KV and
+        output projections with their norms, RoPE and quantization steps, and the indexer's queries), where eager
+        torch spends most of a prefill's time outside the kernels on elementwise passes over [S, H, Dh] tensors.
+
+        The cache reads and writes, the compressors' carry and the kernels stay eager between them. One compiled
+        function per piece serves every module of its class (each module's attribute shadows the class's method
+        with the compiled function bound to it), compiled for the first chunk length and then with the length as a
+        symbol. The decode step's compile inlines the pieces it calls. In place, as `nn.Module.compile`: every later
+        forward of this model runs them compiled, through whichever runner (one that must run uncompiled needs a
+        model of its own)."""
+        for cls, names in PREFILL_PIECES:
+            for name in names:
+                compiled = torch.compile(getattr(cls, name), backend=backend, dynamic=None, options=options)
+                for module in self.modules():
+                    if isinstance(module, cls):
+                        setattr(module, name, types.MethodType(compiled, module))
+
     def _check_prompt(self, input_ids: torch.Tensor) -> None:
         """The runner checks prompts where they arrive (on the host, before the upload: `Runner._upload`);
         a check of device ids here would stall the host every forward."""
@@ -454,6 +471,10 @@ class FastModel(Dsv4Model):
             flat = torch.mm(x.reshape(-1, x.shape[-1]), self.head.weight.t(), out_dtype=torch.float32)
             return flat.view(*x.shape[:-1], -1)
         return F.linear(x.float(), self.head.weight.float())
+
+
+# what FastModel.compile_prefill compiles: (class, methods)
+PREFILL_PIECES = ((FastAttention, ("_q_kv", "_output")), (FastIndexer, ("_queries",)))
 
 
 def make_fast(model: Dsv4Model, packed_kv: bool = True) -> FastModel:

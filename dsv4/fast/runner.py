@@ -36,7 +36,8 @@ class Runner:
         max_seqs: sequence slots; max_len: tokens per slot (prompt + generation).
         cuda_graphs: capture decode steps (default: on a CUDA device).
         compile: run the decode step's parts through torch.compile (`FastModel.compile_decode`: compiles per
-            layer kind, for batch 1 and one symbolic batch; default: on a CUDA device); a string names the
+            layer kind, for batch 1 and one symbolic batch), and the prefill's cache-free pieces
+            (`FastModel.compile_prefill`); default: on a CUDA device; a string names the
             torch.compile backend instead of inductor (the tests trace with "aot_eager" on the host, where
             inductor's C++ code cannot hold the float8_e8m0fnu scales).
         batch_sizes: decode batch sizes to capture; a batch runs padded to the next one.
@@ -67,6 +68,8 @@ class Runner:
         options = {"emulate_precision_casts": True} if backend == "inductor" else None
         # the step decode runs and captures (what a profiler of the step should call too)
         self.step = model.compile_decode(backend, options) if compile else model.decode_step
+        if compile:
+            model.compile_prefill(backend, options)
         self.batch_sizes = sorted({b for b in batch_sizes if b < max_seqs} | {max_seqs})
         self._free = list(range(max_seqs))
         # host mirrors of state.lengths and state.window_start: bounds checks, and what a prefill's

@@ -163,10 +163,8 @@ class Indexer(nn.Module):
         x: [B, S, D]; qr: [B, S, q_lora_rank]; keys: [B, T, index_head_dim]; positions: [S].
         candidates: [B, S, T] pool from the candidate source, for a layer that rescores inside it.
         """
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B, S, Hi, di]
         cos, sin = rotary.cos_sin(positions)
-        q = self._fp4(apply_rope(q, cos[None], sin[None]))
-        w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)  # [B, S, Hi]
+        q, w = self._queries(x, qr, cos[None], sin[None])
         visible = (positions + 1) // ratio  # [S]
         score = self._scores(q, keys, w, visible)  # [B, S, T]
         pool = None
@@ -175,6 +173,13 @@ class Indexer(nn.Module):
         elif candidates is not None:
             score = score.masked_fill(~candidates, float("-inf"))
         return self._top(score), pool
+
+    def _queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The rotated, FP4-simulated queries [B, S, Hi, di] and the scaled head weights [B, S, Hi] of x [B, S, D]
+        and its query latent qr [B, S, q_lora_rank]."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = self._fp4(apply_rope(q, cos, sin))
+        return q, self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
 
     # the three steps a kernel implementation replaces (dsv4.fast.model.FastIndexer)
     def _scores(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -275,26 +275,29 @@ def test_a_state_dict_loads_into_the_host_engram_tables(tiny_v41_wide_engram_dir
 def test_the_decode_block_compiles_per_layer_kind_and_batch_1_or_more(tmp_path):
     """The runner compiles the decode step's entry, block and exit with the batch dynamic (batch 1, then one
     compile for every larger padded size) and the block once per layer kind, not per layer: 8 layers of 3
-    kinds (window, CSA, HCA) make 2 x (3 + 2) graphs. The compiled steps' logits are the uncompiled ones'."""
+    kinds (window, CSA, HCA) make 2 x (3 + 2) graphs. The prefill's pieces (query-KV, output, index queries)
+    compile once for the first chunk length and once with the length symbolic, shared by every layer, and the
+    decode step's compile inlines them. The compiled steps' logits are the uncompiled ones'."""
     path = make_tiny_checkpoint("v4-flash", tmp_path, overrides={"num_hidden_layers": 8,
                                                                  "compress_ratios": [0] + [4, 128] * 3 + [4, 0]})
-    _, fast = models(path, packed=True)
+    (_, fast), (_, uncompiled) = models(path, packed=True), models(path, packed=True)
     roles = fast.config.layer_roles
     kinds = {(r.compress_ratio, r.owns_indexer, r.hash_moe) for r in roles}
     assert (len(roles), len(kinds)) == (8, 3)
     torch._dynamo.reset()
     counters.clear()
     compiled = Runner(fast, max_seqs=8, max_len=64, compile="eager")
-    plain = Runner(fast, max_seqs=8, max_len=64)
+    plain = Runner(uncompiled, max_seqs=8, max_len=64)
     slots = {r: [r.allocate() for _ in range(8)] for r in (compiled, plain)}
-    for r in (compiled, plain):
-        for i, slot in enumerate(slots[r]):
-            r.prefill(slot, prompt(6 + i, i))
+    for i in range(8):
+        got, want = (r.prefill(slots[r][i], prompt(6 + i, i)) for r in (compiled, plain))
+        assert torch.equal(got, want)
+    assert counters["stats"]["unique_graphs"] == 2 * 3
     g = torch.Generator().manual_seed(4)
     for B in (1, 2, 3, 5, 8):
         ids = torch.randint(0, 256, (B,), generator=g)
         assert torch.equal(compiled.decode(slots[compiled][:B], ids), plain.decode(slots[plain][:B], ids))
-    assert counters["stats"]["unique_graphs"] == 2 * (len(kinds) + 2)
+    assert counters["stats"]["unique_graphs"] == 2 * 3 + 2 * (len(kinds) + 2)
 
 
 def test_packed_kv_formats_stay_within_one_rounding_code(tiny_v41_dir):
@@ -365,14 +368,12 @@ def reference_steps(ref, fed: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.stack([seq.run([int(t)]) for seq, t in zip(seqs, step)]) for step in fed])
 
 
-def test_compiled_decode_step_traces_without_graph_breaks_and_changes_nothing(tiny_v41_dir):
-    """torch.compile traces the decode step's parts without a graph break (every kernel op has a fake), and
-    the traced graphs compute what the eager step does, bit for bit (aot_eager: the host's inductor cannot
-    compile float8_e8m0fnu scales; on a GPU inductor compiles it, see the gpu test)."""
-    from torch._dynamo.utils import counters
-
-    _, fast = models(tiny_v41_dir, packed=True)
-    eager, _ = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False))
+def test_compiled_decode_step_and_prefill_trace_without_graph_breaks_and_change_nothing(tiny_v41_dir):
+    """torch.compile traces the decode step's parts and the prefill's pieces without a graph break (every kernel
+    op has a fake), and the traced graphs compute what the eager model does, bit for bit (aot_eager: the host's
+    inductor cannot compile float8_e8m0fnu scales; on a GPU inductor compiles it, see the gpu test)."""
+    (_, fast), (_, uncompiled) = models(tiny_v41_dir, packed=True), models(tiny_v41_dir, packed=True)
+    eager, _ = decode_steps(Runner(uncompiled, max_seqs=4, max_len=128, compile=False))
     counters.clear()
     traced, _ = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile="aot_eager"))
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -394,7 +395,8 @@ def test_cuda_graphs_change_nothing(tiny_v41_dir):
     outputs = {graphs: decode_steps(Runner(fast, max_seqs=4, max_len=128, cuda_graphs=graphs), 8) for graphs in (False, True)}
     assert torch.equal(outputs[False][0], outputs[True][0])
     compiled, fed = outputs[True]
-    uncompiled, _ = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 8, fed)
+    _, plain = models(tiny_v41_dir, packed=False, dtype=torch.bfloat16, device="cuda")  # compile_prefill works in place
+    uncompiled, _ = decode_steps(Runner(plain, max_seqs=4, max_len=128, compile=False), 8, fed)
     want = reference_steps(ref, fed)
     err_compiled, err_uncompiled = ((x - want).abs().max().item() for x in (compiled, uncompiled))
     assert err_compiled <= 2 * err_uncompiled, f"compiled {err_compiled:.3g} vs uncompiled {err_uncompiled:.3g}"
@@ -461,5 +463,6 @@ def test_engram_prefetch_from_host_memory_through_cuda_graphs(tiny_v41_wide_engr
     _, fast = models(tiny_v41_wide_engram_dir, packed=True, dtype=torch.bfloat16, device="cuda")
     fed = outputs[True][1]
     want, _ = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 8, fed)
+    host = host_engram_model(tiny_v41_wide_engram_dir, torch.bfloat16, "cuda", packed=True)  # not compiled
     got, _ = decode_steps(Runner(host, max_seqs=4, max_len=128, compile=False), 8, fed)
     assert torch.equal(got, want)
