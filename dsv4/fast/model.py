@@ -26,7 +26,6 @@ at each Engram layer).
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 
 import torch
@@ -429,10 +428,11 @@ class FastModel(Dsv4Model):
         model of its own)."""
         for cls, names in PREFILL_PIECES:
             for name in names:
-                compiled = torch.compile(getattr(cls, name), backend=backend, dynamic=None, options=options)
+                method = getattr(cls, name)
+                compiled = torch.compile(method, backend=backend, dynamic=None, options=options)
                 for module in self.modules():
                     if isinstance(module, cls):
-                        setattr(module, name, types.MethodType(compiled, module))
+                        setattr(module, name, _compiled_piece(compiled, method, module))
 
     def _check_prompt(self, input_ids: torch.Tensor) -> None:
         """The runner checks prompts where they arrive (on the host, before the upload: `Runner._upload`);
@@ -471,6 +471,19 @@ class FastModel(Dsv4Model):
             flat = torch.mm(x.reshape(-1, x.shape[-1]), self.head.weight.t(), out_dtype=torch.float32)
             return flat.view(*x.shape[:-1], -1)
         return F.linear(x.float(), self.head.weight.float())
+
+
+def _compiled_piece(compiled: Callable, method: Callable, module: torch.nn.Module) -> Callable:
+    """`compiled` bound to `module`; inside another compiled region (the decode step's parts) the plain method,
+    which that region's trace inlines (a compiled function traced from within a compiled region depends on how
+    each torch version unwraps it: torch 2.11 dropped the bound module)."""
+
+    def piece(*args):
+        if torch.compiler.is_compiling():
+            return method(module, *args)
+        return compiled(module, *args)
+
+    return piece
 
 
 # what FastModel.compile_prefill compiles: (class, methods)
