@@ -57,6 +57,26 @@ from dsv4.reference.rope import Rotary, apply_rope
 NEG_INF = float("-inf")
 
 
+# ---------------------------------------------------------------------------------------------- linears
+def mm_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T in fp32 from bf16 operands: a product of two bf16 values is exact in fp32 and
+    the tensor cores accumulate in fp32, so this is an fp32 GEMM of the same values up to summation order,
+    without fp32 copies of either operand."""
+    flat = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+    return flat.view(*x.shape[:-1], -1)
+
+
+class FastLinear(Linear):
+    """A dense linear with fp32 output (the compressors' projections): on bf16 CUDA operands by `mm_fp32_out`, where
+    the reference's x.float() @ w.float() costs a conversion of the weight per call and an fp32 GEMM at a small
+    fraction of the tensor cores' rate (a tenth of an 8K prefill's GEMM time went there)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype == self.weight.dtype == torch.bfloat16 and not self.act_block:
+            return mm_fp32_out(x, self.weight)
+        return super().forward(x)
+
+
 # ---------------------------------------------------------------------------------------------- MoE
 class FastMoE(MoE):
     """Routing in one kernel (gate GEMM included), routed MXFP4 experts and the shared expert in one op."""
@@ -468,8 +488,7 @@ class FastModel(Dsv4Model):
         """fp32 logits from bf16 operands: exact products, fp32 accumulation, no fp32 copy of the head."""
         x = self.norm(hidden)
         if x.is_cuda and x.dtype == torch.bfloat16:
-            flat = torch.mm(x.reshape(-1, x.shape[-1]), self.head.weight.t(), out_dtype=torch.float32)
-            return flat.view(*x.shape[:-1], -1)
+            return mm_fp32_out(x, self.head.weight)
         return F.linear(x.float(), self.head.weight.float())
 
 
@@ -524,6 +543,8 @@ def make_fast(model: Dsv4Model, packed_kv: bool = True) -> FastModel:
     for m in model.modules():
         if isinstance(m, Linear) and m.fmt == "fp8":
             _dequantize_in_place(m, torch.float32 if m.fp32 else dtype)
+        if isinstance(m, Linear) and m.fp32 and m.fmt == "dense":
+            m.__class__ = FastLinear
     for block in model.layers:
         block.ffn.prepare()
     _attach_engram_prefetch(model)

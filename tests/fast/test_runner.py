@@ -23,10 +23,11 @@ from dsv4.engine.llm import LLM
 from dsv4.engine.request import SamplingParams
 from dsv4.fast import engram_prefetch
 from dsv4.fast.engram_prefetch import HostEngramEmbedding, keep_engram_on_host
-from dsv4.fast.model import make_fast
+from dsv4.fast.model import FastLinear, make_fast
 from dsv4.fast.runner import OutOfSlots, Runner
 from dsv4.reference.cache import DenseCache
 from dsv4.reference.engram import EngramEmbedding
+from dsv4.reference.linear import Linear
 from dsv4.reference.model import bounded_replay_state, load_model
 from dsv4.tiny import make_tiny_checkpoint
 
@@ -400,6 +401,33 @@ def test_cuda_graphs_change_nothing(tiny_v41_dir):
     want = reference_steps(ref, fed)
     err_compiled, err_uncompiled = ((x - want).abs().max().item() for x in (compiled, uncompiled))
     assert err_compiled <= 2 * err_uncompiled, f"compiled {err_compiled:.3g} vs uncompiled {err_uncompiled:.3g}"
+
+
+def fp32_linears(model) -> list[Linear]:
+    return [m for m in model.modules() if isinstance(m, Linear) and m.fp32 and m.fmt == "dense"]
+
+
+def test_the_fp32_output_linears_become_fast_linears_that_compute_the_reference_off_the_gpu(tiny_v4_dir):
+    ref, fast = models(tiny_v4_dir, packed=True)
+    linears = fp32_linears(fast)
+    assert len(linears) == len(fp32_linears(ref)) > 0 and all(isinstance(m, FastLinear) for m in linears)
+    x = torch.randn(5, linears[0].in_features)
+    assert torch.equal(linears[0](x), Linear.forward(linears[0], x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp32_output_linears_on_bf16_operands_are_the_fp32_gemm_to_summation_order():
+    """The compressors' projections on the GPU multiply bf16 operands into an fp32 accumulator (no fp32 copies):
+    the reference's fp32 GEMM of the same values, but for the order of the fp32 sums."""
+    g = torch.Generator().manual_seed(0)
+    lin = FastLinear(512, 96, fp32=True, dtype=torch.bfloat16)
+    lin.weight.data = torch.randn(96, 512, generator=g).to(torch.bfloat16)
+    lin = lin.cuda()
+    x = torch.randn(2, 300, 512, generator=g).to(torch.bfloat16).cuda()
+    got, want = lin(x), Linear.forward(lin, x)
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape == (2, 300, 96)
+    assert_close(got, want, EXACT)
 
 
 @pytest.mark.gpu
