@@ -63,7 +63,7 @@ def mm_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     the tensor cores accumulate in fp32, so this is an fp32 GEMM of the same values up to summation order,
     without fp32 copies of either operand."""
     flat = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
-    return flat.view(*x.shape[:-1], -1)
+    return flat.view(*x.shape[:-1], weight.shape[0])
 
 
 class FastLinear(Linear):
