@@ -68,6 +68,7 @@ class Runner:
         options = {"emulate_precision_casts": True} if backend == "inductor" else None
         # the step decode runs and captures (what a profiler of the step should call too)
         self.step = model.compile_decode(backend, options) if compile else model.decode_step
+        self.compiled = bool(compile)
         if compile:
             model.compile_prefill(backend, options)
         self.batch_sizes = sorted({b for b in batch_sizes if b < max_seqs} | {max_seqs})
@@ -256,13 +257,25 @@ class Runner:
             self._marks[slot] = {m for m in self._marks[slot] if end - m <= span and m < end}
 
     def capture(self, max_batch: int) -> None:
-        """Capture now the decode graphs that batches of up to `max_batch` sequences use (each compiles and
-        captures on first use otherwise, stalling that step), as an engine does at start-up."""
+        """Capture now the decode graphs that batches of up to `max_batch` sequences use, and compile the prefill's
+        pieces for every chunk length (each compiles on first use otherwise, stalling that step), as an engine
+        does at start-up."""
+        if self.compiled:
+            self._compile_prefill_lengths()
         if self.cuda_graphs:
             for size in self.batch_sizes:
                 self._graph(size)
                 if size >= max_batch:
                     break
+
+    def _compile_prefill_lengths(self) -> None:
+        """Prefills of 2, 3 and 1 tokens, each in a slot released after: the pieces compile for the first length,
+        then with the length as a symbol (every later length but one), and for one token (a size torch
+        specializes)."""
+        for n in (2, 3, 1):
+            slot = self.allocate()
+            self.prefill(slot, [0] * n)
+            self.release(slot)
 
     def _graph(self, size: int):
         if size not in self._graphs:
