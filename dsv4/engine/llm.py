@@ -68,8 +68,8 @@ class LLM:
             token), and the grouped expert kernel's time per token falls as the forward grows (H200, V4.1 widths,
             per layer: 4.2 us at 2048 tokens, 2.7 us at 8192; BENCHMARKS.md); 512 for "reference", whose dense
             masks grow with the chunk. "fast" on a GPU compiles and captures the decode graph of every batch size
-            up to max_num_seqs when it is built (each padded up to a power of two), so no request's step waits
-            for one.
+            up to max_num_seqs when it is built (each padded up to a power of two), and compiles the prefill for
+            every chunk length, so no request's step waits for a compile.
         engram_tables: "device" (default) or "host": "fast" keeps V4.1's Engram tables in pinned host memory
             (THP where the OS allows) and its forwards prefetch their rows on a side stream, for
             checkpoints whose tables (V4.1-Flash: 2 x 98 GB) the GPU cannot hold (see
@@ -134,7 +134,7 @@ class LLM:
             max_num_batched_tokens = FAST_BATCHED_TOKENS if impl == "fast" else REFERENCE_BATCHED_TOKENS
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs)
         if impl == "fast":  # every decode batch size's graph and prefill length's compile before serving, not in some request's step
-            self.kv.runner.capture(max_num_seqs)
+            self.kv.runner.warm_up(max_num_seqs)
         self.executor = FastExecutor(self.kv) if impl == "fast" else ReferenceExecutor(self.model, self.scheduler)
         self._ids = itertools.count()
         self.last_num_cached_tokens = 0  # of the last streamed request, for the CLI's chat report

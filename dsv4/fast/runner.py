@@ -8,7 +8,8 @@
 
 Decode runs `FastModel.decode_step` for a batch padded up to the next captured size (padding rows use
 the scratch slot, whose writes nobody reads); the graph for each size is captured on first use, or ahead
-by `capture` (the engine does it when it is built). Without CUDA (or with `cuda_graphs=False`) the same
+by `capture` (`warm_up` also compiles the prefill for every chunk length: the engine does it when it is
+built). Without CUDA (or with `cuda_graphs=False`) the same
 step runs eagerly. Positions live in device memory, so a decode step needs no host synchronization: the
 host only tracks lengths to reject overflows.
 """
@@ -256,12 +257,16 @@ class Runner:
             self._held_from[slot] = max(self._held_from[slot], end - span)
             self._marks[slot] = {m for m in self._marks[slot] if end - m <= span and m < end}
 
-    def capture(self, max_batch: int) -> None:
-        """Capture now the decode graphs that batches of up to `max_batch` sequences use, and compile the prefill's
-        pieces for every chunk length (each compiles on first use otherwise, stalling that step), as an engine
-        does at start-up."""
+    def warm_up(self, max_batch: int) -> None:
+        """Compile and capture now what would otherwise compile on first use, stalling that request, as an engine
+        does at start-up: the prefill's pieces for every chunk length, and the decode graphs (`capture`)."""
         if self.compiled:
             self._compile_prefill_lengths()
+        self.capture(max_batch)
+
+    def capture(self, max_batch: int) -> None:
+        """Capture now the decode graphs that batches of up to `max_batch` sequences use (each compiles and
+        captures on first use otherwise, stalling that step)."""
         if self.cuda_graphs:
             for size in self.batch_sizes:
                 self._graph(size)

@@ -403,14 +403,14 @@ def test_cuda_graphs_change_nothing(tiny_v41_dir):
     assert err_compiled <= 2 * err_uncompiled, f"compiled {err_compiled:.3g} vs uncompiled {err_uncompiled:.3g}"
 
 
-def test_capture_compiles_the_prefill_for_every_chunk_length_before_serving(tiny_v4_dir):
-    """An engine's start-up (Runner.capture) compiles the prefill's pieces for one token and for the length as a
+def test_warm_up_compiles_the_prefill_for_every_chunk_length_before_serving(tiny_v4_dir):
+    """An engine's start-up (Runner.warm_up) compiles the prefill's pieces for one token and for the length as a
     symbol, so no request's prefill waits for a compile, whatever its length."""
     _, fast = models(tiny_v4_dir, packed=True)
     runner = Runner(fast, max_seqs=2, max_len=64, compile="aot_eager")
     torch._dynamo.reset()
     counters.clear()
-    runner.capture(2)
+    runner.warm_up(2)
     compiled = counters["stats"]["unique_graphs"]
     assert compiled > 0
     for n in (1, 7, 40, 2):
