@@ -133,7 +133,7 @@ class LLM:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = FAST_BATCHED_TOKENS if impl == "fast" else REFERENCE_BATCHED_TOKENS
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs)
-        if impl == "fast":  # every decode batch size's graph and prefill length's compile before serving, not in some request's step
+        if impl == "fast":  # compiles and captures before serving, not in some request's step
             self.kv.runner.warm_up(max_num_seqs)
         self.executor = FastExecutor(self.kv) if impl == "fast" else ReferenceExecutor(self.model, self.scheduler)
         self._ids = itertools.count()

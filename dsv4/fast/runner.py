@@ -9,9 +9,8 @@
 Decode runs `FastModel.decode_step` for a batch padded up to the next captured size (padding rows use
 the scratch slot, whose writes nobody reads); the graph for each size is captured on first use, or ahead
 by `capture` (`warm_up` also compiles the prefill for every chunk length: the engine does it when it is
-built). Without CUDA (or with `cuda_graphs=False`) the same
-step runs eagerly. Positions live in device memory, so a decode step needs no host synchronization: the
-host only tracks lengths to reject overflows.
+built). Without CUDA (or with `cuda_graphs=False`) the same step runs eagerly. Positions live in device
+memory, so a decode step needs no host synchronization: the host only tracks lengths to reject overflows.
 """
 
 from __future__ import annotations
