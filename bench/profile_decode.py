@@ -3,15 +3,19 @@
 beside the CUDA-graph step time and the roofline's bytes, on full-width layers (bench/full_width.py).
 
     python bench/profile_decode.py --arch v41 --layers 4 --context 8192 --batch 1
+    python bench/profile_decode.py --arch v4 --layers 2 --context 8192 --compile --prefill-chunk 8192
     python bench/profile_decode.py --smoke
 
 The kernel table is device time per kernel name summed over the step (the same kernels the graph replays,
 without the graph); `graph_step_ms - kernel_sum_ms` is what the graph still spends between kernels.
+With --prefill-chunk, a cold prefill's kernels too, and its device time by layer module and module-path method
+(`SPANS`: CUDA events around each call, so a span includes the spans inside it).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -52,6 +56,60 @@ def kernel_table(prof) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
+# what the prefill's table by module times, per layer: (attribute path from the block, methods; "" = its forward)
+SPANS = (("", ("forward",)), ("attn", ("forward", "_q_kv", "_compress", "_compressed", "_output")),
+         ("attn.compressor", ("forward",)), ("attn.indexer", ("forward", "keys", "_queries", "_scores", "_top",
+                                                              "_candidate_blocks")),
+         ("attn_norm", ("forward",)), ("ffn_norm", ("forward",)), ("ffn", ("forward",)), ("engram", ("forward",)))
+
+
+def module_times(model, run, device) -> dict[str, float]:
+    """Milliseconds of one run() in each SPANS method of each layer, "L{i}.{path}.{method}" (CUDA events; the host
+    clock off CUDA). The methods are wrapped on the instances for the run and put back after."""
+    spans, restore = defaultdict(list), []
+
+    def wrap(obj, name, label):
+        fn = getattr(obj, name)
+        restore.append((obj, name, fn if name in vars(obj) else None))  # a compiled piece is an instance attribute
+
+        def timed(*args, **kwargs):
+            if device.type != "cuda":
+                t = time.perf_counter()
+                out = fn(*args, **kwargs)
+                elapsed = (time.perf_counter() - t) * 1e3
+                spans[label].append(lambda: elapsed)
+                return out
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            spans[label].append(lambda: start.elapsed_time(end))
+            return out
+
+        setattr(obj, name, timed)
+
+    for i, layer in enumerate(model.layers):
+        for path, methods in SPANS:
+            try:
+                obj = layer.get_submodule(path)
+            except AttributeError:
+                continue  # no such module in this layer (compressor, indexer, Engram)
+            for name in methods:
+                if hasattr(obj, name):
+                    wrap(obj, name, ".".join(p for p in (f"L{i}", path, name) if p))
+    try:
+        run()
+    finally:
+        for obj, name, fn in reversed(restore):
+            if fn is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, fn)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return {label: sum(ms() for ms in calls) for label, calls in spans.items()}
+
+
 def profile_prefill(runner, activities, device, context: int) -> dict:
     """A cold prefill of `context` tokens in --prefill-chunk chunks into a fresh slot: wall time (after a
     warm-up run), then the kernels of one more run."""
@@ -67,7 +125,7 @@ def profile_prefill(runner, activities, device, context: int) -> dict:
             torch.cuda.synchronize()
     rows = kernel_table(prof)
     return {"ms": ms, "tokens_per_s": context / ms * 1e3, "kernel_sum_ms": sum(r["us"] for r in rows) / 1e3,
-            "table": rows[: ARGS.top]}
+            "table": rows[: ARGS.top], "by_module_ms": module_times(runner.model, run, device)}
 
 
 def main():
@@ -112,6 +170,9 @@ def main():
               f"({prefill['tokens_per_s']:.0f} tok/s), kernels {prefill['kernel_sum_ms']:.1f} ms")
         for r in prefill["table"]:
             print(f"{r['us']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
+        print("prefill by module (inclusive):")
+        for label, ms in prefill["by_module_ms"].items():
+            print(f"{ms:9.3f} ms  {100 * ms / prefill['ms']:5.1f}%  {label}")
 
 
 main()
