@@ -109,6 +109,7 @@ class Indexer(nn.Module):
         self.candidate_topk_blocks = config.candidate_topk_blocks
         self.candidate_block_size = config.candidate_block_size
         self.quant_sim = True
+        self.score_bytes = 1 << 30  # the fp32 scores a forward forms at once (see forward)
         fmt = "fp8" if config.quantization_config else "dense"
         block, act = config.weight_block_size or (128, 128), config.act_block_size
         self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, fmt, block, act, dtype=dtype)
@@ -162,17 +163,24 @@ class Indexer(nn.Module):
 
         x: [B, S, D]; qr: [B, S, q_lora_rank]; keys: [B, T, index_head_dim]; positions: [S].
         candidates: [B, S, T] pool from the candidate source, for a layer that rescores inside it.
+        The fp32 scores are formed for as many queries at a time as fit `score_bytes` (a long chunk over a long
+        context, 8192 queries over 1M entries, would need 32 GB at once); every query's picks are its own.
         """
         cos, sin = rotary.cos_sin(positions)
         q, w = self._queries(x, qr, cos[None], sin[None])
         visible = (positions + 1) // ratio  # [S]
-        score = self._scores(q, keys, w, visible)  # [B, S, T]
-        pool = None
-        if select_candidates:
-            pool = self._candidate_blocks(score, visible)
-        elif candidates is not None:
-            score = score.masked_fill(~candidates, float("-inf"))
-        return self._top(score), pool
+        B, S, T = q.shape[0], q.shape[1], keys.shape[1]
+        step = max(1, self.score_bytes // max(1, 4 * B * T))
+        picks, pools = [], []
+        for a in range(0, max(S, 1), step):
+            rows = slice(a, a + step)
+            score = self._scores(q[:, rows], keys, w[:, rows], visible[rows])  # [B, rows, T]
+            if select_candidates:
+                pools.append(self._candidate_blocks(score, visible[rows]))
+            elif candidates is not None:
+                score = score.masked_fill(~candidates[:, rows], float("-inf"))
+            picks.append(self._top(score))
+        return torch.cat(picks, dim=1), torch.cat(pools, dim=1) if select_candidates else None
 
     def _queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The rotated, FP4-simulated queries [B, S, Hi, di] and the scaled head weights [B, S, Hi] of x [B, S, D]

@@ -60,3 +60,33 @@ def test_the_module_path_indexer_picks_what_the_reference_does(arch_dir, S, star
             assert (got[1] is None) == (want[1] is None)
             if want[1] is not None:
                 assert torch.equal(got[1], want[1]), f"layer {attn.role.layer_id}: candidate pools differ"
+
+
+def test_the_picks_do_not_depend_on_how_many_queries_are_scored_at_once(arch_dir):
+    """Indexer.forward forms the fp32 scores for as many queries at a time as fit `score_bytes`: groups of 3
+    queries pick, and pool, what one group of all 33 does, in the reference and the fast indexer alike."""
+    S, start = 33, 90
+    for attn in indexer_layers(arch_dir):
+        r = attn.role.compress_ratio
+        T = (start + S) // r
+        x, qr, keys, positions = inputs(attn, S, T, start, seed=5)
+        pool = None
+        if attn.role.candidate_role == "consumer":
+            _, pool = copy.deepcopy(attn.indexer)(x, qr, keys, positions, attn.rotary, r, select_candidates=True)
+        for cls in (type(attn.indexer), FastIndexer):
+            ix = copy.deepcopy(attn.indexer)
+            ix.__class__ = cls
+            for select in (False, True) if attn.role.candidate_role else (False,):
+                args = (x, qr, keys, positions, attn.rotary, r, None if select else pool, select)
+                whole = ix(*args)
+                ix.score_bytes, calls = 3 * 4 * T, []
+                scores = ix._scores
+                ix._scores = lambda *a, f=scores, seen=calls: seen.append(a[0].shape[1]) or f(*a)
+                grouped = ix(*args)
+                del ix._scores
+                ix.score_bytes = 1 << 30
+                assert calls == [3] * 11
+                assert torch.equal(grouped[0], whole[0]), f"layer {attn.role.layer_id}: picks differ"
+                assert (grouped[1] is None) == (whole[1] is None) == (not select)
+                if select:
+                    assert torch.equal(grouped[1], whole[1]), f"layer {attn.role.layer_id}: candidate pools differ"
