@@ -25,7 +25,7 @@ import torch
 from full_width import build_random_model, fill_slots, full_width_config, random_ids
 from safetensors.torch import load_file, save_file
 
-from dsv4.fast.model import make_fast
+from dsv4.fast.model import compile_options, make_fast
 from dsv4.fast.runner import Runner
 
 mode, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -38,7 +38,7 @@ g = torch.Generator().manual_seed(1)
 steps = [random_ids(fast.config, 8, g).to(dev) for _ in range(4)]
 r = Runner(fast, max_seqs=8, max_len=ctx + 128, batch_sizes=sizes)
 if mode == "whole":
-    r.step = torch.compile(fast.decode_step, dynamic=None, options={"emulate_precision_casts": True})
+    r.step = torch.compile(fast.decode_step, dynamic=None, options=compile_options("inductor"))
 slots = fill_slots(r, ctx, 8, 2048)
 row = {"commit": os.environ.get("DSV4_COMMIT"), "gpu": torch.cuda.get_device_name(), "run": name,
        "layers": [first, last], "command": " ".join(["python bench/decode_compile.py", *sys.argv[1:]]), "capture_s": {}}

@@ -93,7 +93,8 @@ class Dsv4ForCausalLM(PreTrainedModel, GenerationMixin):
         `impl="fast"` runs the kernels (`dsv4.fast.model.make_fast`; MXFP4 experts, i.e. official-format
         checkpoints): quant_sim then keeps the packed KV and indexer formats but not the FP8 rounding of
         activations, and the model is placed on `device` at load (default: the GPU when there is one),
-        where its re-laid-out weights stay.
+        where its re-laid-out weights stay; on a GPU its forward's cache-free pieces run compiled
+        (`FastModel.compile_prefill`, as the fast runner's prefill does).
         """
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -104,6 +105,8 @@ class Dsv4ForCausalLM(PreTrainedModel, GenerationMixin):
             from dsv4.fast.model import make_fast
 
             model = make_fast(model, packed_kv=quant_sim)
+            if model.embed.weight.is_cuda:
+                model.compile_prefill()
         config = Dsv4Config.from_model_config(model.config)
         config.dtype = dtype
         return cls(config, model=model, impl=impl).eval()

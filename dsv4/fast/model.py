@@ -415,7 +415,7 @@ class FastModel(Dsv4Model):
             x = hc_collapse(h[:, None], head_pre)[:, 0]
         return self.logits(x)
 
-    def compile_decode(self, backend: str = "inductor", options: dict | None = None) -> Callable:
+    def compile_decode(self, backend: str = "inductor") -> Callable:
         """decode_step with its entry, block and exit compiled (torch.compile fuses the torch glue between the
         kernels). Shapes are automatic dynamic: each part compiles for batch 1 and then once with the batch as
         a symbol, which serves every larger size. The block compiles per layer kind, not per layer (V4.1-Flash:
@@ -425,7 +425,7 @@ class FastModel(Dsv4Model):
         runner of other slot sizes compiles again, with those sizes symbolic too). Past a code object's limit of
         compiles dynamo would run the rest eagerly, so the step raises the limit to what this model may need: a
         kind per layer at most, twice (batch 1 and symbolic), for two runners."""
-        parts = tuple(torch.compile(f, backend=backend, dynamic=None, options=options)
+        parts = tuple(torch.compile(f, backend=backend, dynamic=None, options=compile_options(backend))
                       for f in (self.decode_enter, FastBlock.decode, self.decode_exit))
         limit = max(torch._dynamo.config.recompile_limit, 4 * len(self.layers))
 
@@ -435,7 +435,7 @@ class FastModel(Dsv4Model):
 
         return step
 
-    def compile_prefill(self, backend: str = "inductor", options: dict | None = None) -> None:
+    def compile_prefill(self, backend: str = "inductor") -> None:
         """Compile the module path's cache-free pieces in place (`PREFILL_PIECES`: the attention's query, KV and
         output projections with their norms, RoPE and quantization steps, and the indexer's queries), where eager
         torch spends most of a prefill's time outside the kernels on elementwise passes over [S, H, Dh] tensors.
@@ -449,7 +449,7 @@ class FastModel(Dsv4Model):
         for cls, names in PREFILL_PIECES:
             for name in names:
                 method = getattr(cls, name)
-                compiled = torch.compile(method, backend=backend, dynamic=None, options=options)
+                compiled = torch.compile(method, backend=backend, dynamic=None, options=compile_options(backend))
                 for module in self.modules():
                     if isinstance(module, cls):
                         setattr(module, name, _compiled_piece(compiled, method, module))
@@ -490,6 +490,12 @@ class FastModel(Dsv4Model):
         if x.is_cuda and x.dtype == torch.bfloat16:
             return mm_fp32_out(x, self.head.weight)
         return F.linear(x.float(), self.head.weight.float())
+
+
+def compile_options(backend: str) -> dict | None:
+    """torch.compile options for the model's parts: inductor fuses bf16 glue into fp32 arithmetic unless told to
+    round where the model's code casts."""
+    return {"emulate_precision_casts": True} if backend == "inductor" else None
 
 
 def _compiled_piece(compiled: Callable, method: Callable, module: torch.nn.Module) -> Callable:

@@ -64,13 +64,11 @@ class Runner:
             raise ValueError("cuda_graphs needs the model on a CUDA device")
         compile = weight.is_cuda if compile is None else compile
         backend = compile if isinstance(compile, str) else "inductor"
-        # inductor fuses bf16 glue into fp32 arithmetic unless told to round where the model's code casts
-        options = {"emulate_precision_casts": True} if backend == "inductor" else None
         # the step decode runs and captures (what a profiler of the step should call too)
-        self.step = model.compile_decode(backend, options) if compile else model.decode_step
+        self.step = model.compile_decode(backend) if compile else model.decode_step
         self.compiled = bool(compile)
         if compile:
-            model.compile_prefill(backend, options)
+            model.compile_prefill(backend)
         self.batch_sizes = sorted({b for b in batch_sizes if b < max_seqs} | {max_seqs})
         self._free = list(range(max_seqs))
         # host mirrors of state.lengths and state.window_start: bounds checks, and what a prefill's
