@@ -524,15 +524,17 @@ def _forward_capture(model, ids, monkeypatch):
     """Run hidden_states recording the SharedKV, each layer's compressed KV / allowed mask and
     every Compressor call."""
     shared = record_shared(monkeypatch)
-    used, compressor_calls = [], []
+    used, visible, compressor_calls = [], [], []
     wrap_method(monkeypatch, Attention, "_compressed", used)
+    wrap_method(monkeypatch, Attention, "_visible_compressed", visible)
     wrap_method(monkeypatch, Compressor, "forward", compressor_calls)
     collect = record_source_outputs(monkeypatch, model)
     with torch.no_grad():
         out = model.hidden_states(ids)
     assert len(shared) == 1
     layer_of = {id(layer.attn): layer.role.layer_id for layer in model.layers}
-    per_layer = {layer_of[id(att)]: result for att, _, result in used}
+    allowed = {layer_of[id(att)]: mask.expand(*ids.shape, -1) for att, _, mask in visible}
+    per_layer = {layer_of[id(att)]: (comp, allowed[layer_of[id(att)]]) for att, _, comp in used}
     owner = {id(m): i for i, layer in enumerate(model.layers) for m in layer.modules() if isinstance(m, Compressor)}
     calls = [owner[id(c)] for c, _, _ in compressor_calls]
     compressed, keys = collect()

@@ -169,11 +169,10 @@ class FastAttention(Attention):
         win_idx = torch.where(back >= key_pos[0], back - key_pos[0], -1)
         glob, glob_idx = kv.new_zeros(1, kv.shape[-1]), positions.new_zeros(positions.shape[0], 0)
         if self.role.compress_ratio:
-            comp, allowed = self._compressed(x, qr, positions, shared, cache)
-            glob = comp[0]
-            if self.role.index_source is None:
-                glob_idx = _selected_ids(allowed[0])
-            else:
+            glob = self._compressed(x, qr, positions, shared, cache)[0]
+            if self.role.index_source is None:  # HCA: every visible entry
+                glob_idx = _selected_ids(self._visible_compressed(positions, shared, glob.shape[0]))
+            else:  # CSA: the index source's picks (no [S, G] mask of them)
                 glob_idx = shared.topk[self.role.index_source][0]
         o = sparse_attn_bf16(q[0], kv[0], win_idx, glob.to(kv.dtype), glob_idx, self.attn_sink, self.head_dim**-0.5,
                              cos, sin)

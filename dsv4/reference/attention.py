@@ -143,9 +143,9 @@ class Attention(nn.Module):
         distance = positions.unsqueeze(1) - key_pos.unsqueeze(0)  # [S, P + S]
         allowed = ((distance >= 0) & (distance < self.window)).expand(B, -1, -1)
         if self.role.compress_ratio:
-            comp, comp_allowed = self._compressed(x, qr, positions, shared, cache)
+            comp = self._compressed(x, qr, positions, shared, cache)
             kv = torch.cat((kv, comp.to(kv.dtype)), dim=1)
-            allowed = torch.cat((allowed, comp_allowed), dim=-1)
+            allowed = torch.cat((allowed, self._visible_compressed(positions, shared, comp.shape[1]).expand(B, S, -1)), dim=-1)
 
         o = sparse_attention(q, kv, allowed, self.attn_sink, self.head_dim**-0.5)
         return self._output(apply_rope(o, cos, sin, inverse=True))
@@ -169,22 +169,17 @@ class Attention(nn.Module):
         o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
         return self.wo_b(o.flatten(2))
 
-    def _compressed(
-        self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, shared: SharedKV, cache
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compressed KV this layer reads [B, G, Dh] and which entries each query sees [B, S, G]."""
+    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, shared: SharedKV, cache) -> torch.Tensor:
+        """The compressed KV this layer reads [B, G, Dh], after this layer's compressor and indexer ran over the chunk
+        (the indexer's top-k goes to `shared`, for this layer and those that read it)."""
         role, r = self.role, self.role.compress_ratio
-        B, S = x.shape[:2]
+        B = x.shape[0]
         if role.owns_compressor:
             self._compress(x, cache)
             shared.compressed.pop(role.layer_id, None)  # grown: read again
         comp = shared.read_compressed(cache, role.kv_source)
         if comp is None:
             comp = x.new_zeros(B, 0, self.head_dim)
-        G = comp.shape[1]
-        visible = torch.arange(G, device=x.device) < ((positions + 1) // r).unsqueeze(-1)  # [S, G]
-        if role.index_source is None:  # HCA: every visible entry
-            return comp, visible.expand(B, S, G)
         if role.owns_indexer:
             keys = cache.index_keys(role.kv_source if self.is_v41 else role.layer_id)
             if keys is None:
@@ -202,7 +197,14 @@ class Attention(nn.Module):
             if pool is not None:
                 shared.candidates = pool
             shared.topk[role.layer_id] = idx
-        return comp, picks_mask(shared.topk[role.index_source], G)
+        return comp
+
+    def _visible_compressed(self, positions: torch.Tensor, shared: SharedKV, G: int) -> torch.Tensor:
+        """Which of the G compressed entries each query sees: every visible one (HCA) [S, G], or the index source's
+        picks (CSA) [B, S, G]."""
+        if self.role.index_source is None:
+            return torch.arange(G, device=positions.device) < ((positions + 1) // self.role.compress_ratio).unsqueeze(-1)
+        return picks_mask(shared.topk[self.role.index_source], G)
 
     def _compress(self, x: torch.Tensor, cache) -> None:
         """Run this layer's compressor (and index-key owner) over the chunk; append what completes."""
