@@ -36,8 +36,11 @@ from dsv4.fast.engram_prefetch import EngramPrefetcher, HostEngramEmbedding
 from dsv4.fast.kernels.attention import sparse_attn_bf16, sparse_attn_fp4
 from dsv4.fast.kernels.engram import engram_hash
 from dsv4.fast.kernels.indexer import (
+    candidate_mask,
     mqa_index_scores,
     mqa_index_scores_pool,
+    mqa_index_topk,
+    select_candidate_block_ids,
     select_candidate_blocks_fast,
     top_entries_fast,
 )
@@ -124,7 +127,8 @@ class DeviceRotary(Rotary):
 
 class FastIndexer(Indexer):
     """The module path's indexer (prefill, replay) with the decode step's kernels: scores by the MQA kernel,
-    which never forms the reference's [S, H, T] products, and selections by the radix select, not a sort."""
+    which never forms the reference's [S, H, T] products, and selections by the radix select, not a sort. A
+    candidate consumer scores only the entries of its pool's blocks."""
 
     def _fake_mxfp4(self, t: torch.Tensor) -> torch.Tensor:
         """By the quantization kernel: bit-identical, without the reference codec's NaN check, whose host
@@ -141,11 +145,22 @@ class FastIndexer(Indexer):
                             for qb, kb, wb in zip(q, keys, w)])  # [B, S, T], one sequence at a time
 
     def _candidate_blocks(self, score: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        return torch.stack([select_candidate_blocks_fast(s, visible, self.candidate_topk_blocks,
-                                                         self.candidate_block_size) for s in score])
+        """The pool as the kept blocks' ids [B, S, n] (-1 = none), not a [B, S, T] mask: a consumer scores only
+        their entries (`_top_in_pool`)."""
+        return torch.stack([select_candidate_block_ids(s, visible, self.candidate_topk_blocks,
+                                                       self.candidate_block_size) for s in score])
 
     def _top(self, score: torch.Tensor) -> torch.Tensor:
         return torch.stack([top_entries_fast(s, self.topk) for s in score])
+
+    def _top_in_pool(self, q, keys, w, visible, pool) -> torch.Tensor:
+        """Scores only the entries of the pool's blocks (O(pool) per query, where the reference scores all T and
+        masks) and selects among them by the pool-layout radix select: the same picks. Keys unpacked (quant_sim
+        off): the reference's, over the pool as a mask."""
+        if not self.quant_sim:
+            return super()._top_in_pool(q, keys, w, visible, candidate_mask(pool, keys.shape[1], self.candidate_block_size))
+        return torch.stack([mqa_index_topk(qb, *mxfp4_quant(kb.contiguous(), 32), wb.float(), visible, self.topk, pb,
+                                           self.candidate_block_size) for qb, kb, wb, pb in zip(q, keys, w, pool)])
 
 
 class FastAttention(Attention):

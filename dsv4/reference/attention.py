@@ -35,7 +35,7 @@ class SharedKV:
     """
 
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, S, k], -1 = none
-    candidates: torch.Tensor | None = None  # [B, S, G] bool
+    candidates: torch.Tensor | None = None  # the candidate source's pool: [B, S, G] bool (the fast one: block ids)
     # a source's compressed KV read from the cache once per forward: up to 20 layers read one source
     compressed: dict[int, torch.Tensor] = field(default_factory=dict)
 

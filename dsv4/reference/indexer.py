@@ -174,11 +174,12 @@ class Indexer(nn.Module):
         picks, pools = [], []
         for a in range(0, max(S, 1), step):
             rows = slice(a, a + step)
+            if candidates is not None:
+                picks.append(self._top_in_pool(q[:, rows], keys, w[:, rows], visible[rows], candidates[:, rows]))
+                continue
             score = self._scores(q[:, rows], keys, w[:, rows], visible[rows])  # [B, rows, T]
             if select_candidates:
                 pools.append(self._candidate_blocks(score, visible[rows]))
-            elif candidates is not None:
-                score = score.masked_fill(~candidates[:, rows], float("-inf"))
             picks.append(self._top(score))
         return torch.cat(picks, dim=1), torch.cat(pools, dim=1) if select_candidates else None
 
@@ -189,7 +190,7 @@ class Indexer(nn.Module):
         q = self._fp4(apply_rope(q, cos, sin))
         return q, self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
 
-    # the three steps a kernel implementation replaces (dsv4.fast.model.FastIndexer)
+    # the steps a kernel implementation replaces (dsv4.fast.model.FastIndexer)
     def _scores(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Scores [B, S, T] fp32 of q [B, S, Hi, di] against keys [B, T, di], -inf where t >= visible [S]."""
         reachable = torch.arange(keys.shape[1], device=q.device) < visible.unsqueeze(-1)  # [S, T]
@@ -200,3 +201,9 @@ class Indexer(nn.Module):
 
     def _top(self, score: torch.Tensor) -> torch.Tensor:
         return top_entries(score, self.topk)
+
+    def _top_in_pool(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: torch.Tensor,
+                     pool: torch.Tensor) -> torch.Tensor:
+        """A candidate consumer's picks [B, S, k]: the top-k of its scores inside the source's pool (what
+        `_candidate_blocks` returned: here a [B, S, T] mask)."""
+        return self._top(self._scores(q, keys, w, visible).masked_fill(~pool, float("-inf")))

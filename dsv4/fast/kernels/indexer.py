@@ -460,17 +460,28 @@ def _(q, k_packed, k_scale, weights, visible, blocks, block_size):
     return q.new_empty((q.shape[0], blocks.shape[1] * block_size), dtype=torch.float32)
 
 
-def select_candidate_blocks_fast(score: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
-    """`select_candidate_blocks` for one query per row (score [S, T], visible [S]) -> bool [S, T], with the
-    radix select in place of the stable sort (the same ties: to the lower block). When every block fits in
-    the pool (a context under topk_blocks x block entries) the selection is just the finite blocks."""
+def select_candidate_block_ids(score: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
+    """`select_candidate_blocks` for one query per row (score [S, T], visible [S]) as the kept blocks' ids
+    [S, min(nb, topk_blocks)] int64, ascending, -1 for none, by the radix select in place of the stable sort (the
+    same ties: to the lower block). When every block fits in the pool (a context under topk_blocks x block
+    entries) the selection is just the finite blocks."""
     blocks = candidate_block_scores(score[None], visible, block)[0]  # [S, nb]
-    nb = blocks.shape[-1]
-    if nb <= topk_blocks:
-        keep = blocks > float("-inf")
-    else:
-        keep = picks_mask(topk_select(blocks, topk_blocks), nb)  # -1 for -inf picks
-    return keep.repeat_interleave(block, dim=-1)[:, :score.shape[-1]]
+    if blocks.shape[-1] <= topk_blocks:
+        ids = torch.arange(blocks.shape[-1], device=score.device).expand_as(blocks)
+        return torch.where(blocks > float("-inf"), ids, -1)
+    return topk_select(blocks, topk_blocks)  # -1 for -inf picks
+
+
+def select_candidate_blocks_fast(score: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
+    """`select_candidate_blocks` for one query per row (score [S, T], visible [S]) -> bool [S, T]."""
+    T = score.shape[-1]
+    ids = select_candidate_block_ids(score, visible, topk_blocks, block)
+    return candidate_mask(ids, T, block)
+
+
+def candidate_mask(ids: torch.Tensor, T: int, block: int) -> torch.Tensor:
+    """Kept block ids [..., n] (-1 = none) -> the bool mask [..., T] of their entries."""
+    return picks_mask(ids, -(-T // block)).repeat_interleave(block, dim=-1)[..., :T]
 
 
 def top_entries_fast(score: torch.Tensor, k: int) -> torch.Tensor:
