@@ -41,7 +41,6 @@ from dsv4.fast.kernels.indexer import (
     mqa_index_scores_pool,
     mqa_index_topk,
     select_candidate_block_ids,
-    select_candidate_blocks_fast,
     top_entries_fast,
 )
 from dsv4.fast.kernels.mhc import mhc_post, mhc_pre
@@ -153,16 +152,19 @@ class FastIndexer(Indexer):
     def _top(self, score: torch.Tensor) -> torch.Tensor:
         return torch.stack([top_entries_fast(s, self.topk) for s in score])
 
+    def narrow_pool(self, width: int, T: int) -> bool:
+        """Whether a consumer scores only its pool of `width` blocks (packed keys, the pool at most half the row of
+        T entries) rather than every entry under the pool's mask: per entry the pool kernels ran at ~0.6x the
+        dense path's rate (H200: 64 queries x 16K pool entries scored and selected in 206 us, `indexer.json`;
+        8192 x 8192 dense in 7.9 ms, `dev/prefill-breakdown-2096504.json`)."""
+        return self.quant_sim and 2 * width * self.candidate_block_size <= T
+
     def _top_in_pool(self, q, keys, w, visible, pool) -> torch.Tensor:
         """Scores only the entries of the pool's blocks (O(pool) per query, where the reference scores all T and
-        masks) and selects among them by the pool-layout radix select: the same picks.
-
-        Only where the pool holds at most half the row: per entry the pool kernels ran at ~0.6x the dense path's
-        rate (H200: 64 queries x 16K pool entries scored and selected in 206 us, `indexer.json`; 8192 x 8192
-        dense in 7.9 ms, `dev/prefill-breakdown-2096504.json`). Otherwise, and with unpacked keys (quant_sim
-        off), the reference's way over the pool as a mask."""
+        masks) and selects among them by the pool-layout radix select: the same picks. Where the pool is not
+        narrow (`narrow_pool`), the reference's way over the pool as a mask."""
         T, block = keys.shape[1], self.candidate_block_size
-        if not self.quant_sim or 2 * pool.shape[-1] * block > T:
+        if not self.narrow_pool(pool.shape[-1], T):
             return super()._top_in_pool(q, keys, w, visible, candidate_mask(pool, T, block))
         return torch.stack([mqa_index_topk(qb, *mxfp4_quant(kb.contiguous(), 32), wb.float(), visible, self.topk, pb,
                                            self.candidate_block_size) for qb, kb, wb, pb in zip(q, keys, w, pool)])
@@ -260,19 +262,24 @@ class FastAttention(Attention):
         q, w = ix._queries(x[:, None], qr[:, None], cos[:, None], sin[:, None])
         q, w = q[:, 0], w[:, 0]  # [B, Hi, di], [B, Hi]
         keys, cap = view.index_keys, view.capacity
-        stride = keys.data.shape[1]
+        stride, block = keys.data.shape[1], ix.candidate_block_size
+        ends = (slots * stride + visible).int()  # the rows' visible ends in the flat layout of every slot's keys
+        if role.candidate_role == "consumer" and ix.narrow_pool(pool.shape[-1], cap) and stride % block == 0:
+            k_data, k_scale = keys.flat()
+            blocks = torch.where(pool >= 0, slots[:, None] * (stride // block) + pool, -1)
+            ids = mqa_index_topk(q, k_data, k_scale, w.float(), ends, ix.topk, blocks, block)[:, -min(ix.topk, cap):]
+            return torch.where(ids >= 0, ids - slots[:, None] * stride, -1), pool
         if keys.fmt == "mxfp4":
             blocks = slots[:, None] * (stride // POOL_BLOCK) + torch.arange(cap // POOL_BLOCK, device=x.device)
             k_data, k_scale = keys.flat()
-            score = mqa_index_scores_pool(q, k_data, k_scale, w.float(), (slots * stride + visible).int(), blocks.int(),
-                                          POOL_BLOCK)
+            score = mqa_index_scores_pool(q, k_data, k_scale, w.float(), ends, blocks.int(), POOL_BLOCK)
         else:  # unpacked keys (quant_sim off): index_scores over the slot's rows
             score = index_scores(q[:, None], keys.data[slots, :cap].to(q.dtype), w[:, None])[:, 0]
             score = score.masked_fill(torch.arange(cap, device=x.device) >= visible[:, None], NEG_INF)
         if role.candidate_role == "source":
-            pool = select_candidate_blocks_fast(score, visible, ix.candidate_topk_blocks, ix.candidate_block_size)
+            pool = select_candidate_block_ids(score, visible, ix.candidate_topk_blocks, block)
         elif role.candidate_role == "consumer":
-            score = score.masked_fill(~pool, NEG_INF)
+            score = score.masked_fill(~candidate_mask(pool, cap, block), NEG_INF)
         return top_entries_fast(score, ix.topk).view(B, -1), pool
 
     def _compress_decode(self, x, pos, slots, view: LayerSlots) -> None:

@@ -264,15 +264,21 @@ def test_two_level_topk_like_the_reference(p, topk_blocks, block_size, k):
 @PROPERTY
 @given(S=st.integers(1, 3), T=st.integers(1, 200), topk_blocks=st.integers(1, 30), block=st.sampled_from([1, 4, 8]),
        ints=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_select_candidate_blocks_fast_like_the_reference(S, T, topk_blocks, block, ints, seed):
-    """Level one with the radix select (or, when every block fits, no selection) equals the stable sort's
-    mask: tied block maxima (integer scores), blocks past the visible entries at -inf, the newest pinned."""
+def test_select_candidate_block_ids_like_the_reference(S, T, topk_blocks, block, ints, seed):
+    """Level one with the radix select (or, when every block fits, no selection) keeps the blocks of the stable
+    sort's mask, each once: tied block maxima (integer scores), blocks past the visible entries at
+    -inf, the newest pinned."""
     g = torch.Generator().manual_seed(seed)
     score = torch.randint(-2, 3, (S, T), generator=g).float() if ints else torch.randn(S, T, generator=g)
     visible = torch.randint(0, T + 1, (S,), generator=g)
     score = score.masked_fill(torch.arange(T) >= visible[:, None], float("-inf"))
     want = select_candidate_blocks(score[None], visible, topk_blocks, block)[0]
-    assert torch.equal(ix.select_candidate_blocks_fast(score, visible, topk_blocks, block), want)
+    ids = ix.select_candidate_block_ids(score, visible, topk_blocks, block)
+    assert ids.shape == (S, min(-(-T // block), topk_blocks))
+    for row in ids.tolist():  # the kept ids: each once, ascending
+        kept = [b for b in row if b >= 0]
+        assert kept == sorted(set(kept))
+    assert torch.equal(ix.candidate_mask(ids, T, block), want)
 
 
 def test_topk_width_edges():

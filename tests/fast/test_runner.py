@@ -23,7 +23,7 @@ from dsv4.engine.llm import LLM
 from dsv4.engine.request import SamplingParams
 from dsv4.fast import engram_prefetch
 from dsv4.fast.engram_prefetch import HostEngramEmbedding, keep_engram_on_host
-from dsv4.fast.model import FastLinear, make_fast
+from dsv4.fast.model import FastIndexer, FastLinear, make_fast
 from dsv4.fast.runner import OutOfSlots, Runner
 from dsv4.reference.cache import DenseCache
 from dsv4.reference.engram import EngramEmbedding
@@ -367,6 +367,22 @@ def reference_steps(ref, fed: torch.Tensor) -> torch.Tensor:
     for i, seq in enumerate(seqs):
         seq.run(prompt(20 + 7 * i, i))
     return torch.stack([torch.stack([seq.run([int(t)]) for seq, t in zip(seqs, step)]) for step in fed])
+
+
+def test_candidate_consumers_score_only_a_narrow_pool(tiny_v41_dir, monkeypatch):
+    """Where a V4.1 candidate pool holds at most half the entries (FastIndexer.narrow_pool), its consumers score
+    only the pool's blocks, in prefill and in batched decode over several slots (the blocks addressed in the flat
+    layout of every slot's keys): the same logits as scoring every entry under the pool's mask."""
+    from dsv4.fast import model as fast_model
+
+    calls = []
+    topk = fast_model.mqa_index_topk
+    monkeypatch.setattr(fast_model, "mqa_index_topk", lambda *a, **k: calls.append(a[0].shape[0]) or topk(*a, **k))
+    pooled, fed = decode_steps(Runner(models(tiny_v41_dir, packed=True)[1], max_seqs=4, max_len=128, compile=False))
+    assert calls[:3] == [20, 27, 34] and 4 in calls  # prefills of 20-34 queries, decode steps of 3 rows padded to 4
+    monkeypatch.setattr(FastIndexer, "narrow_pool", lambda self, width, T: False)
+    masked, _ = decode_steps(Runner(models(tiny_v41_dir, packed=True)[1], max_seqs=4, max_len=128, compile=False), 4, fed)
+    assert torch.equal(pooled, masked)
 
 
 def test_compiled_decode_step_and_prefill_trace_without_graph_breaks_and_change_nothing(tiny_v41_dir):

@@ -462,7 +462,7 @@ def _(q, k_packed, k_scale, weights, visible, blocks, block_size):
 
 def select_candidate_block_ids(score: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
     """`select_candidate_blocks` for one query per row (score [S, T], visible [S]) as the kept blocks' ids
-    [S, min(nb, topk_blocks)] int64, ascending, -1 for none, by the radix select in place of the stable sort (the
+    [S, min(nb, topk_blocks)] int64 (each once, ascending among the -1s for none), by the radix select in place of the stable sort (the
     same ties: to the lower block). When every block fits in the pool (a context under topk_blocks x block
     entries) the selection is just the finite blocks."""
     blocks = candidate_block_scores(score[None], visible, block)[0]  # [S, nb]
@@ -472,15 +472,9 @@ def select_candidate_block_ids(score: torch.Tensor, visible: torch.Tensor, topk_
     return topk_select(blocks, topk_blocks)  # -1 for -inf picks
 
 
-def select_candidate_blocks_fast(score: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
-    """`select_candidate_blocks` for one query per row (score [S, T], visible [S]) -> bool [S, T]."""
-    T = score.shape[-1]
-    ids = select_candidate_block_ids(score, visible, topk_blocks, block)
-    return candidate_mask(ids, T, block)
-
-
 def candidate_mask(ids: torch.Tensor, T: int, block: int) -> torch.Tensor:
-    """Kept block ids [..., n] (-1 = none) -> the bool mask [..., T] of their entries."""
+    """Kept block ids [..., n] (-1 = none) -> the bool mask [..., T] of their entries (`select_candidate_blocks`'s
+    form)."""
     return picks_mask(ids, -(-T // block)).repeat_interleave(block, dim=-1)[..., :T]
 
 
