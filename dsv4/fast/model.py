@@ -212,8 +212,8 @@ class FastAttention(Attention):
     def decode(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, view: LayerSlots,
                picks: torch.Tensor | None, pool: torch.Tensor | None):
         """x [B, D]: one token of each sequence, at positions pos [B] of slots [B], in the layer's buffers
-        `view`. `picks` [B, k]: the index source's top-k (a CSA layer without its own indexer); `pool` [B, G]:
-        the candidate source's blocks (a candidate consumer). -> (out [B, D], picks, pool): this layer's top-k
+        `view`. `picks` [B, k]: the index source's top-k (a CSA layer without its own indexer); `pool`: the
+        candidate source's blocks (a candidate consumer; see `_index_decode`). -> (out [B, D], picks, pool): this layer's top-k
         and candidate blocks where it computes them, else those given."""
         cos, sin = self.rotary.cos_sin(pos)  # [B, R/2]
         q, qr, kv = self._q_kv(x[:, None], cos[:, None], sin[:, None])
@@ -254,7 +254,8 @@ class FastAttention(Attention):
 
     def _index_decode(self, x, qr, pos, slots, view: LayerSlots, pool):
         """The indexer's top-k entry ids [B, k] (-1 = none), as Indexer.forward for one token per row, and the
-        candidate blocks: a candidate source's selection, a consumer's `pool` (which restricts its scores)."""
+        candidate blocks: a candidate source's selection, a consumer's `pool` (which restricts its scores); the pool
+        is the kept blocks' ids [B, n] where it is narrow (its consumers score only those), else a mask [B, cap]."""
         ix, role = self.indexer, self.role
         B = x.shape[0]
         visible = (pos + 1) // role.compress_ratio  # [B]
@@ -264,7 +265,9 @@ class FastAttention(Attention):
         keys, cap = view.index_keys, view.capacity
         stride, block = keys.data.shape[1], ix.candidate_block_size
         ends = (slots * stride + visible).int()  # the rows' visible ends in the flat layout of every slot's keys
-        if role.candidate_role == "consumer" and ix.narrow_pool(pool.shape[-1], cap) and stride % block == 0:
+        # a static choice (the capacity's): the pool as block ids that consumers score alone, or as a mask
+        narrow = ix.narrow_pool(min(-(-cap // block), ix.candidate_topk_blocks), cap) and stride % block == 0
+        if role.candidate_role == "consumer" and narrow:
             k_data, k_scale = keys.flat()
             blocks = torch.where(pool >= 0, slots[:, None] * (stride // block) + pool, -1)
             ids = mqa_index_topk(q, k_data, k_scale, w.float(), ends, ix.topk, blocks, block)[:, -min(ix.topk, cap):]
@@ -278,8 +281,9 @@ class FastAttention(Attention):
             score = score.masked_fill(torch.arange(cap, device=x.device) >= visible[:, None], NEG_INF)
         if role.candidate_role == "source":
             pool = select_candidate_block_ids(score, visible, ix.candidate_topk_blocks, block)
+            pool = pool if narrow else candidate_mask(pool, cap, block)
         elif role.candidate_role == "consumer":
-            score = score.masked_fill(~candidate_mask(pool, cap, block), NEG_INF)
+            score = score.masked_fill(~pool, NEG_INF)
         return top_entries_fast(score, ix.topk).view(B, -1), pool
 
     def _compress_decode(self, x, pos, slots, view: LayerSlots) -> None:
