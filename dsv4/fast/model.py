@@ -167,7 +167,7 @@ class FastIndexer(Indexer):
         if not self.narrow_pool(pool.shape[-1], T):
             return super()._top_in_pool(q, keys, w, visible, candidate_mask(pool, T, block))
         return torch.stack([mqa_index_topk(qb, *mxfp4_quant(kb.contiguous(), 32), wb.float(), visible, self.topk, pb,
-                                           self.candidate_block_size) for qb, kb, wb, pb in zip(q, keys, w, pool)])
+                                           block) for qb, kb, wb, pb in zip(q, keys, w, pool)])
 
 
 class FastAttention(Attention):
@@ -213,8 +213,8 @@ class FastAttention(Attention):
                picks: torch.Tensor | None, pool: torch.Tensor | None):
         """x [B, D]: one token of each sequence, at positions pos [B] of slots [B], in the layer's buffers
         `view`. `picks` [B, k]: the index source's top-k (a CSA layer without its own indexer); `pool`: the
-        candidate source's blocks (a candidate consumer; see `_index_decode`). -> (out [B, D], picks, pool): this layer's top-k
-        and candidate blocks where it computes them, else those given."""
+        candidate source's blocks (a candidate consumer; see `_index_decode`). -> (out [B, D], picks, pool): this
+        layer's top-k and candidate blocks where it computes them, else those given."""
         cos, sin = self.rotary.cos_sin(pos)  # [B, R/2]
         q, qr, kv = self._q_kv(x[:, None], cos[:, None], sin[:, None])
         q, qr, kv = q[:, 0], qr[:, 0], kv[:, 0]
