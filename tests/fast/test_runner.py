@@ -435,6 +435,7 @@ def test_warm_up_compiles_the_prefill_for_every_chunk_length_before_serving(tiny
         runner.prefill(slot, prompt(5, n))  # and on a filled slot
         runner.release(slot)
     assert counters["stats"]["unique_graphs"] == compiled
+    Runner(fast, max_seqs=1, max_len=2, compile="aot_eager").warm_up(1)  # slots shorter than the warm-up's prefills
 
 
 def fp32_linears(model) -> list[Linear]:
