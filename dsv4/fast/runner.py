@@ -274,7 +274,7 @@ class Runner:
         """Prefills of 2, 3 and 1 tokens (those a slot holds), each in a slot released after: the pieces compile for
         the first length, then with the length as a symbol (every later length but one), and for one token (a size
         torch specializes)."""
-        for n in (n for n in (2, 3, 1) if n <= self.state.max_len):
+        for n in [n for n in (2, 3, 1) if n <= self.state.max_len]:
             slot = self.allocate()
             self.prefill(slot, [0] * n)
             self.release(slot)

@@ -145,7 +145,8 @@ class Attention(nn.Module):
         if self.role.compress_ratio:
             comp = self._compressed(x, qr, positions, shared, cache)
             kv = torch.cat((kv, comp.to(kv.dtype)), dim=1)
-            allowed = torch.cat((allowed, self._visible_compressed(positions, shared, comp.shape[1]).expand(B, S, -1)), dim=-1)
+            visible = self._visible_compressed(positions, shared, comp.shape[1]).expand(B, S, -1)
+            allowed = torch.cat((allowed, visible), dim=-1)
 
         o = sparse_attention(q, kv, allowed, self.attn_sink, self.head_dim**-0.5)
         return self._output(apply_rope(o, cos, sin, inverse=True))
@@ -169,7 +170,9 @@ class Attention(nn.Module):
         o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
         return self.wo_b(o.flatten(2))
 
-    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, shared: SharedKV, cache) -> torch.Tensor:
+    def _compressed(
+        self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, shared: SharedKV, cache
+    ) -> torch.Tensor:
         """The compressed KV this layer reads [B, G, Dh], after this layer's compressor and indexer ran over the chunk
         (the indexer's top-k goes to `shared`, for this layer and those that read it)."""
         role, r = self.role, self.role.compress_ratio
@@ -203,7 +206,8 @@ class Attention(nn.Module):
         """Which of the G compressed entries each query sees: every visible one (HCA) [S, G], or the index source's
         picks (CSA) [B, S, G]."""
         if self.role.index_source is None:
-            return torch.arange(G, device=positions.device) < ((positions + 1) // self.role.compress_ratio).unsqueeze(-1)
+            visible = (positions + 1) // self.role.compress_ratio  # [S]
+            return torch.arange(G, device=positions.device) < visible.unsqueeze(-1)
         return picks_mask(shared.topk[self.role.index_source], G)
 
     def _compress(self, x: torch.Tensor, cache) -> None:

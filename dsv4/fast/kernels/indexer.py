@@ -460,11 +460,12 @@ def _(q, k_packed, k_scale, weights, visible, blocks, block_size):
     return q.new_empty((q.shape[0], blocks.shape[1] * block_size), dtype=torch.float32)
 
 
-def select_candidate_block_ids(score: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
+def select_candidate_block_ids(score: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int
+                               ) -> torch.Tensor:
     """`select_candidate_blocks` for one query per row (score [S, T], visible [S]) as the kept blocks' ids
-    [S, min(nb, topk_blocks)] int64 (each once, ascending among the -1s for none), by the radix select in place of the stable sort (the
-    same ties: to the lower block). When every block fits in the pool (a context under topk_blocks x block
-    entries) the selection is just the finite blocks."""
+    [S, min(nb, topk_blocks)] int64 (each once, ascending, among -1s for none), by the radix select in place of
+    the stable sort (the same ties: to the lower block). When every block fits in the pool (a context under
+    topk_blocks x block entries) the selection is just the finite blocks."""
     blocks = candidate_block_scores(score[None], visible, block)[0]  # [S, nb]
     if blocks.shape[-1] <= topk_blocks:
         ids = torch.arange(blocks.shape[-1], device=score.device).expand_as(blocks)
