@@ -17,8 +17,7 @@ Variants:
 - *+topk(torch): the scores, then torch.topk, the pool -> entry mapping, -1 for -inf picks, sort (the
   previous path, kept for comparison).
 - select(kernel) / select(torch): the selection alone on precomputed scores (pool: decode only); on dense
-  scores also the exact torch routes, select(torch exact) (`top_entries_by_threshold`, what rows past 64K
-  entries take) and select(stable sort) (the reference's `top_entries`).
+  scores also the exact torch route, select(stable sort) (the reference's `top_entries`).
 - *+graph: the decode top-k path captured in a CUDA graph and replayed (no launch gaps, how decode runs).
 Before timing, every size is checked on CUDA against the fp32 twin: scores within 1e-5 of the sum's scale,
 -inf patterns identical, top-512 index sets identical up to ties (the naive bf16 path's overlap is info only).
@@ -415,7 +414,7 @@ def time_case(part: str, ctx: int, c: dict, mark: str, rows: list) -> None:
     """The naive path, the dense and pool kernels, with and without top-k, and the decode graphs.
     "+topk(kernel)" is mqa_index_topk (scores, then dsv4::topk_select[_pool]); "+topk(torch)" the scores
     followed by torch.topk + mapping + sort; "select(...)" the selection alone on precomputed scores (dense: also
-    the exact torch routes, top_entries_by_threshold and the reference's stable sort)."""
+    the reference's stable sort, the exact torch route)."""
     bs, k = CFG["block_size"], CFG["topk"]
     a = (c["q"], c["kp"], c["ks"], c["w"], c["vis"])
     blk = c["blocks"]
@@ -430,14 +429,14 @@ def time_case(part: str, ctx: int, c: dict, mark: str, rows: list) -> None:
     if decode and blk is None:
         rows.append(row(part, ctx, c, "dense+topk(torch)+graph", graph_us(dense_torch), check=mark))
         rows.append(row(part, ctx, c, "dense+topk(kernel)+graph", graph_us(dense_kernel), check=mark))
-    if blk is None:  # the selection alone, every exact route beside torch.topk's
+    if blk is None:  # the selection alone, the exact routes beside torch.topk's
         score = ix.mqa_index_scores(*a)
         want = tk.topk_select(score, k)
         rows.append(row(part, ctx, c, "select(torch)", time_us(lambda: torch_topk(score, k)), check=mark))
         rows.append(row(part, ctx, c, "select(kernel)", time_us(lambda: tk.topk_select(score, k)), check=mark))
-        for name, exact in (("select(torch exact)", tk.top_entries_by_threshold), ("select(stable sort)", top_entries)):
-            same = torch.equal(exact(score, k), want)
-            rows.append(row(part, ctx, c, name, time_us(lambda f=exact: f(score, k)), check="ok" if same else "FAIL"))
+        same = torch.equal(top_entries(score, k), want)
+        rows.append(row(part, ctx, c, "select(stable sort)", time_us(lambda: top_entries(score, k)),
+                        check="ok" if same else "FAIL"))
     if blk is not None:
         rows.append(row(part, ctx, c, "pool", time_us(lambda: ix.mqa_index_scores_pool(*a, blk, bs)), bytes_pool(c),
                         flops_pool(c), mark))

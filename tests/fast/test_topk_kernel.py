@@ -7,8 +7,7 @@ entries and whole -inf rows, NaN. Equality is exact: same ids, same order, same 
 go through two stages (per-chunk top-k, then a top-k of the candidates); the two-stage tests force it at
 small sizes. Rows up to a chunk are bisected in registers, longer ones streamed through histogram passes; a
 test forces each search on the same rows. The `gpu` tests run the same comparisons on CUDA at T = 2064 to 8192
-(bisected), 16384 and 262144 (two-stage), k = 512. The torch route for rows past the kernel's range
-(`top_entries_by_threshold`) is compared with `top_entries` too, on the host and in the `gpu` tests.
+(bisected), 16384 and 262144 (two-stage), k = 512.
 """
 
 from __future__ import annotations
@@ -199,23 +198,10 @@ def test_two_stage_select_pool_matches_twin(S, nb, bs, k, chunks, kind, neg_inf,
     assert torch.equal(tk._select(x, blocks, bs, K, chunk=chunk), tk.twin_topk_select_pool(x, blocks, bs, k))
 
 
-@PROPERTY
-@given(S=st.integers(1, 3), T=st.integers(0, 700), k=st.integers(0, 800), kind=KINDS,
-       neg_inf=st.sampled_from([0.0, 0.3, 1.0]), nan=st.sampled_from([0.0, 0.05]), seed=st.integers(0, 2**16))
-def test_the_torch_route_for_long_rows_matches_top_entries(S, T, k, kind, neg_inf, nan, seed):
-    """top_entries_by_threshold (no sort of the row: what rows past the radix select's range take) is
-    top_entries, ties, -0.0, -inf and NaN included, whole or a row at a time. Plain torch: no interpreter."""
-    x = make_scores(S, T, kind, seed, neg_inf=neg_inf, nan=nan) if T else torch.empty(S, 0)
-    want = top_entries(x, k)
-    assert torch.equal(tk.top_entries_by_threshold(x, k), want)
-    assert torch.equal(tk.top_entries_by_threshold(x, k, max_bytes=16 * T), want)  # one row per group
-
-
 def _gpu_check(T: int, k: int, S: int, kind: str, neg_inf: float = 0.0):
     x = make_scores(S, T, kind, T + S, neg_inf=neg_inf, device="cuda")
     want = top_entries(x.cpu(), k)
     assert torch.equal(tk.topk_select(x, k).cpu(), want)
-    assert torch.equal(tk.top_entries_by_threshold(x, k).cpu(), want)
 
 
 @gpu

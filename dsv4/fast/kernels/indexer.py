@@ -46,7 +46,7 @@ import warnings
 import torch
 
 from dsv4.fast.kernels import use_triton
-from dsv4.fast.kernels.topk import top_entries_by_threshold, topk_select, topk_select_pool
+from dsv4.fast.kernels.topk import topk_select, topk_select_pool
 from dsv4.quant import dequantize_mxfp4
 from dsv4.reference.indexer import candidate_block_scores, index_scores, picks_mask
 
@@ -241,12 +241,6 @@ if triton is not None:
 # take "fp32"; the interpreter runs "scaled" correctly, so tests can ask for it.
 BF16_MODE = "scaled"
 _MODES = {"bf16": 0, "fp32": 1, "scaled": 2}
-
-
-# The radix select runs one program per row; past this many entries a row is faster in torch's top-k (H200: 8K
-# entries 87 vs 155 us, 64K 264 vs 391 us, 512K 2006 vs 229 us; bench/results/indexer.json), which
-# top_entries_by_threshold makes exact (it was not itself timed)
-DENSE_SELECT_MAX_ENTRIES = 65536
 
 
 def _mode(q: torch.Tensor, mode: str | None = None) -> int:
@@ -480,11 +474,10 @@ def candidate_mask(ids: torch.Tensor, T: int, block: int) -> torch.Tensor:
 
 
 def top_entries_fast(score: torch.Tensor, k: int) -> torch.Tensor:
-    """`top_entries(score, k)` of score [S, T] by the radix select (dsv4::topk_select); rows past
-    DENSE_SELECT_MAX_ENTRIES (one program per row) and empty rows take torch's top-k
-    (`top_entries_by_threshold`: the same picks without sorting the rows)."""
-    if score.shape[-1] == 0 or score.shape[-1] > DENSE_SELECT_MAX_ENTRIES:
-        return top_entries_by_threshold(score, k)
+    """`top_entries(score, k)` of score [S, T] by the radix select (dsv4::topk_select), long rows in its two
+    stages. On the H200 it beat the exact torch route (torch.topk of order keys, then the ties in column order)
+    at every length timed past 64K entries: 0.81 vs 1.18 ms for one 256K-entry row, 12.5 vs 35.9 ms for 2048
+    of them (bench/results/indexer-long-7746a4a.json); torch.topk alone is not exact on ties."""
     return topk_select(score, k)
 
 

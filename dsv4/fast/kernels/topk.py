@@ -44,7 +44,7 @@ try:
 except ImportError:  # the torch twin still serves
     triton = None
 
-__all__ = ["top_entries_by_threshold", "topk_select", "topk_select_pool", "twin_topk_select_pool"]
+__all__ = ["topk_select", "topk_select_pool", "twin_topk_select_pool"]
 
 # (BLOCK columns per chunk, num_warps) on a GPU; the interpreter takes bigger chunks (fewer numpy calls)
 GPU_BLOCK, GPU_WARPS = 4096, 8
@@ -330,39 +330,6 @@ def topk_select(scores: torch.Tensor, k: int) -> torch.Tensor:
 @topk_select.register_fake
 def _(scores, k):
     return scores.new_empty((scores.shape[0], min(k, scores.shape[1])), dtype=torch.int64)
-
-
-def top_entries_by_threshold(scores: torch.Tensor, k: int, max_bytes: int = 1 << 30) -> torch.Tensor:
-    """`top_entries(scores [S, T], k)` exactly, in torch without sorting the rows (the reference's stable sort of
-    every row is the cost at long rows): the k-th largest order key from torch.topk, the keys above it, then the
-    first ties at it in column order (the module docstring's order: NaN on top, -0.0 == 0.0). Scores compare as
-    fp32, as the radix select's do. Rows go in groups whose [rows, T] temporaries (about 16 bytes an entry) fit
-    `max_bytes`: a long prefill chunk over a long context would need tens of GB at once."""
-    _check_scores(scores, k)
-    S, T = scores.shape
-    K = min(k, T)
-    if K == 0:
-        return scores.new_empty((S, 0), dtype=torch.int64)
-    step = max(1, max_bytes // (16 * T))
-    parts = [_top_by_threshold(scores[a : a + step].float(), K) for a in range(0, S, step)]
-    return torch.cat(parts) if len(parts) != 1 else parts[0]
-
-
-def _top_by_threshold(x: torch.Tensor, K: int) -> torch.Tensor:
-    """top_entries_by_threshold of fp32 rows x [R, T], 0 < K <= T."""
-    T = x.shape[1]
-    x = torch.where(x == 0, 0.0, x)  # -0.0 ties with 0.0
-    bits = x.view(torch.int32)
-    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving: negatives' magnitude bits flipped
-    key = torch.where(torch.isnan(x), torch.iinfo(torch.int32).max, key)
-    kth = torch.topk(key, K, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # [R, 1]
-    above, tie = key > kth, key == kth
-    need = K - above.sum(-1, keepdim=True, dtype=torch.int32)  # ties at kth that belong to the top K
-    take = above | (tie & (tie.cumsum(-1, dtype=torch.int32) <= need))  # exactly K per row
-    cols = torch.arange(T, device=x.device, dtype=torch.int32)  # int32 keeps the [R, T] temporaries small
-    ids = (-torch.topk(torch.where(take, -cols, -T), K, dim=-1).values).long()  # the taken columns, ascending
-    picked = x.gather(-1, ids)
-    return torch.where(picked > float("-inf"), ids, -1).sort(dim=-1).values  # -inf / NaN picks: leading -1s
 
 
 def twin_topk_select_pool(scores: torch.Tensor, blocks: torch.Tensor, block_size: int, k: int) -> torch.Tensor:
