@@ -30,8 +30,10 @@ Paths (all free of host syncs, so they can be captured in a CUDA graph):
   unscaled, then scaled), SwiGLU epilogue, h to a [N, S, I] workspace (S = k, + 1 with the shared expert);
   kernel 2, one program per (token, D tile, slot), streams w2 rows and writes the slot's rounded output to
   [N, S, D]; a torch sum over slots gives y. At batch 1 every selected expert's weights are read exactly once.
-  V4.1 batch 1 takes ~115 us against a 42.7 us byte floor on the H200. Not for its instruction count:
-  gather_tc, with ~5x fewer instructions per weight value, measured no faster there (118 us).
+  V4.1 batch 1 takes ~101 us against a 42.7 us byte floor on the H200 (the shared expert's dense rows stream at
+  ~3.5 TB/s; the routed FP4 rows, which a plain read streams at 3.8 TB/s, at ~1.3-1.8 TB/s: the decode and
+  FMAs per byte, at the occupancy the registers allow, hold it). gather_tc, with ~5x fewer instructions per
+  weight value, measured no faster there (118 us).
 - grouped: token-slots sorted by expert on the device (argsort, scatter_add counts, cumsum, searchsorted),
   a tile table padded to a static upper bound cdiv(N*S, BM) + min(E+1, N*S) (empty tiles exit at once);
   tiles never straddle experts. Kernel 1 is a grouped GEMM (tensor cores, bf16 operands: dequantized e2m1 is
