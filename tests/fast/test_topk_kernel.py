@@ -4,9 +4,9 @@ The property tests run the kernel on CPU through the Triton interpreter (TRITON_
 triton.language is imported; tests/conftest.py sets it when there is no GPU). Scores are drawn to make ties
 common: small integer values (with -0.0 next to 0.0), relu zeros, duplicated threshold values, -inf
 entries and whole -inf rows, NaN. Equality is exact: same ids, same order, same -1s. Rows long enough
-go through two stages (per-chunk top-k, then a top-k of the candidates); the two-stage tests force it at
-small sizes. Rows up to a chunk are bisected in registers, longer ones streamed through histogram passes; a
-test forces each search on the same rows. The `gpu` tests run the same comparisons on CUDA at T = 2064 to 8192
+go through stages (per-chunk top-k, then a top-k of the candidates, itself staged while they are long); the
+staged tests force it at small sizes. Rows up to a chunk are bisected in registers, longer ones streamed
+through histogram passes; a test forces each search on the same rows. The `gpu` tests run the same comparisons on CUDA at T = 2064 to 8192
 (bisected), 16384 and 262144 (two-stage), k = 512.
 """
 
@@ -185,6 +185,27 @@ def test_two_stage_select_matches_top_entries(S, T, k, chunk, kind, neg_inf, nan
     x = make_scores(S, T, kind, seed, neg_inf=neg_inf, nan=nan)
     K = min(k, T)
     assert torch.equal(tk._select(x, None, 1, K, chunk=chunk), top_entries(x, k))
+
+
+@needs_interp
+def test_long_dense_candidates_are_selected_in_stages_again(monkeypatch):
+    """With chunks of 16, 300 columns and k = 4 take four launches (300 -> 76 -> 20 -> 8 candidates -> the
+    picks), and the picks are top_entries'."""
+    x = make_scores(2, 300, "ints", 7, neg_inf=0.3, nan=0.05)
+    launches = []
+    real = tk._launch
+    monkeypatch.setattr(tk, "_launch", lambda s, *a, **kw: launches.append(s.shape[1]) or real(s, *a, **kw))
+    assert torch.equal(tk._select(x, None, 1, 4, chunk=16), top_entries(x, 4))
+    assert launches == [16, 16, 16, 8]
+
+
+def test_few_long_rows_take_small_chunks():
+    """Balanced chunks (about sqrt(T k)) unless the first stage would run under FILL_PROGRAMS programs."""
+    assert tk.two_stage_chunk(262144, 512) == 16384
+    assert tk.two_stage_chunk(262144, 512, rows=2048) == 16384
+    assert tk.two_stage_chunk(262144, 512, rows=1) == tk.TWO_STAGE_MIN_CHUNK
+    assert tk.two_stage_chunk(8192, 512, rows=1) is None  # one program holds the row
+    assert tk.two_stage_chunk(16384, 512, 8) == 4096  # pool rows: whole blocks, no rows given
 
 
 @needs_interp

@@ -55,6 +55,9 @@ INTERP_BLOCK = 1024
 RESIDENT_MAX = 8192
 # one program per row reads the row five times: rows this much longer than a chunk go through two stages
 TWO_STAGE_MIN_CHUNK = 4096
+# a first stage of fewer programs leaves most of the GPU idle (the H200 has 132 SMs): a few long dense rows
+# (decode over a long context) take TWO_STAGE_MIN_CHUNK columns a program instead, in more stages
+FILL_PROGRAMS = 256
 
 
 if triton is not None:
@@ -258,26 +261,32 @@ def _launch(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, 
     return out
 
 
-def two_stage_chunk(T: int, K: int, block_size: int = 1) -> int | None:
-    """Columns per first-stage chunk for a row of T (a multiple of block_size, about sqrt(T K) so both
-    stages are about as long), or None when one pass is better (rows a program holds in registers, other
-    short rows, or k not below a chunk)."""
-    chunk = -(-max(TWO_STAGE_MIN_CHUNK, _pow2(int((T * K) ** 0.5))) // block_size) * block_size
+def two_stage_chunk(T: int, K: int, block_size: int = 1, rows: int | None = None) -> int | None:
+    """Columns per first-stage chunk for a row of T (a multiple of block_size), or None when one pass is better
+    (rows a program holds in registers, other short rows, or k not below a chunk). About sqrt(T K), so that both
+    stages are about as long; given `rows` whose first stage that leaves under FILL_PROGRAMS programs,
+    TWO_STAGE_MIN_CHUNK (the candidates then go through the stages again)."""
+    chunk = max(TWO_STAGE_MIN_CHUNK, _pow2(int((T * K) ** 0.5)))
+    if rows is not None and rows * -(-T // chunk) < FILL_PROGRAMS:
+        chunk = TWO_STAGE_MIN_CHUNK
+    chunk = -(-chunk // block_size) * block_size
     return chunk if T > max(2 * chunk, RESIDENT_MAX) and K < chunk else None
 
 
 def _select(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, K: int,
             chunk: int | None = None) -> torch.Tensor:
-    """The kernel's selection, in two stages for long rows (`chunk` overrides `two_stage_chunk`).
+    """The kernel's selection, in stages for long rows (`chunk` overrides `two_stage_chunk` at every stage).
 
     Stage one cuts each row into chunks of `chunk` columns (whole blocks; the tail padded with -inf or -1
     blocks) and keeps each chunk's top K, -inf and NaN picks included, as columns in order; stage two
     selects the top K of those candidates, each carrying its entry id, so ties still go to the lower entry
     id and -inf/NaN picks still come out as -1. Exact: the row's top K (a total order: score, then entry
-    id) is among the union of its chunks' top K."""
+    id) is among the union of its chunks' top K. Dense candidates stay in column order, a dense row again, so
+    their stage two is this selection (in stages itself while they are long)."""
     S, T = scores.shape
-    chunk = two_stage_chunk(T, K, block_size) if chunk is None else chunk
-    if chunk is None or T <= chunk or K >= chunk:
+    forced = chunk is not None
+    chunk = chunk if forced else two_stage_chunk(T, K, block_size, S if blocks is None else None)
+    if chunk is None or T <= chunk or K >= chunk or -(-T // chunk) * K >= T:
         return _launch(scores, blocks, block_size, K)
     C = -(-T // chunk)
     padded = F.pad(scores.float(), (0, C * chunk - T), value=float("-inf"))  # [S, C * chunk]
@@ -285,7 +294,7 @@ def _select(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, 
         first = _launch(padded.view(S * C, chunk), None, 1, K, keep_all=True)  # [S * C, K] columns in each chunk
         cand = _candidate_columns(first, S, C, chunk)
         # positions in `cand` are in column order: the dense kernel's ties and order hold
-        pos = _launch(padded.gather(1, cand), None, 1, K)
+        pos = _select(padded.gather(1, cand), None, 1, K, chunk if forced else None)
         return torch.where(pos >= 0, cand.gather(1, pos.clamp(min=0)), -1)
     nb = C * chunk // block_size  # blocks of the padded row, -1 past the row's own
     blk = F.pad(blocks.long()[:, :nb], (0, max(0, nb - blocks.shape[1])), value=-1)
