@@ -41,12 +41,12 @@ from dsv4.fast.kernels.indexer import (
     mqa_index_scores_pool,
     mqa_index_topk,
     select_candidate_block_ids,
-    top_entries_fast,
 )
 from dsv4.fast.kernels.mhc import mhc_post, mhc_pre
 from dsv4.fast.kernels.moe_experts import moe_mxfp4_with_shared, stack_expert_weights
 from dsv4.fast.kernels.moe_routing import gate_route
 from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant
+from dsv4.fast.kernels.topk import topk_select
 from dsv4.quant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
 from dsv4.reference.attention import Attention, SharedKV
 from dsv4.reference.indexer import Indexer, hadamard, index_scores
@@ -150,7 +150,7 @@ class FastIndexer(Indexer):
                                                        self.candidate_block_size) for s in score])
 
     def _top(self, score: torch.Tensor) -> torch.Tensor:
-        return torch.stack([top_entries_fast(s, self.topk) for s in score])
+        return torch.stack([topk_select(s, self.topk) for s in score])
 
     def narrow_pool(self, width: int, T: int) -> bool:
         """Whether a consumer scores only its pool of `width` blocks (packed keys, the pool at most half the row of
@@ -284,7 +284,7 @@ class FastAttention(Attention):
             pool = pool if narrow else candidate_mask(pool, cap, block)
         elif role.candidate_role == "consumer":
             score = score.masked_fill(~pool, NEG_INF)
-        return top_entries_fast(score, ix.topk).view(B, -1), pool
+        return topk_select(score, ix.topk).view(B, -1), pool
 
     def _compress_decode(self, x, pos, slots, view: LayerSlots) -> None:
         """The compressor step of one token per row: carry the token, and store the entry (and index key)

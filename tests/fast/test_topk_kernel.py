@@ -6,8 +6,8 @@ common: small integer values (with -0.0 next to 0.0), relu zeros, duplicated thr
 entries and whole -inf rows, NaN. Equality is exact: same ids, same order, same -1s. Rows long enough
 go through stages (per-chunk top-k, then a top-k of the candidates, itself staged while they are long); the
 staged tests force it at small sizes. Rows up to a chunk are bisected in registers, longer ones streamed
-through histogram passes; a test forces each search on the same rows. The `gpu` tests run the same comparisons on CUDA at T = 2064 to 8192
-(bisected), 16384 and 262144 (two-stage), k = 512.
+through histogram passes; a test forces each search on the same rows. The `gpu` tests run the same
+comparisons on CUDA at T = 2064 to 8192 (bisected), 16384 and 262144 (staged), k = 512.
 """
 
 from __future__ import annotations

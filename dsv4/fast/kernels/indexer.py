@@ -473,14 +473,6 @@ def candidate_mask(ids: torch.Tensor, T: int, block: int) -> torch.Tensor:
     return picks_mask(ids, -(-T // block)).repeat_interleave(block, dim=-1)[..., :T]
 
 
-def top_entries_fast(score: torch.Tensor, k: int) -> torch.Tensor:
-    """`top_entries(score, k)` of score [S, T] by the radix select (dsv4::topk_select), long rows in its two
-    stages. On the H200 it beat the exact torch route (torch.topk of order keys, then the ties in column order)
-    at every length timed past 64K entries: 0.81 vs 1.18 ms for one 256K-entry row, 12.5 vs 35.9 ms for 2048
-    of them (bench/results/indexer-long-7746a4a.json); torch.topk alone is not exact on ties."""
-    return topk_select(score, k)
-
-
 def pool_entry_ids(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
     """[S, nb] block ids -> [S, nb * block_size] int64 entry ids of the pool layout (-1 for -1 blocks)."""
     b = blocks.long()
@@ -514,7 +506,7 @@ def mqa_index_topk(
     T = k_packed.shape[0]
     width = min(k, T)
     if blocks is None:
-        return top_entries_fast(mqa_index_scores(q, k_packed, k_scale, weights, visible), k)
+        return topk_select(mqa_index_scores(q, k_packed, k_scale, weights, visible), k)
     score = mqa_index_scores_pool(q, k_packed, k_scale, weights, visible, blocks, block_size)
     ids = topk_select_pool(score, blocks, block_size, k)
     extra = ids.shape[-1] - width

@@ -294,8 +294,8 @@ def _gemv_fp4(acc, w_ptr, s_ptr, rows64, rmask, row_bytes, row_scales, a_row, k0
               INTERP: tl.constexpr):
     """acc [R, NS] + packed FP4 rows `rows64` . a[k0 : k0 + 32 NS] (a_row: fp32 or bf16 activations) per
     32-element scale group: summed unscaled (exact e2m1 x activation products), then scaled. The caller sums
-    over the groups once, after its K loop: a sum per step crossed threads every step (H200, V4.1 batch 1:
-    the routed down GEMV 36.0 us with it, 28.0 us without)."""
+    over the groups once, after its K loop: a sum per step crossed threads every step (H200, V4.1 batch 1, a
+    development kernel of this form: the routed down GEMV 36.0 us with it, 28.0 us without)."""
     g = k0 // 32 + tl.arange(0, NS)
     gmask = g < row_scales
     byte = g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [NS, 16]
