@@ -85,6 +85,14 @@ def pool_mask(blocks, block_size, T):
     return mask[:, :T]
 
 
+def in_pool_layout(score, mag, blocks, block_size):
+    """A dense twin's (score, mag) [S, T] in the pool layout of `blocks`: -inf at -1 blocks and past T."""
+    ent = ix.pool_entry_ids(blocks, block_size)
+    ok = (ent >= 0) & (ent < score.shape[1])
+    idx = torch.where(ok, ent, 0)
+    return torch.where(ok, score.gather(1, idx), float("-inf")), mag.gather(1, idx)
+
+
 def twin(q, k_packed, k_scale, w, vis, mask=None):
     """(score [S, T] fp32, masked like Indexer.forward; mag [S, T] fp64, the scale of each sum)."""
     keys = dequantize_mxfp4(k_packed, k_scale)
@@ -202,14 +210,7 @@ def test_pool_scores_match_twin(p, block_size, nb, mode, block_t, programs):
     S, T = p["S"], p["T"]
     q, kp, ks, w, vis = make_inputs(S, p["H"], p["d"], T, p["seed"], visible=p["visible"])
     blocks = random_pool(S, T, block_size, nb, p["seed"] + 1)
-    want, mag = twin(q, kp, ks, w, vis)
-    # the twin in the pool layout
-    ent = ix.pool_entry_ids(blocks, block_size)
-    ok = (ent >= 0) & (ent < T)
-    idx = torch.where(ok, ent, 0)
-    want_pool = torch.where(ok, want.gather(1, idx), float("-inf"))
-    mag_pool = mag.gather(1, idx)
-
+    want_pool, mag_pool = in_pool_layout(*twin(q, kp, ks, w, vis), blocks, block_size)
     got = ix.mqa_index_scores_pool(q, kp, ks, w, vis, blocks, block_size)
     assert got.shape == (S, nb * block_size)
     assert_scores(got, want_pool, mag_pool)
@@ -351,6 +352,17 @@ def test_twin_fallback_path(monkeypatch):
     blocks = random_pool(3, 50, 8, 4, 12)
     score, mag = twin(q, kp, ks, w, vis, mask=pool_mask(blocks, 8, 50))
     assert_topk(ix.mqa_index_topk(q, kp, ks, w, vis, 10, blocks=blocks, block_size=8), score, 10, mag)
+
+
+def test_twin_pool_decodes_whichever_is_fewer(monkeypatch):
+    """The torch twin of the pool scores decodes only the pool's rows when they are fewer than the cache's (a
+    decode step over a long cache), else the whole cache: the same scores either way."""
+    monkeypatch.setattr(ix, "use_triton", lambda t: False)
+    q, kp, ks, w, vis = make_inputs(2, 4, 64, 300, 5)
+    for nb in (2, 40):  # 2 x 2 x 8 = 32 pool rows < 300 cache rows; 2 x 40 x 8 = 640 >= 300
+        blocks = random_pool(2, 300, 8, nb, 6)
+        assert_scores(ix.mqa_index_scores_pool(q, kp, ks, w, vis, blocks, 8),
+                      *in_pool_layout(*twin(q, kp, ks, w, vis), blocks, 8))
 
 
 def test_custom_op_registration():

@@ -383,11 +383,17 @@ def _twin_dense(q, k_packed, k_scale, weights, visible) -> torch.Tensor:
 
 
 def _twin_pool(q, k_packed, k_scale, weights, visible, blocks, block_size) -> torch.Tensor:
-    T = k_packed.shape[0]
+    T, d = k_packed.shape[0], q.shape[-1]
     ent = pool_entry_ids(blocks, block_size)  # [S, E]
     ok = (ent >= 0) & (ent < visible.view(-1, 1).long()) & (ent < T)
-    keys = dequantize_mxfp4(k_packed.view(torch.uint8), k_scale.view(torch.float8_e8m0fnu))  # [T, d]
-    gathered = keys[ent.clamp(0, max(T - 1, 0))] if T > 0 else keys.new_zeros(*ent.shape, keys.shape[-1])
+    rows = ent.clamp(0, max(T - 1, 0))
+    kp, ks = k_packed.view(torch.uint8), k_scale.view(torch.uint8)
+    if T == 0:
+        gathered = q.new_zeros(*ent.shape, d, dtype=torch.float32)
+    elif rows.numel() < T:  # a pool smaller than the cache (a decode step over a long one): decode only its rows
+        gathered = dequantize_mxfp4(kp[rows], ks[rows].view(torch.float8_e8m0fnu))  # [S, E, d]
+    else:
+        gathered = dequantize_mxfp4(kp, ks.view(torch.float8_e8m0fnu))[rows]
     dots = torch.einsum("shd,sed->she", q.float(), gathered)
     score = (dots.relu() * weights.float().unsqueeze(-1)).sum(1)
     return score.masked_fill(~ok, NEG_INF)
