@@ -200,10 +200,16 @@ def e2m1_encode(x: Tensor) -> Tensor:
 
 
 def e2m1_decode(codes: Tensor) -> Tensor:
-    """Code (0..15, any integer dtype) -> fp32 value (the E2M1_VALUES table, computed: a table on another
-    device would need a copy, which a CUDA graph cannot capture).
+    """Code (0..15, any integer dtype) -> fp32 value: the E2M1_VALUES table on the CPU (the dequantizers' cost
+    there), computed elsewhere (a table on another device would need a copy, which a CUDA graph cannot capture)."""
+    if codes.device.type == "cpu":
+        return E2M1_VALUES[codes.long()]
+    return _e2m1_computed(codes)
 
-    Bits s eem: exponent field e, mantissa bit m; subnormal (e = 0) m / 2, else 2^(e-1) (1 + m / 2)."""
+
+def _e2m1_computed(codes: Tensor) -> Tensor:
+    """e2m1_decode without a table. Bits s eem: exponent field e, mantissa bit m; subnormal (e = 0) m / 2, else
+    2^(e-1) (1 + m / 2)."""
     c = codes.to(torch.int32)
     e, m = (c >> 1) & 3, (c & 1).float()
     mag = torch.where(e == 0, 0.5 * m, torch.exp2((e - 1).float()) * (1.0 + 0.5 * m))

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from dsv4.quant import (
     E2M1_VALUES,
+    _e2m1_computed,
     dequantize_fp8,
     dequantize_mxfp4,
     dequantize_nvfp4,
@@ -63,10 +64,15 @@ def test_e2m1_table_values():
 
 
 def test_e2m1_decode_matches_table():
+    """The CPU's table lookup and the computed decode (other devices) agree bit for bit, -0.0 included."""
     codes = torch.arange(16, dtype=torch.uint8)
     dec = e2m1_decode(codes)
     assert dec.dtype == torch.float32
     assert dec.tolist() == GRID + [-v for v in GRID]
+    computed = _e2m1_computed(codes)
+    assert computed.dtype == torch.float32
+    assert torch.equal(computed.view(torch.int32), dec.view(torch.int32))
+    assert torch.equal(_e2m1_computed(codes.to(torch.int64)).view(torch.int32), dec.view(torch.int32))
 
 
 def test_e2m1_encode_decode_roundtrip_all_codes():
