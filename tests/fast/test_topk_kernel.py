@@ -201,11 +201,11 @@ def test_long_dense_candidates_are_selected_in_stages_again(monkeypatch):
 
 def test_few_long_rows_take_small_chunks():
     """Balanced chunks (about sqrt(T k)) unless the first stage would run under FILL_PROGRAMS programs."""
-    assert tk.two_stage_chunk(262144, 512) == 16384
-    assert tk.two_stage_chunk(262144, 512, rows=2048) == 16384
-    assert tk.two_stage_chunk(262144, 512, rows=1) == tk.TWO_STAGE_MIN_CHUNK
-    assert tk.two_stage_chunk(8192, 512, rows=1) is None  # one program holds the row
-    assert tk.two_stage_chunk(16384, 512, 8) == 4096  # pool rows: whole blocks, no rows given
+    assert tk.first_stage_chunk(262144, 512) == 16384
+    assert tk.first_stage_chunk(262144, 512, rows=2048) == 16384
+    assert tk.first_stage_chunk(262144, 512, rows=1) == tk.STAGE_MIN_CHUNK
+    assert tk.first_stage_chunk(8192, 512, rows=1) is None  # one program holds the row
+    assert tk.first_stage_chunk(16384, 512, 8) == 4096  # pool rows: whole blocks, no rows given
 
 
 @needs_interp

@@ -53,10 +53,10 @@ INTERP_BLOCK = 1024
 # made a lone 16K-column row one program on one SM: inside the V4.1 decode step (batch 1, 8K context) the
 # three top-k calls took 150 us, against 64 us with two stages (profile-decode-v41-b1-compiled*.json)
 RESIDENT_MAX = 8192
-# one program per row reads the row five times: rows this much longer than a chunk go through two stages
-TWO_STAGE_MIN_CHUNK = 4096
+# one program per row reads the row five times: rows this much longer than a chunk go through stages
+STAGE_MIN_CHUNK = 4096
 # a first stage of fewer programs leaves most of the GPU idle (the H200 has 132 SMs): a few long dense rows
-# (decode over a long context) take TWO_STAGE_MIN_CHUNK columns a program instead, in more stages
+# (decode over a long context) take STAGE_MIN_CHUNK columns a program instead, in more stages
 FILL_PROGRAMS = 256
 
 
@@ -261,21 +261,21 @@ def _launch(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, 
     return out
 
 
-def two_stage_chunk(T: int, K: int, block_size: int = 1, rows: int | None = None) -> int | None:
+def first_stage_chunk(T: int, K: int, block_size: int = 1, rows: int | None = None) -> int | None:
     """Columns per first-stage chunk for a row of T (a multiple of block_size), or None when one pass is better
     (rows a program holds in registers, other short rows, or k not below a chunk). About sqrt(T K), so that both
     stages are about as long; given `rows` whose first stage that leaves under FILL_PROGRAMS programs,
-    TWO_STAGE_MIN_CHUNK (the candidates then go through the stages again)."""
-    chunk = max(TWO_STAGE_MIN_CHUNK, _pow2(int((T * K) ** 0.5)))
+    STAGE_MIN_CHUNK (the candidates then go through the stages again)."""
+    chunk = max(STAGE_MIN_CHUNK, _pow2(int((T * K) ** 0.5)))
     if rows is not None and rows * -(-T // chunk) < FILL_PROGRAMS:
-        chunk = TWO_STAGE_MIN_CHUNK
+        chunk = STAGE_MIN_CHUNK
     chunk = -(-chunk // block_size) * block_size
     return chunk if T > max(2 * chunk, RESIDENT_MAX) and K < chunk else None
 
 
 def _select(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, K: int,
             chunk: int | None = None) -> torch.Tensor:
-    """The kernel's selection, in stages for long rows (`chunk` overrides `two_stage_chunk` at every stage).
+    """The kernel's selection, in stages for long rows (`chunk` overrides `first_stage_chunk` at every stage).
 
     Stage one cuts each row into chunks of `chunk` columns (whole blocks; the tail padded with -inf or -1
     blocks) and keeps each chunk's top K, -inf and NaN picks included, as columns in order; stage two
@@ -285,7 +285,7 @@ def _select(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, 
     their stage two is this selection (in stages itself while they are long)."""
     S, T = scores.shape
     forced = chunk is not None
-    chunk = chunk if forced else two_stage_chunk(T, K, block_size, S if blocks is None else None)
+    chunk = chunk if forced else first_stage_chunk(T, K, block_size, S if blocks is None else None)
     if chunk is None or T <= chunk or K >= chunk or -(-T // chunk) * K >= T:
         return _launch(scores, blocks, block_size, K)
     C = -(-T // chunk)
