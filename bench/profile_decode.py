@@ -59,7 +59,7 @@ def kernel_table(prof) -> list[dict]:
 # what the prefill's table by module times, per layer: (attribute path from the block, methods; "" = its forward)
 SPANS = (("", ("forward",)), ("attn", ("forward", "_q_kv", "_compress", "_compressed", "_output")),
          ("attn.compressor", ("forward",)), ("attn.indexer", ("forward", "keys", "_queries", "_scores", "_top",
-                                                              "_candidate_blocks")),
+                                                              "_candidate_blocks", "_top_in_pool")),
          ("attn_norm", ("forward",)), ("ffn_norm", ("forward",)), ("ffn", ("forward",)), ("engram", ("forward",)))
 
 
