@@ -161,7 +161,8 @@ def test_gate_route_split_configs_agree():
     bias = torch.randn(40, generator=g) * 0.05
     ref = R.gate_route_twin(x, weight, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus")
     sel = router_scores(torch.nn.functional.linear(x.float(), weight.float()), "sqrtsoftplus") + bias
-    for cfg in ({"BK": 32, "split": 1}, {"BK": 32, "split": 8}, {"BE": 16, "BK": 64, "split": 3}, {"BM": 16}):
+    for cfg in ({"BK": 32, "split": 1}, {"BK": 32, "split": 8}, {"BK": 32, "split": 3, "route": {"SB": 2}},
+                {"BE": 16, "BK": 64, "split": 3}, {"BM": 16}):
         out = R.gate_route_triton(x, weight, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus", cfg=cfg)
         check_route(out, ref, sel, 6, rel=5e-6)
 

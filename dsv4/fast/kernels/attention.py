@@ -96,6 +96,7 @@ class Config:
     block_h: int = 0
     num_warps: int = 0
     num_stages: int = 3
+    combine_splits: int = 16  # split partials the combine kernel merges per load
 
     def heads(self, S: int, H: int, tiles: int) -> int:
         """Heads per program for S query rows of H heads over index lists of `tiles` tiles. Fewer heads per
@@ -111,7 +112,7 @@ class Config:
 
 
 
-INTERPRETER_CONFIG = Config(block_n=16, num_warps=4, num_stages=1)
+INTERPRETER_CONFIG = Config(block_n=16, num_warps=4, num_stages=1, combine_splits=4)  # several combine steps
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -248,9 +249,11 @@ def _attn_kernel(
 @triton.jit
 def _combine_kernel(
     part_o_ptr, part_ml_ptr, o_ptr, sink_ptr, cos_ptr, sin_ptr, H, n_splits,
-    D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr,
+    D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    INTERP: tl.constexpr,
 ):
-    """Merge the splits' partials for BLOCK_H heads x BLOCK_D dims of one query row, then finish."""
+    """Merge the splits' partials for BLOCK_H heads x BLOCK_D dims of one query row, then finish. BLOCK_S splits
+    a load: one split per loop step put an L2 round trip per split in series."""
     s = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -258,16 +261,25 @@ def _combine_kernel(
     cols = d0 + tl.arange(0, BLOCK_D)
     sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
     top = sink
-    for j in range(n_splits):
-        top = tl.maximum(top, tl.load(part_ml_ptr + ((s * n_splits + j) * H + heads) * 2, mask=hmask, other=0.0))
+    for j0 in range(0, n_splits, BLOCK_S):
+        part, pmask = _split_rows(s, j0, n_splits, heads, hmask, H, BLOCK_S)
+        top = tl.maximum(top, tl.max(tl.load(part_ml_ptr + part * 2, mask=pmask, other=float("-inf")), axis=0))
     denom = tl.exp2(sink - top)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for j in range(n_splits):
-        part = (s * n_splits + j) * H + heads
-        w = tl.exp2(tl.load(part_ml_ptr + part * 2, mask=hmask, other=0.0) - top)
-        denom += w * tl.load(part_ml_ptr + part * 2 + 1, mask=hmask, other=0.0)
-        acc += w[:, None] * tl.load(part_o_ptr + part[:, None] * D + cols[None, :], mask=hmask[:, None], other=0.0)
+    for j0 in range(0, n_splits, BLOCK_S):
+        part, pmask = _split_rows(s, j0, n_splits, heads, hmask, H, BLOCK_S)
+        w = tl.exp2(tl.load(part_ml_ptr + part * 2, mask=pmask, other=float("-inf")) - top[None, :])  # [BLOCK_S, BLOCK_H]
+        denom += tl.sum(w * tl.load(part_ml_ptr + part * 2 + 1, mask=pmask, other=0.0), axis=0)
+        o = tl.load(part_o_ptr + part[:, :, None] * D + cols[None, None, :], mask=pmask[:, :, None], other=0.0)
+        acc += tl.sum(w[:, :, None] * o, axis=0)
     _store_out(o_ptr, cos_ptr, sin_ptr, acc, denom, s, heads, hmask, d0, H, D, R, INTERP)
+
+
+@triton.jit
+def _split_rows(s, j0, n_splits, heads, hmask, H, BLOCK_S: tl.constexpr):
+    """Rows [BLOCK_S, BLOCK_H] of the partials of splits j0.. of query row s, and where they exist."""
+    j = j0 + tl.arange(0, BLOCK_S)
+    return (s * n_splits + j)[:, None] * H + heads[None, :], (j < n_splits)[:, None] & hmask[None, :]
 
 
 # ---------------------------------------------------------------------------------------------- launch
@@ -363,7 +375,8 @@ def sparse_attn(
     if split:
         bh, bd = min(4, triton.next_power_of_2(H)), min(32, D)
         _combine_kernel[(S, triton.cdiv(H, bh), D // bd)](
-            part_o, part_ml, o, sink, cos, sin, H, n_splits, D=D, R=R, BLOCK_H=bh, BLOCK_D=bd, INTERP=_INTERP, num_warps=1
+            part_o, part_ml, o, sink, cos, sin, H, n_splits, D=D, R=R, BLOCK_H=bh, BLOCK_D=bd,
+            BLOCK_S=min(config.combine_splits, triton.next_power_of_2(n_splits)), INTERP=_INTERP, num_warps=1
         )
     return o
 

@@ -73,7 +73,7 @@ def _log1p(t, ACCURATE: tl.constexpr):
 def _route_kernel(
     logits_ptr, bias_ptr, hashed_ptr, w_ptr, ids_ptr,
     N, E, n_split, stride_split, stride_ln, temp, scale,
-    TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BR: tl.constexpr, SCORE: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BR: tl.constexpr, SB: tl.constexpr, SCORE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HASHED: tl.constexpr, NORMALIZE: tl.constexpr, ACCURATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -84,10 +84,13 @@ def _route_kernel(
     cmask = cols < E
     m2 = rmask[:, None] & cmask[None, :]
 
-    # logits: the sum of n_split partial products (1 for route_topk)
+    # logits: the sum of n_split partial products (1 for route_topk), SB partials per load: one a loop step put an
+    # L2 round trip per split in series
     x = tl.zeros((BR, EP), dtype=tl.float32)
-    for s in range(n_split):
-        x += tl.load(logits_ptr + s * stride_split + rows64[:, None] * stride_ln + cols[None, :], mask=m2, other=0.0)
+    for s0 in range(0, n_split, SB):
+        s = s0 + tl.arange(0, SB)
+        part = logits_ptr + s[:, None, None] * stride_split + rows64[None, :, None] * stride_ln + cols[None, None, :]
+        x += tl.sum(tl.load(part, mask=(s < n_split)[:, None, None] & m2[None, :, :], other=0.0), axis=0)
     x = tl.div_rn(x, temp)
     if SCORE == 0:  # sqrt(softplus(x)), softplus with torch's threshold 20
         sp = _log1p(_exp(tl.minimum(x, 20.0), ACCURATE), ACCURATE)
@@ -201,6 +204,7 @@ def _route_launch(logits, n_split, stride_split, N, E, bias, hashed_ids, topk, t
         logits, b if b is not None else logits, hashed if hashed is not None else ids, weights, ids,
         N, E, n_split, stride_split, logits.stride(-2), float(temp), float(scale),
         TOPK=topk, KP=triton.next_power_of_2(topk), EP=EP, BR=BR, SCORE=_SCORE_FUNCS[score_func],
+        SB=cfg.get("SB") or max(1, min(triton.next_power_of_2(n_split), 8192 // (BR * EP))),
         HAS_BIAS=b is not None, HASHED=hashed is not None, NORMALIZE=bool(normalize), ACCURATE=logits.is_cuda,
         num_warps=cfg.get("num_warps", 4 if EP <= 512 else 8),
     )
