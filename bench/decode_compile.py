@@ -38,7 +38,7 @@ g = torch.Generator().manual_seed(1)
 steps = [random_ids(fast.config, 8, g).to(dev) for _ in range(4)]
 r = Runner(fast, max_seqs=8, max_len=ctx + 128, batch_sizes=sizes)
 if mode == "whole":
-    r.step = torch.compile(fast.decode_step, dynamic=None, options=compile_options("inductor"))
+    r.step = torch.compile(fast.decode_step, dynamic=None, options=compile_options("inductor", deterministic=True))
 slots = fill_slots(r, ctx, 8, 2048)
 row = {"commit": os.environ.get("DSV4_COMMIT"), "gpu": torch.cuda.get_device_name(), "run": name,
        "layers": [first, last], "command": " ".join(["python bench/decode_compile.py", *sys.argv[1:]]), "capture_s": {}}

@@ -454,8 +454,10 @@ class FastModel(Dsv4Model):
         Compiled code lives on the functions' code objects, shared by every model in the process (a second
         runner of other slot sizes compiles again, with those sizes symbolic too). Past a code object's limit of
         compiles dynamo would run the rest eagerly, so the step raises the limit to what this model may need: a
-        kind per layer at most, twice (batch 1 and symbolic), for two runners."""
-        parts = tuple(torch.compile(f, backend=backend, dynamic=None, options=compile_options(backend))
+        kind per layer at most, twice (batch 1 and symbolic), for two runners. The parts compile deterministic
+        (`compile_options`): a decode step gives the same logits in every process."""
+        options = compile_options(backend, deterministic=True)
+        parts = tuple(torch.compile(f, backend=backend, dynamic=None, options=options)
                       for f in (self.decode_enter, FastBlock.decode, self.decode_exit))
         limit = max(torch._dynamo.config.recompile_limit, 4 * len(self.layers))
 
@@ -522,10 +524,16 @@ class FastModel(Dsv4Model):
         return F.linear(x.float(), self.head.weight.float())
 
 
-def compile_options(backend: str) -> dict | None:
+def compile_options(backend: str, deterministic: bool = False) -> dict | None:
     """torch.compile options for the model's parts: inductor fuses bf16 glue into fp32 arithmetic unless told to
-    round where the model's code casts."""
-    return {"emulate_precision_casts": True} if backend == "inductor" else None
+    round where the model's code casts. `deterministic`: inductor makes no choice by timing (reduction configs,
+    padding), so every process compiles the same kernels and computes the same logits. Two processes compiling the
+    decode step from empty caches (H200, V4.1 layers 2-5, `bench/decode_compile.py`): without it batch-1 logits
+    agreed bit for bit and batch-8 ones differed by up to 0.033; with it both agreed, at the same step times (1.52
+    / 3.46 ms)."""
+    if backend != "inductor":
+        return None
+    return {"emulate_precision_casts": True, "deterministic": deterministic}
 
 
 def _compiled_piece(compiled: Callable, method: Callable, module: torch.nn.Module) -> Callable:

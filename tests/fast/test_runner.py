@@ -23,7 +23,7 @@ from dsv4.engine.llm import LLM
 from dsv4.engine.request import SamplingParams
 from dsv4.fast import engram_prefetch
 from dsv4.fast.engram_prefetch import HostEngramEmbedding, keep_engram_on_host
-from dsv4.fast.model import FastIndexer, FastLinear, make_fast
+from dsv4.fast.model import FastIndexer, FastLinear, compile_options, make_fast
 from dsv4.fast.runner import OutOfSlots, Runner
 from dsv4.reference.cache import DenseCache
 from dsv4.reference.engram import EngramEmbedding
@@ -271,6 +271,28 @@ def test_a_state_dict_loads_into_the_host_engram_tables(tiny_v41_wide_engram_dir
         host.load_state_dict({**host.state_dict(), f"{name}.weight": weight.view(torch.uint8)})
     with pytest.raises(RuntimeError, match=f"Unexpected key.*{name}.wieght"):
         host.load_state_dict({**host.state_dict(), f"{name}.wieght": weight})
+
+
+def test_the_decode_parts_ask_inductor_for_its_deterministic_mode(tiny_v41_dir, monkeypatch):
+    """Inductor applies compile options as config patches when it compiles (on a GPU: never in this suite), so the
+    options must be config keys of the installed torch; the decode step's parts ask for the deterministic mode (no
+    choice by timing: every process computes the same logits), the prefill's pieces do not."""
+    for deterministic in (False, True):
+        with torch._inductor.config.patch(compile_options("inductor", deterministic)):
+            assert torch._inductor.config.deterministic is deterministic
+    _, fast = models(tiny_v41_dir, packed=True)
+    asked = {}
+    compile_ = torch.compile
+
+    def record(fn, **kwargs):
+        asked[getattr(fn, "__name__", fn)] = kwargs["options"]["deterministic"]
+        return compile_(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", record)
+    fast.compile_decode("inductor")
+    assert asked == {"decode_enter": True, "decode": True, "decode_exit": True}
+    fast.compile_prefill("inductor")
+    assert {name: asked[name] for name in ("_q_kv", "_output", "_queries")} == dict.fromkeys(("_q_kv", "_output", "_queries"), False)
 
 
 def test_the_decode_block_compiles_per_layer_kind_and_batch_1_or_more(tmp_path):
