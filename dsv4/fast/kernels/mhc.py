@@ -146,7 +146,7 @@ def _pre_finish_kernel(
     ws_ptr, scale_ptr, base_ptr, h_ptr, x_ptr, pre_ptr, post_ptr, comb_ptr,
     N, D, n_split, d_per_prog, norm_eps, hc_eps, iters,
     stride_hn, stride_hk, stride_xn,
-    HC: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr,
+    HC: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
     COLLAPSE: tl.constexpr, ACCURATE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -163,18 +163,12 @@ def _pre_finish_kernel(
     pre_raw = tl.zeros((BN, HC), dtype=tl.float32)
     post_raw = tl.zeros((BN, HC), dtype=tl.float32)
     comb_raw = tl.zeros((BN, HC, HC), dtype=tl.float32)
-    # SB partials per load, summed in registers: one partial per iteration put an L2 round trip per split in
-    # series (H200, one token, 64 splits: 9 us a call)
-    for s0 in range(0, n_split, SB):
-        s = s0 + tl.arange(0, SB)
-        row = ws_ptr + (s[None, :] * N + rows64[:, None]) * (M + 1)  # [BN, SB]
-        m2 = rmask[:, None] & (s < n_split)[None, :]
-        m3 = m2[:, :, None]
-        ss += tl.sum(tl.load(row + M, mask=m2, other=0.0), axis=1)
-        pre_raw += tl.sum(tl.load(row[:, :, None] + c[None, None, :], mask=m3, other=0.0), axis=1)
-        post_raw += tl.sum(tl.load(row[:, :, None] + HC + c[None, None, :], mask=m3, other=0.0), axis=1)
-        comb_raw += tl.sum(tl.load(row[:, :, None, None] + 2 * HC + jk[None, None, :, :], mask=m3[:, :, :, None],
-                                   other=0.0), axis=1)
+    for s in range(n_split):
+        row = ws_ptr + (s * N + rows64) * (M + 1)
+        ss += tl.load(row + M, mask=rmask, other=0.0)
+        pre_raw += tl.load(row[:, None] + c[None, :], mask=r2, other=0.0)
+        post_raw += tl.load(row[:, None] + HC + c[None, :], mask=r2, other=0.0)
+        comb_raw += tl.load(row[:, None, None] + 2 * HC + jk[None, :, :], mask=r3, other=0.0)
 
     rs = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, (HC * D) * 1.0) + norm_eps))
     s_pre = tl.load(scale_ptr)
@@ -298,8 +292,8 @@ def _hc_supported(hc: int, D: int) -> bool:
 
 
 def mhc_pre_triton(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters, cfg: dict | None = None):
-    """The Triton path of mhc_pre; `cfg` (BN, BD, split, target, num_warps, num_stages, BN2, SB, finish_warps) overrides
-    the tiles (`target`: the program count the D split aims at; SB: the partials the finish kernel sums per load)."""
+    """The Triton path of mhc_pre; `cfg` (BN, BD, split, target, num_warps, num_stages, BN2, finish_warps) overrides the
+    tiles (`target`: the program count the D split aims at)."""
     cfg = cfg or {}
     h = h.contiguous()
     fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
@@ -344,8 +338,7 @@ def mhc_pre_triton(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters, cf
         ws, scale, base, h, x, pre, post, comb,
         N, D, split, d_per, norm_eps, hc_eps, iters,
         h.stride(0), h.stride(1), x.stride(0),
-        HC=hc, M=M, BN=BN2, BD=BD2, SB=cfg.get("SB", max(1, min(triton.next_power_of_2(split), 64 // BN2))),
-        COLLAPSE=not collapse_now, ACCURATE=not interp,
+        HC=hc, M=M, BN=BN2, BD=BD2, COLLAPSE=not collapse_now, ACCURATE=not interp,
         num_warps=cfg.get("finish_warps", 1 if small else 4),
     )
     return x, pre, post, comb
