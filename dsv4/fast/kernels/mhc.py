@@ -34,9 +34,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from dsv4.fast.kernels import use_triton
+from dsv4.fast.kernels.torch_math import exp
 from dsv4.reference.mhc import hc_collapse, hc_expand, hc_project, hc_split_sinkhorn
 
 # ------------------------------------------------------------------------------------------------
@@ -58,15 +58,6 @@ def mhc_post_twin(f, residual, post, comb):
 
 # ------------------------------------------------------------------------------------------------
 # Kernels
-
-
-@triton.jit
-def _exp(x, ACCURATE: tl.constexpr):
-    # libdevice expf is what torch's CUDA kernels call; the interpreter lacks libdevice (numpy exp is exact)
-    if ACCURATE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
 
 
 @triton.jit
@@ -178,10 +169,10 @@ def _pre_finish_kernel(
     b_post = tl.load(base_ptr + HC + c)
     b_comb = tl.load(base_ptr + 2 * HC + jk)
 
-    pre = tl.div_rn(1.0, 1.0 + _exp(-((pre_raw * rs[:, None]) * s_pre + b_pre[None, :]), ACCURATE)) + hc_eps
-    post = 2.0 * tl.div_rn(1.0, 1.0 + _exp(-((post_raw * rs[:, None]) * s_post + b_post[None, :]), ACCURATE))
+    pre = tl.div_rn(1.0, 1.0 + exp(-((pre_raw * rs[:, None]) * s_pre + b_pre[None, :]), ACCURATE)) + hc_eps
+    post = 2.0 * tl.div_rn(1.0, 1.0 + exp(-((post_raw * rs[:, None]) * s_post + b_post[None, :]), ACCURATE))
     comb = (comb_raw * rs[:, None, None]) * s_comb + b_comb[None, :, :]
-    comb = _exp(comb - tl.max(comb, axis=2)[:, :, None], ACCURATE)
+    comb = exp(comb - tl.max(comb, axis=2)[:, :, None], ACCURATE)
     comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None]) + hc_eps
     comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + hc_eps)
     for _ in range(iters - 1):

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from dsv4.fast.kernels import use_triton
+from dsv4.fast.kernels.torch_math import exp, log1p
 from dsv4.reference.moe import route, router_scores
 
 _SCORE_FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
@@ -49,24 +49,6 @@ def gate_route_twin(x, weight, bias, hashed_ids, topk, temp, scale, normalize, s
 
 # ------------------------------------------------------------------------------------------------
 # Kernels
-
-
-@triton.jit
-def _exp(x, ACCURATE: tl.constexpr):
-    # libdevice expf is what torch's CUDA kernels call; the interpreter lacks libdevice (numpy exp is exact)
-    if ACCURATE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
-def _log1p(t, ACCURATE: tl.constexpr):
-    if ACCURATE:
-        return libdevice.log1p(t)
-    else:
-        u = 1.0 + t  # log1p from log: exact to a few ulp where u rounds (Goldberg)
-        return tl.where(u == 1.0, t, tl.log(u) * (t / tl.where(u == 1.0, 1.0, u - 1.0)))
 
 
 @triton.jit
@@ -93,13 +75,13 @@ def _route_kernel(
         x += tl.sum(tl.load(part, mask=(s < n_split)[:, None, None] & m2[None, :, :], other=0.0), axis=0)
     x = tl.div_rn(x, temp)
     if SCORE == 0:  # sqrt(softplus(x)), softplus with torch's threshold 20
-        sp = _log1p(_exp(tl.minimum(x, 20.0), ACCURATE), ACCURATE)
+        sp = log1p(exp(tl.minimum(x, 20.0), ACCURATE), ACCURATE)
         scores = tl.sqrt_rn(tl.where(x > 20.0, x, sp))
     elif SCORE == 1:
-        scores = tl.div_rn(1.0, 1.0 + _exp(-x, ACCURATE))
+        scores = tl.div_rn(1.0, 1.0 + exp(-x, ACCURATE))
     else:
         xm = tl.where(cmask[None, :], x, float("-inf"))
-        ex = _exp(xm - tl.max(xm, axis=1)[:, None], ACCURATE)
+        ex = exp(xm - tl.max(xm, axis=1)[:, None], ACCURATE)
         scores = tl.div_rn(ex, tl.sum(ex, axis=1)[:, None])
     scores = tl.where(cmask[None, :], scores, 0.0)
 
