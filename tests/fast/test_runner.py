@@ -292,7 +292,8 @@ def test_the_decode_parts_ask_inductor_for_its_deterministic_mode(tiny_v41_dir, 
     fast.compile_decode("inductor")
     assert asked == {"decode_enter": True, "decode": True, "decode_exit": True}
     fast.compile_prefill("inductor")
-    assert {name: asked[name] for name in ("_q_kv", "_output", "_queries")} == dict.fromkeys(("_q_kv", "_output", "_queries"), False)
+    pieces = ("_q_kv", "_output", "_queries")
+    assert {name: asked[name] for name in pieces} == dict.fromkeys(pieces, False)
 
 
 def test_the_decode_block_compiles_per_layer_kind_and_batch_1_or_more(tmp_path):
