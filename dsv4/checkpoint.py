@@ -7,7 +7,9 @@ Accepted layouts:
 
 Each shard file is memory-mapped once and every tensor is a view into it, assigned to the model in
 place of its meta parameter: nothing is allocated twice (a dtype conversion, e.g. a bf16 checkpoint
-into an fp32 model, is the only copy). Only safetensors are read; nothing is ever unpickled.
+into an fp32 model, is the only copy; `to_device` copies, on the host only, the tensors off a 64-byte
+boundary, so that CPU GEMMs round the same whatever the file offsets). Only safetensors are read;
+nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -215,6 +217,30 @@ def load_into(model: nn.Module, model_dir: Path, progress: bool = True, skip: tu
         raise CheckpointError(f"checkpoint {model_dir} does not fit the model: {shown}")
     report.loaded = len(seen)
     return report
+
+
+HOST_ALIGNMENT = 64  # bytes: torch's CPU allocator alignment, the widest SIMD load the CPU GEMMs issue
+
+
+def to_device(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """`model.to(device)`; on the host, every tensor the memory map left off a 64-byte boundary is then
+    copied into torch's aligned memory. CPU GEMMs peel an unaligned operand's head and so round with
+    the file offset: one checkpoint saved twice gave logits 1 ulp apart. Tensors shared by several
+    modules stay shared."""
+    model = model.to(device)
+    if torch.device(device).type != "cpu":
+        return model
+    copies: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for attr, t in store.items():
+                if t is None or t.data_ptr() % HOST_ALIGNMENT == 0:
+                    continue
+                if id(t) not in copies:
+                    data = t.detach().clone()
+                    copies[id(t)] = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+                store[attr] = copies[id(t)]
+    return model
 
 
 # ----------------------------------------------------------------------------- writing for transformers

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from dsv4.checkpoint import to_device
 from dsv4.config import Dsv4Config as ModelConfig
 from dsv4.engine.llm import IMPLS, default_device
 from dsv4.reference.model import Dsv4Model, load_model
@@ -100,7 +101,7 @@ class Dsv4ForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         dtype = _as_dtype(dtype or torch_dtype) or torch.bfloat16
         model = load_model(str(path_or_repo_id), dtype, quant_sim, progress, decoder_replay)
-        model = model.to(device or default_device(impl))
+        model = to_device(model, device or default_device(impl))
         if impl == "fast":
             from dsv4.fast.model import make_fast
 

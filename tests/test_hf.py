@@ -8,6 +8,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV4Config, Dee
 
 import dsv4
 from dsv4 import Dsv4ForCausalLM
+from dsv4.checkpoint import HOST_ALIGNMENT, to_device
+from dsv4.reference.model import load_model
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,36 @@ def test_generate_and_save_round_trip(hf_dir, tmp_path):
     assert isinstance(again, Dsv4ForCausalLM)
     assert torch.equal(again(ids).logits, model(ids).logits)
     assert '"model_type": "dsv4"' in (tmp_path / "config.json").read_text()
+
+
+def _misaligned(model: torch.nn.Module, offset_bytes: int) -> torch.nn.Module:
+    """Every tensor of `model` moved to a view `offset_bytes` past a 64-byte boundary, as a memory map
+    of a safetensors file leaves them."""
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for attr, t in store.items():
+                if t is None:
+                    continue
+                raw = torch.empty(t.numel() * t.element_size() + 64, dtype=torch.uint8)
+                start = offset_bytes - offset_bytes % t.element_size()
+                view = raw[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                view.copy_(t)
+                store[attr] = torch.nn.Parameter(view, requires_grad=False) if attr in module._parameters else view
+    return model
+
+
+def test_host_placement_makes_logits_independent_of_file_offsets(hf_dir):
+    """The same weights at two file offsets: once placed by `to_device`, every tensor sits on a
+    64-byte boundary and the logits are bit-identical (CPU GEMMs round with an operand's alignment)."""
+    ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(4))
+    out = []
+    for offset in (0, 4):
+        model = _misaligned(load_model(str(hf_dir), torch.float32, False, progress=False), offset)
+        model = to_device(model, "cpu")
+        assert all(t.data_ptr() % HOST_ALIGNMENT == 0 for t in [*model.parameters(), *model.buffers()])
+        with torch.inference_mode():
+            out.append(model(ids))
+    assert torch.equal(out[0], out[1])
 
 
 def test_padded_batches_are_rejected(hf_dir):

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dsv4.checkpoint import to_device
 from dsv4.engine.executor import FastExecutor, ReferenceExecutor
 from dsv4.engine.request import Request, RequestOutput, SamplingParams
 from dsv4.engine.scheduler import Scheduler, Work
@@ -409,7 +410,7 @@ def _placed(model: Dsv4Model, device: torch.device, engram_tables: str) -> Dsv4M
         from dsv4.fast.engram_prefetch import keep_engram_on_host
 
         keep_engram_on_host(model)
-    return model.to(device)
+    return to_device(model, device)
 
 
 def _by_row(works: list[Work], rows: list[int], n: int) -> list[Request | None]:
