@@ -7,7 +7,9 @@ modules (so the same checkpoints load), with forward methods that run the Triton
   and run as dense GEMMs on unrounded activations (the reference with `set_quant_sim(True,
   activations=False)`: packed KV and indexer formats, no FP8 activation rounding);
 - each MoE's MXFP4 experts are stacked for the fused expert kernel (the per-expert parameters become
-  views into the stacked tensors, so names and bytes stay those of the checkpoint).
+  views into the stacked tensors, so names and bytes stay those of the checkpoint);
+- the attention's linears that read one input (x, or the query latent) are concatenated the same way, so
+  that a decode step runs one GEMM per input (`SharedInput`).
 The indexer's scores are the MQA kernel's on both paths: fp32 sums of exact products, where the reference in
 bf16 rounds each head's dot product to bf16 first.
 
@@ -68,15 +70,43 @@ def mm_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return flat.view(*x.shape[:-1], weight.shape[0])
 
 
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T in fp32: by `mm_fp32_out` on bf16 CUDA operands, where the reference's
+    x.float() @ w.float() costs a conversion of the weight per call and an fp32 GEMM at a small fraction of
+    the tensor cores' rate (a tenth of an 8K prefill's GEMM time went there); elsewhere as the reference."""
+    if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
+        return mm_fp32_out(x, weight)
+    return F.linear(x.float(), weight.float())
+
+
 class FastLinear(Linear):
-    """A dense linear with fp32 output (the compressors' projections): on bf16 CUDA operands by `mm_fp32_out`, where
-    the reference's x.float() @ w.float() costs a conversion of the weight per call and an fp32 GEMM at a small
-    fraction of the tensor cores' rate (a tenth of an 8K prefill's GEMM time went there)."""
+    """A dense linear with fp32 output (the compressors' projections), by `fp32_linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype == self.weight.dtype == torch.bfloat16 and not self.act_block:
-            return mm_fp32_out(x, self.weight)
-        return super().forward(x)
+        return super().forward(x) if self.act_block else fp32_linear(x, self.weight)
+
+
+class SharedInput:
+    """Dense linears that read one input, their weights concatenated at load (each linear's `weight` becomes a
+    view of its rows, so the checkpoint's names still hold them): the decode step runs one GEMM where it ran
+    one per linear, each a launch and a GEMV tail of its own. Outputs are what the linears return on
+    unrounded activations: fp32 for the fp32 linears (the compressors'), else an fp32 sum rounded once to the
+    input's dtype."""
+
+    def __init__(self, linears: dict[str, Linear]):
+        self.names = tuple(linears)
+        self.widths = [lin.out_features for lin in linears.values()]
+        self.fp32 = [lin.fp32 for lin in linears.values()]
+        self.weight = torch.cat([lin.weight for lin in linears.values()])  # [sum of N, K]
+        row = 0
+        for lin in linears.values():
+            lin.weight.data = self.weight[row : row + lin.out_features]
+            row += lin.out_features
+
+    def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """x [B, K] -> each linear's output by name [B, N]."""
+        outs = fp32_linear(x, self.weight).split(self.widths, dim=-1)
+        return {name: y if fp32 else y.to(x.dtype) for name, y, fp32 in zip(self.names, outs, self.fp32)}
 
 
 # ---------------------------------------------------------------------------------------------- MoE
@@ -173,6 +203,19 @@ class FastIndexer(Indexer):
 class FastAttention(Attention):
     """The module path with the sparse attention kernel, and the static decode step."""
 
+    # the linears of each input, by name under the attention; those a layer has are concatenated (SharedInput)
+    ON_X = ("wq_a", "wkv", "compressor.wkv", "compressor.wgate", "indexer.weights_proj", "indexer.compressor.wkv",
+            "indexer.compressor.wgate")
+    ON_QR = ("wq_b", "indexer.wq_b")
+
+    def share_inputs(self) -> None:
+        """Concatenate the dense linears reading x, and those reading the query latent (see SharedInput)."""
+        modules = dict(self.named_modules())
+        if any(modules[n].fmt != "dense" for n in self.ON_X + self.ON_QR if n in modules):
+            raise ValueError("the attention's linears are concatenated once dense (make_fast dequantizes them first)")
+        self.on_x = SharedInput({n: modules[n] for n in self.ON_X if n in modules})
+        self.on_qr = SharedInput({n: modules[n] for n in self.ON_QR if n in modules})
+
     # -------------------------------------------------------------- module path (prefill, replay)
     def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: SharedKV, cache) -> torch.Tensor:
         """As Attention.forward (batch 1): x [1, S, D] at positions [S] -> [1, S, D]."""
@@ -216,8 +259,11 @@ class FastAttention(Attention):
         candidate source's blocks (a candidate consumer; see `_index_decode`). -> (out [B, D], picks, pool): this
         layer's top-k and candidate blocks where it computes them, else those given."""
         cos, sin = self.rotary.cos_sin(pos)  # [B, R/2]
-        q, qr, kv = self._q_kv(x[:, None], cos[:, None], sin[:, None])
-        q, qr, kv = q[:, 0], qr[:, 0], kv[:, 0]
+        on_x = self.on_x(x)  # {linear: [B, N]}, as on_qr below
+        qr = self.q_norm(on_x["wq_a"])
+        on_qr = self.on_qr(qr)
+        q = self._query_heads(on_qr["wq_b"][:, None], cos[:, None], sin[:, None])[:, 0]  # [B, H, Dh]
+        kv = self._window_rows(on_x["wkv"][:, None], cos[:, None], sin[:, None])[:, 0]  # [B, Dh]
         W = self.window
         view.window.write(slots, pos % W, kv)
         back = pos[:, None] - torch.arange(W, device=x.device)  # [B, W]
@@ -228,9 +274,9 @@ class FastAttention(Attention):
         store = view.store
         if self.role.compress_ratio:
             if self.role.owns_compressor:
-                self._compress_decode(x, pos, slots, view)
+                self._compress_decode(on_x, x.dtype, pos, slots, view)
             if self.role.owns_indexer:
-                picks, pool = self._index_decode(x, qr, pos, slots, view, pool)
+                picks, pool = self._index_decode(on_x, on_qr, pos, slots, view, pool)
             glob_idx = self._global_ids(pos, slots, view, picks).int()
         else:
             glob_idx = pos.new_zeros(pos.shape[0], 0, dtype=torch.int32)
@@ -252,15 +298,16 @@ class FastAttention(Attention):
             return torch.where(entries < visible[:, None], slots[:, None] * stride + entries, -1)
         return torch.where(picks >= 0, slots[:, None] * stride + picks, -1)
 
-    def _index_decode(self, x, qr, pos, slots, view: LayerSlots, pool):
+    def _index_decode(self, on_x, on_qr, pos, slots, view: LayerSlots, pool):
         """The indexer's top-k entry ids [B, k] (-1 = none), as Indexer.forward for one token per row, and the
         candidate blocks: a candidate source's selection, a consumer's `pool` (which restricts its scores); the pool
         is the kept blocks' ids [B, n] where it is narrow (its consumers score only those), else a mask [B, cap]."""
         ix, role = self.indexer, self.role
-        B = x.shape[0]
+        B = pos.shape[0]
         visible = (pos + 1) // role.compress_ratio  # [B]
         cos, sin = self.rotary.cos_sin(pos)
-        q, w = ix._queries(x[:, None], qr[:, None], cos[:, None], sin[:, None])
+        q, w = ix._query_heads(on_qr["indexer.wq_b"][:, None], on_x["indexer.weights_proj"][:, None], cos[:, None],
+                               sin[:, None])
         q, w = q[:, 0], w[:, 0]  # [B, Hi, di], [B, Hi]
         keys, cap = view.index_keys, view.capacity
         stride, block = keys.data.shape[1], ix.candidate_block_size
@@ -273,12 +320,12 @@ class FastAttention(Attention):
             ids = mqa_index_topk(q, k_data, k_scale, w.float(), ends, ix.topk, blocks, block)[:, -min(ix.topk, cap):]
             return torch.where(ids >= 0, ids - slots[:, None] * stride, -1), pool
         if keys.fmt == "mxfp4":
-            blocks = slots[:, None] * (stride // POOL_BLOCK) + torch.arange(cap // POOL_BLOCK, device=x.device)
+            blocks = slots[:, None] * (stride // POOL_BLOCK) + torch.arange(cap // POOL_BLOCK, device=pos.device)
             k_data, k_scale = keys.flat()
             score = mqa_index_scores_pool(q, k_data, k_scale, w.float(), ends, blocks.int(), POOL_BLOCK)
         else:  # unpacked keys (quant_sim off): index_scores over the slot's rows
             score = index_scores(q[:, None], keys.data[slots, :cap].to(q.dtype), w[:, None])[:, 0]
-            score = score.masked_fill(torch.arange(cap, device=x.device) >= visible[:, None], NEG_INF)
+            score = score.masked_fill(torch.arange(cap, device=pos.device) >= visible[:, None], NEG_INF)
         if role.candidate_role == "source":
             pool = select_candidate_block_ids(score, visible, ix.candidate_topk_blocks, block)
             pool = pool if narrow else candidate_mask(pool, cap, block)
@@ -286,11 +333,12 @@ class FastAttention(Attention):
             score = score.masked_fill(~pool, NEG_INF)
         return topk_select(score, ix.topk).view(B, -1), pool
 
-    def _compress_decode(self, x, pos, slots, view: LayerSlots) -> None:
-        """The compressor step of one token per row: carry the token, and store the entry (and index key)
-        of the group it completes; rows completing no group write to the slot's spare row."""
+    def _compress_decode(self, on_x, dtype, pos, slots, view: LayerSlots) -> None:
+        """The compressor step of one token per row (on_x: the projections of its x, dtype: x's): carry the
+        token, and store the entry (and index key) of the group it completes; rows completing no group write
+        to the slot's spare row."""
         role, r = self.role, self.role.compress_ratio
-        latent = _compressor_step(self.compressor, x, pos, slots, view.carry)
+        latent = _compressor_step(self.compressor, on_x, "compressor.", dtype, pos, slots, view.carry)
         first = (pos + 1) // r - 1  # the group this token would complete
         row = torch.where((pos + 1) % r == 0, first, view.capacity)
         cos, sin = self.rotary.cos_sin(first.clamp(min=0) * r)
@@ -303,28 +351,28 @@ class FastAttention(Attention):
             if self.is_v41:
                 k = ix.k_norm(ix.wk(latent))
             else:
-                k = _compressor_step(ix.compressor, x, pos, slots, view.index_carry)
+                k = _compressor_step(ix.compressor, on_x, "indexer.compressor.", dtype, pos, slots, view.index_carry)
             k = apply_rope(k[:, None], cos, sin)[:, 0]
             view.index_keys.write(slots, row, k if self.is_v41 or not ix.quant_sim else hadamard(k))
 
 
-def _compressor_step(comp, x, pos, slots, carry) -> torch.Tensor:
+def _compressor_step(comp, on_x, name, dtype, pos, slots, carry) -> torch.Tensor:
     """Compressor.forward for one token per row, on a ring of raw projections (row p % R for position p;
-    R >= 2 * ratio, see SlotState).
+    R >= 2 * ratio, see SlotState). on_x: the projections of the rows' x, the compressor's under `name`.
 
     Returns the normalized latent [B, d] of the group ending at pos (meaningful where (pos + 1) % ratio
     == 0; elsewhere the caller drops it)."""
     r, d = comp.ratio, comp.head_dim
     if r == 1:
-        return comp.norm(comp.wkv(x))
+        return comp.norm(on_x[name + "wkv"])
     kv_ring, score_ring = carry  # [slots, R, coff * d] fp32
     R = kv_ring.shape[1]
-    kv, score = comp.wkv(x), comp.wgate(x)
+    kv, score = on_x[name + "wkv"], on_x[name + "wgate"]
     if hasattr(comp, "ape"):
         score = score + comp.ape[pos % r]
     kv_ring[slots, pos % R] = kv
     score_ring[slots, pos % R] = score
-    group = pos[:, None] - (r - 1) + torch.arange(r, device=x.device)  # [B, r]: the group ending at pos
+    group = pos[:, None] - (r - 1) + torch.arange(r, device=pos.device)  # [B, r]: the group ending at pos
     if comp.overlap:  # slots 0..r-1: the previous group's first halves (padding before group 0)
         group = torch.cat((group - r, group), dim=1)
     kv = kv_ring[slots[:, None], group % R]  # [B, r or 2r, coff * d]
@@ -334,7 +382,7 @@ def _compressor_step(comp, x, pos, slots, carry) -> torch.Tensor:
         kv = torch.cat((torch.where(has_prev, kv[:, :r, :d], 0.0), kv[:, r:, d:]), dim=1)
         score = torch.cat((torch.where(has_prev, score[:, :r, :d], NEG_INF), score[:, r:, d:]), dim=1)
     pooled = (kv * score.softmax(dim=1)).sum(dim=1)  # [B, d]
-    return comp.norm(pooled.to(x.dtype))
+    return comp.norm(pooled.to(dtype))
 
 
 def _selected_ids(allowed: torch.Tensor) -> torch.Tensor:
@@ -591,6 +639,7 @@ def make_fast(model: Dsv4Model, packed_kv: bool = True) -> FastModel:
             m.__class__ = FastLinear
     for block in model.layers:
         block.ffn.prepare()
+        block.attn.share_inputs()
     _attach_engram_prefetch(model)
     model.set_quant_sim(packed_kv, activations=False)
     return model

@@ -155,12 +155,19 @@ class Attention(nn.Module):
         """Rotated queries [B, S, H, Dh], the query latent [B, S, q_lora_rank] and the window-quantized,
         rotated KV rows [B, S, Dh]."""
         qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B, S, H, Dh]
+        return self._query_heads(self.wq_b(qr), cos, sin), qr, self._window_rows(self.wkv(x), cos, sin)
+
+    def _query_heads(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """wq_b's output [B, S, H * Dh] -> the rotated query heads [B, S, H, Dh]."""
+        q = q.unflatten(-1, (self.n_heads, self.head_dim))
         if not self.is_v41:  # V4 only: weightless RMS norm per query head
             qf = q.float()
             q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
-        q = apply_rope(q, cos, sin)
-        return q, qr, self._window_quant(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
+        return apply_rope(q, cos, sin)
+
+    def _window_rows(self, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """wkv's output [B, S, Dh] -> the normalized, rotated, window-quantized KV rows [B, S, Dh]."""
+        return self._window_quant(apply_rope(self.kv_norm(kv), cos, sin))
 
     def _output(self, o: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output projection: o [B, S, H, Dh] -> [B, S, D]."""

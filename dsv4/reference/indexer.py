@@ -186,9 +186,12 @@ class Indexer(nn.Module):
     def _queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The rotated, FP4-simulated queries [B, S, Hi, di] and the scaled head weights [B, S, Hi] of x [B, S, D]
         and its query latent qr [B, S, q_lora_rank]."""
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = self._fp4(apply_rope(q, cos, sin))
-        return q, self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        return self._query_heads(self.wq_b(qr), self.weights_proj(x), cos, sin)
+
+    def _query_heads(self, q: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """wq_b's output [B, S, Hi * di] and weights_proj's [B, S, Hi] -> as `_queries` returns them."""
+        q = self._fp4(apply_rope(q.unflatten(-1, (self.n_heads, self.head_dim)), cos, sin))
+        return q, w * (self.head_dim**-0.5 * self.n_heads**-0.5)
 
     # the steps a kernel implementation replaces (dsv4.fast.model.FastIndexer)
     def _scores(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

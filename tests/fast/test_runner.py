@@ -473,6 +473,27 @@ def test_the_fp32_output_linears_become_fast_linears_that_compute_the_reference_
     assert torch.equal(linears[0](x), Linear.forward(linears[0], x))
 
 
+def test_the_attention_linears_reading_one_input_run_as_one_gemm_of_their_rows(arch_dir):
+    """make_fast concatenates the attention's linears that read x, and those that read the query latent: each
+    linear's weight becomes a view of its rows (the checkpoint's values under its name), and the one GEMM
+    gives every linear its own output, in its own dtype."""
+    ref, fast = models(arch_dir, packed=True)
+    grouped = set()
+    for block, ref_block in zip(fast.layers, ref.layers):
+        modules, ref_modules = dict(block.attn.named_modules()), dict(ref_block.attn.named_modules())
+        for group in (block.attn.on_x, block.attn.on_qr):
+            x = torch.randn(3, group.weight.shape[1])
+            outs = group(x)
+            for name in group.names:
+                lin = modules[name]
+                assert lin.weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
+                assert torch.equal(lin.weight, ref_modules[name].dequantized_weight().to(lin.weight.dtype))
+                assert outs[name].dtype == lin(x).dtype
+                assert_close(outs[name], lin(x), EXACT)
+            grouped.update(group.names)
+    assert {"compressor.wgate", "indexer.weights_proj", "indexer.wq_b"} <= grouped
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fp32_output_linears_on_bf16_operands_are_the_fp32_gemm_to_summation_order():
