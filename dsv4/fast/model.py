@@ -9,7 +9,7 @@ modules (so the same checkpoints load), with forward methods that run the Triton
 - each MoE's MXFP4 experts are stacked for the fused expert kernel (the per-expert parameters become
   views into the stacked tensors, so names and bytes stay those of the checkpoint);
 - the attention's linears that read one input (x, or the query latent) are concatenated the same way, so
-  that a decode step runs one GEMM per input (`SharedInput`).
+  that a decode step runs one GEMM per input and output dtype (`SharedInput`).
 The indexer's scores are the MQA kernel's on both paths: fp32 sums of exact products, where the reference in
 bf16 rounds each head's dot product to bf16 first.
 
@@ -88,25 +88,36 @@ class FastLinear(Linear):
 
 class SharedInput:
     """Dense linears that read one input, their weights concatenated at load (each linear's `weight` becomes a
-    view of its rows, so the checkpoint's names still hold them): the decode step runs one GEMM where it ran
-    one per linear, each a launch and a GEMV tail of its own. Outputs are what the linears return on
-    unrounded activations: fp32 for the fp32 linears (the compressors'), else an fp32 sum rounded once to the
-    input's dtype."""
+    view of its rows, so the checkpoint's names still hold them): the decode step runs one GEMM per output dtype
+    where it ran one per linear, each a launch and a GEMV tail of its own. The fp32 linears (the compressors')
+    form one GEMM with fp32 output, the others one with the input's dtype: a GEMM that rounds its own output,
+    as each linear did. (One fp32 GEMM cast to bf16 after would not do: inside torch.compile a cast followed by
+    the consumer's upcast can fold away, and the compiled step would skip a rounding the eager one makes.)"""
 
     def __init__(self, linears: dict[str, Linear]):
-        self.names = tuple(linears)
-        self.widths = [lin.out_features for lin in linears.values()]
-        self.fp32 = [lin.fp32 for lin in linears.values()]
-        self.weight = torch.cat([lin.weight for lin in linears.values()])  # [sum of N, K]
-        row = 0
-        for lin in linears.values():
-            lin.weight.data = self.weight[row : row + lin.out_features]
-            row += lin.out_features
+        self.parts = []  # (names, widths, fp32, weight [sum of N, K]) per output dtype
+        for fp32 in (False, True):
+            group = {name: lin for name, lin in linears.items() if lin.fp32 == fp32}
+            if not group:
+                continue
+            weight = torch.cat([lin.weight for lin in group.values()])
+            row = 0
+            for lin in group.values():
+                lin.weight.data = weight[row : row + lin.out_features]
+                row += lin.out_features
+            self.parts.append((tuple(group), [lin.out_features for lin in group.values()], fp32, weight))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for names, *_ in self.parts for name in names)
 
     def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """x [B, K] -> each linear's output by name [B, N]."""
-        outs = fp32_linear(x, self.weight).split(self.widths, dim=-1)
-        return {name: y if fp32 else y.to(x.dtype) for name, y, fp32 in zip(self.names, outs, self.fp32)}
+        outs = {}
+        for names, widths, fp32, weight in self.parts:
+            y = fp32_linear(x, weight) if fp32 else F.linear(x, weight)
+            outs.update(zip(names, y.split(widths, dim=-1)))
+        return outs
 
 
 # ---------------------------------------------------------------------------------------------- MoE

@@ -473,25 +473,47 @@ def test_the_fp32_output_linears_become_fast_linears_that_compute_the_reference_
     assert torch.equal(linears[0](x), Linear.forward(linears[0], x))
 
 
-def test_the_attention_linears_reading_one_input_run_as_one_gemm_of_their_rows(arch_dir):
-    """make_fast concatenates the attention's linears that read x, and those that read the query latent: each
-    linear's weight becomes a view of its rows (the checkpoint's values under its name), and the one GEMM
-    gives every linear its own output, in its own dtype."""
+def test_the_attention_linears_reading_one_input_run_as_one_gemm_per_output_dtype(arch_dir):
+    """make_fast concatenates the attention's linears that read x, and those that read the query latent, one
+    GEMM per output dtype: each linear's weight becomes a view of its GEMM's rows (the checkpoint's values under
+    its name), and the GEMM gives every linear its own output, in its own dtype."""
     ref, fast = models(arch_dir, packed=True)
     grouped = set()
     for block, ref_block in zip(fast.layers, ref.layers):
         modules, ref_modules = dict(block.attn.named_modules()), dict(ref_block.attn.named_modules())
         for group in (block.attn.on_x, block.attn.on_qr):
-            x = torch.randn(3, group.weight.shape[1])
+            x = torch.randn(3, modules[group.names[0]].in_features)
             outs = group(x)
-            for name in group.names:
-                lin = modules[name]
-                assert lin.weight.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
-                assert torch.equal(lin.weight, ref_modules[name].dequantized_weight().to(lin.weight.dtype))
-                assert outs[name].dtype == lin(x).dtype
-                assert_close(outs[name], lin(x), EXACT)
+            for names, _, fp32, weight in group.parts:
+                for name in names:
+                    lin = modules[name]
+                    assert lin.fp32 == fp32
+                    assert lin.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+                    assert torch.equal(lin.weight, ref_modules[name].dequantized_weight().to(lin.weight.dtype))
+                    assert outs[name].dtype == lin(x).dtype
+                    assert_close(outs[name], lin(x), EXACT)
+            assert sorted(outs) == sorted(group.names)
             grouped.update(group.names)
     assert {"compressor.wgate", "indexer.weights_proj", "indexer.wq_b"} <= grouped
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_shared_input_rounds_each_linear_as_eager_does(tiny_v41_dir):
+    """The concatenated GEMMs under torch.compile, their outputs consumed by an upcast (q_norm's): bit-identical to
+    eager. A bf16 linear's output rounded by a cast after an fp32 GEMM would not be: inductor folds the cast
+    into the consumer's upcast, and the compiled decode would skip a rounding the eager one makes."""
+    _, fast = models(tiny_v41_dir, packed=True, dtype=torch.bfloat16, device="cuda")
+    attn = next(block.attn for block in fast.layers if "compressor.wkv" in block.attn.on_x.names)
+
+    def q_latent_and_compressor(x):
+        on_x = attn.on_x(x)
+        return attn.q_norm(on_x["wq_a"]), on_x["compressor.wkv"]
+
+    compiled = torch.compile(q_latent_and_compressor, fullgraph=True, options=compile_options("inductor"))
+    x = torch.randn(2, fast.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    for got, want in zip(compiled(x), q_latent_and_compressor(x)):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
