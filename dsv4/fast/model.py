@@ -100,12 +100,11 @@ class SharedInput:
             group = {name: lin for name, lin in linears.items() if lin.fp32 == fp32}
             if not group:
                 continue
-            weight = torch.cat([lin.weight for lin in group.values()])
-            row = 0
-            for lin in group.values():
-                lin.weight.data = weight[row : row + lin.out_features]
-                row += lin.out_features
-            self.parts.append((tuple(group), [lin.out_features for lin in group.values()], fp32, weight))
+            widths = [lin.out_features for lin in group.values()]
+            weight = torch.cat([lin.weight for lin in group.values()])  # [sum of widths, K]
+            for lin, rows in zip(group.values(), weight.split(widths)):
+                lin.weight.data = rows
+            self.parts.append((tuple(group), widths, fp32, weight))
 
     @property
     def names(self) -> tuple[str, ...]:
