@@ -29,7 +29,9 @@ Paths (all free of host syncs, so they can be captured in a CUDA graph):
   slot's expert rows of w1 and w3 once, GEMV on the CUDA cores in fp32 (each 32-wide scale group summed
   unscaled, then scaled), SwiGLU epilogue, h to a [N, S, I] workspace (S = k, + 1 with the shared expert);
   kernel 2, one program per (token, D tile, slot), streams w2 rows and writes the slot's rounded output to
-  [N, S, D]; a torch sum over slots gives y. At batch 1 every selected expert's weights are read exactly once.
+  [N, S, D]; a torch sum over slots gives y. Both read the router's ids and weights as they are (the shared
+  expert is the slot past them). Summing the slots inside kernel 2 (one program per token and D tile) measured
+  slower on the H200: 104.4 against 99.7 us at V4.1 batch 1, 195 against 171 us at two tokens. At batch 1 every selected expert's weights are read exactly once.
   V4.1 batch 1 takes ~101 us against a 42.7 us byte floor on the H200 (the shared expert's dense rows stream at
   ~3.5 TB/s; the routed FP4 rows, which a plain read streams at 3.8 TB/s, at ~1.3-1.8 TB/s: the decode and
   FMAs per byte, at the occupancy the registers allow, hold it). gather_tc, with ~5x fewer instructions per
@@ -331,9 +333,16 @@ def _swiglu(g, u, wt, limit, IS_BF16: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _slot_expert(ids_ptr, t, slot, K, E):
+    """Token t's expert in `slot`: the router's [N, K] ids, then the shared expert (id E) past them, so the
+    gather path reads the router's outputs as they are (no slot table built by torch before it)."""
+    return tl.load(ids_ptr + t * K + slot, mask=slot < K, other=E)
+
+
+@triton.jit
 def _gather_up_kernel(
     x_ptr, ids_ptr, wts_ptr, w13_ptr, s13_ptr, sh13_ptr, h_ptr,
-    D, I, S, E, limit,
+    D, I, S, K, E, limit,
     BI: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr, SHARED: tl.constexpr,
 ):
     """Program (t, slot, i tile): h[t, slot, i] = swiglu(x[t] . w1[e, i], x[t] . w3[e, i]) * weight."""
@@ -341,8 +350,8 @@ def _gather_up_kernel(
     slot = tl.program_id(1)
     i = tl.program_id(2) * BI + tl.arange(0, BI)
     imask = i < I
-    e = tl.load(ids_ptr + t * S + slot)
-    wt = tl.load(wts_ptr + t * S + slot)
+    e = _slot_expert(ids_ptr, t, slot, K, E)
+    wt = tl.load(wts_ptr + t * K + slot, mask=slot < K, other=1.0)  # the shared expert's weight is 1
     acc_g = tl.zeros((BI,), dtype=tl.float32)
     acc_u = tl.zeros((BI,), dtype=tl.float32)
     x_row = x_ptr + t * D
@@ -378,7 +387,7 @@ def _gather_up_kernel(
 @triton.jit
 def _gather_down_kernel(
     h_ptr, ids_ptr, w2_ptr, s2_ptr, sh2_ptr, out_ptr,
-    D, I, S, E,
+    D, I, S, K, E,
     BD: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr, SHARED: tl.constexpr,
 ):
     """Program (t, d tile, slot): out[t, slot, d] = round(h[t, slot] . w2[e, d]) (the caller sums the slots)."""
@@ -387,7 +396,7 @@ def _gather_down_kernel(
     slot = tl.program_id(2)
     dmask = d < D
     d64 = d.to(tl.int64)
-    e = tl.load(ids_ptr + t * S + slot)
+    e = _slot_expert(ids_ptr, t, slot, K, E)
     h_row = h_ptr + (t * S + slot) * I
     acc = tl.zeros((BD,), dtype=tl.float32)
     if e < E:
@@ -635,8 +644,7 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
         x = x.float()
     x = x.contiguous()
     has_shared = shared13 is not None
-    ids_s, wts_s = _slots(ids, weights, E, has_shared)
-    S = ids_s.shape[1]
+    S = ids.shape[1] + has_shared
     if path == "auto":
         path = "gather" if N <= GATHER_MAX_N else "gather_tc" if N <= GATHER_TC_MAX_N else "grouped"
     if path not in ("gather", "grouped", "gather_tc"):
@@ -652,18 +660,20 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
     lim = float(limit)
     # SHARED (every path): without a shared expert the dense branch is not compiled (compiled in but dead, it made
     # routed-only gather_tc take 2.8 ms at 4 tokens on the H200, against 0.33 ms for the same call with one)
-    if path == "gather":
+    if path == "gather":  # the router's ids and weights as they are
+        ids_r, wts_r = ids.contiguous(), weights.float().contiguous()
         h = torch.empty(N, S, I, dtype=x.dtype, device=x.device)
         _gather_up_kernel[(N, S, triton.cdiv(I, c["BI"]))](
-            x, ids_s, wts_s, w13, s13, sh13, h, D, I, S, E, lim,
+            x, ids_r, wts_r, w13, s13, sh13, h, D, I, S, ids.shape[1], E, lim,
             BI=c["BI"], BK=c["BK"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared, num_warps=c["gather_warps"],
             num_stages=c["stages"])
         out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
         _gather_down_kernel[(N, triton.cdiv(D, c["BD"]), S)](
-            h, ids_s, w2, s2, sh2, out, D, I, S, E,
+            h, ids_r, w2, s2, sh2, out, D, I, S, ids.shape[1], E,
             BD=c["BD"], BK=c["BK"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared, num_warps=c["gather_warps"],
             num_stages=c["stages"])
         return out.sum(dim=1)
+    ids_s, wts_s = _slots(ids, weights, E, has_shared)
     R = N * S
     if path == "grouped":
         BM, find = c["BM"] or grouped_block_m(N, S, E), 0
