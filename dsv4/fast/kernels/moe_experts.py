@@ -31,7 +31,8 @@ Paths (all free of host syncs, so they can be captured in a CUDA graph):
   kernel 2, one program per (token, D tile, slot), streams w2 rows and writes the slot's rounded output to
   [N, S, D]; a torch sum over slots gives y. Both read the router's ids and weights as they are (the shared
   expert is the slot past them). Summing the slots inside kernel 2 (one program per token and D tile) measured
-  slower on the H200: 104.4 against 99.7 us at V4.1 batch 1, 195 against 171 us at two tokens. At batch 1 every selected expert's weights are read exactly once.
+  slower on the H200: 104.4 against 99.7 us at V4.1 batch 1, 195 against 171 us at two tokens. At batch 1
+  every selected expert's weights are read exactly once.
   V4.1 batch 1 takes ~101 us against a 42.7 us byte floor on the H200 (the shared expert's dense rows stream at
   ~3.5 TB/s; the routed FP4 rows, which a plain read streams at 3.8 TB/s, at ~1.3-1.8 TB/s: the decode and
   FMAs per byte, at the occupancy the registers allow, hold it). gather_tc, with ~5x fewer instructions per
