@@ -1,5 +1,6 @@
 """`python -m dsv4.generate`: the embedded default runs; bad input ends in one line, exit status 2."""
 
+import os
 import subprocess
 import sys
 
@@ -71,6 +72,20 @@ def test_fast_impl_generates(capsys):
     assert main(["--impl", "fast", "--prompt", "Hello", "--max-new-tokens", "3", "--max-model-len", "64", "--quiet"]) == 0
     out, err = capsys.readouterr()
     assert out.strip() and "3 new" in err
+
+
+@pytest.mark.usefixtures("kernel_twins")
+def test_fast_impl_runs_without_triton(capsys):
+    """A CPU-only torch build brings no triton: the kernel modules import with stand-ins for it, every op runs
+    its twin, and `--impl fast` prints what it prints with triton installed (where CPU ops run the twins too)."""
+    argv = ["--impl", "fast", "--prompt", "Hello", "--max-new-tokens", "3", "--max-model-len", "64", "--quiet"]
+    assert main(argv) == 0
+    expected = capsys.readouterr().out
+    no_triton = "import sys; sys.modules['triton'] = None; from dsv4.generate import main; sys.exit(main(sys.argv[1:]))"
+    run = subprocess.run([sys.executable, "-c", no_triton, *argv], check=False, capture_output=True, encoding="utf-8",
+                         timeout=300, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == expected
 
 
 def test_no_swa_bounded_replay_flag(capsys):

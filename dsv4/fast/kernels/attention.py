@@ -34,10 +34,8 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
-from dsv4.fast.kernels import use_triton
+from dsv4.fast.kernels import tl, triton, use_triton
 from dsv4.quant import dequantize_fp8, dequantize_nvfp4
 from dsv4.reference.attention import sparse_attention
 from dsv4.reference.rope import apply_rope

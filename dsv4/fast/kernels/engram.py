@@ -28,10 +28,8 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
 
-from dsv4.fast.kernels import use_triton
+from dsv4.fast.kernels import tl, triton, use_triton
 from dsv4.reference.engram import SCALE_BLOCK, engram_hash_ids
 
 ROW_VALUES = 256  # engram_head_dim of V4.1: e4m3 bytes per row

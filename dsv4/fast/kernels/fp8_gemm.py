@@ -30,10 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from dsv4.fast.kernels import use_triton
+from dsv4.fast.kernels import tl, triton, use_triton
 from dsv4.fast.kernels.attention import _dot, _to_bf16
 from dsv4.fast.kernels.quant import fp8_quant
 from dsv4.quant import dequantize_fp8, fake_quant_fp8

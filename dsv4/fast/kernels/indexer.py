@@ -45,16 +45,10 @@ import warnings
 
 import torch
 
-from dsv4.fast.kernels import use_triton
+from dsv4.fast.kernels import tl, triton, use_triton
 from dsv4.fast.kernels.topk import topk_select, topk_select_pool
 from dsv4.quant import dequantize_mxfp4
 from dsv4.reference.indexer import candidate_block_scores, index_scores, picks_mask
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch twin still serves
-    triton = None
 
 __all__ = [
     "mqa_index_scores",
@@ -71,164 +65,168 @@ NEG_INF = float("-inf")
 # Triton kernels
 # --------------------------------------------------------------------------------------------------
 
-if triton is not None:
 
-    # MODE: how the MMA sees the FP4 keys.
-    #   0 "bf16":   keys dequantized here to bf16 (exact), q bf16, tl.dot
-    #   1 "fp32":   keys dequantized here to fp32, q fp32, tl.dot with exact ("ieee") products
-    #   2 "scaled": tl.dot_scaled(e2m1 keys + e8m0 scales, bf16 q): Triton's own MXFP4 upcast (Hopper has no
-    #               FP4 MMA, so it dequantizes to bf16 in registers before the bf16 MMA; exact as well)
-    # Modes 0 and 1 split d into even and odd elements (the low and high nibbles) and load q to match.
+# MODE: how the MMA sees the FP4 keys.
+#   0 "bf16":   keys dequantized here to bf16 (exact), q bf16, tl.dot
+#   1 "fp32":   keys dequantized here to fp32, q fp32, tl.dot with exact ("ieee") products
+#   2 "scaled": tl.dot_scaled(e2m1 keys + e8m0 scales, bf16 q): Triton's own MXFP4 upcast (Hopper has no
+#               FP4 MMA, so it dequantizes to bf16 in registers before the bf16 MMA; exact as well)
+# Modes 0 and 1 split d into even and odd elements (the low and high nibbles) and load q to match.
 
-    @triton.jit
-    def _fp4_key_tile(kp_ptr, ks_ptr, rows, rmask, BT: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
-        """Key rows `rows` ([BT]; masked rows read as code 0, i.e. 0.0) as the MMA's left operand.
 
-        Modes 0/1 return (even, odd) elements, each [BT, D/2]. A nibble c becomes the fp16 bit pattern
-        sign(c) << 15 | mag(c) << 9: e2m1's 2-bit exponent lands in the low bits of fp16's exponent and its
-        mantissa bit on top of fp16's mantissa, so the fp16 value is exactly e2m1(c) * 2^-14 (code 1, the
-        e2m1 subnormal, becomes the fp16 subnormal 2^-15). The 2^14 is folded into the e8m0 scale, built
-        straight from its bits. Mode 2 returns the raw (bytes [BT, D/2], scales [BT, D/32]).
-        """
-        D2: tl.constexpr = D // 2
-        NSC: tl.constexpr = D // 32
-        rows64 = rows.to(tl.int64)
-        byte = tl.load(kp_ptr + rows64[:, None] * D2 + tl.arange(0, D2)[None, :], mask=rmask[:, None], other=0)
-        e = tl.load(ks_ptr + rows64[:, None] * NSC + tl.arange(0, NSC)[None, :], mask=rmask[:, None], other=127)
-        if MODE == 2:
-            ka = byte
-            kb = e
-        else:
-            b = byte.to(tl.int32)
-            lo = (((b & 0x08) << 12) | ((b & 0x07) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
-            hi = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.uint16).to(tl.float16, bitcast=True)
-            scale = ((tl.minimum(e.to(tl.int32), 240) + 14) << 23).to(tl.float32, bitcast=True)  # 2^(e-113)
-            # byte column j holds elements 2j and 2j+1, both in scale block j // 16
-            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BT, NSC, 16)), (BT, D2))
-            ka = lo.to(tl.float32) * scale
-            kb = hi.to(tl.float32) * scale
-            if MODE == 0:  # exact: 2 significant bits
-                ka = ka.to(tl.bfloat16)
-                kb = kb.to(tl.bfloat16)
-        return ka, kb
+@triton.jit
+def _fp4_key_tile(kp_ptr, ks_ptr, rows, rmask, BT: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
+    """Key rows `rows` ([BT]; masked rows read as code 0, i.e. 0.0) as the MMA's left operand.
 
-    @triton.jit
-    def _load_queries(q_ptr, w_ptr, s0, S, H, stride_qs, stride_qh, stride_ws,
-                      BS: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
-        """Queries s0 .. s0+BS-1, heads padded to HP, as the MMA's right operand: the transposed even/odd
-        halves [D/2, BS*HP] (modes 0/1) or q^T [D, BS*HP] twice (mode 2); and the weights [BS*HP]. Padded
-        heads and queries past S get q = 0 and w = 0, so they add exactly 0."""
-        D2: tl.constexpr = D // 2
-        N: tl.constexpr = BS * HP
-        n = tl.arange(0, N)
-        s = s0 + n // HP
-        h = n % HP
-        ok = (s < S) & (h < H)
-        base = s.to(tl.int64) * stride_qs + h * stride_qh
-        q = tl.load(q_ptr + base[:, None] + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)  # [N, D]
-        w = tl.load(w_ptr + s.to(tl.int64) * stride_ws + h, mask=ok, other=0.0)
-        if MODE == 2:
-            qa = tl.trans(q)
-            qb = qa
-        else:
-            if MODE == 1:
-                q = q.to(tl.float32)
-            q_even, q_odd = tl.split(tl.reshape(q, (N, D2, 2)))
-            qa = tl.trans(q_even)
-            qb = tl.trans(q_odd)
-        return qa, qb, w
+    Modes 0/1 return (even, odd) elements, each [BT, D/2]. A nibble c becomes the fp16 bit pattern
+    sign(c) << 15 | mag(c) << 9: e2m1's 2-bit exponent lands in the low bits of fp16's exponent and its
+    mantissa bit on top of fp16's mantissa, so the fp16 value is exactly e2m1(c) * 2^-14 (code 1, the
+    e2m1 subnormal, becomes the fp16 subnormal 2^-15). The 2^14 is folded into the e8m0 scale, built
+    straight from its bits. Mode 2 returns the raw (bytes [BT, D/2], scales [BT, D/32]).
+    """
+    D2: tl.constexpr = D // 2
+    NSC: tl.constexpr = D // 32
+    rows64 = rows.to(tl.int64)
+    byte = tl.load(kp_ptr + rows64[:, None] * D2 + tl.arange(0, D2)[None, :], mask=rmask[:, None], other=0)
+    e = tl.load(ks_ptr + rows64[:, None] * NSC + tl.arange(0, NSC)[None, :], mask=rmask[:, None], other=127)
+    if MODE == 2:
+        ka = byte
+        kb = e
+    else:
+        b = byte.to(tl.int32)
+        lo = (((b & 0x08) << 12) | ((b & 0x07) << 9)).to(tl.uint16).to(tl.float16, bitcast=True)
+        hi = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.uint16).to(tl.float16, bitcast=True)
+        scale = ((tl.minimum(e.to(tl.int32), 240) + 14) << 23).to(tl.float32, bitcast=True)  # 2^(e-113)
+        # byte column j holds elements 2j and 2j+1, both in scale block j // 16
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BT, NSC, 16)), (BT, D2))
+        ka = lo.to(tl.float32) * scale
+        kb = hi.to(tl.float32) * scale
+        if MODE == 0:  # exact: 2 significant bits
+            ka = ka.to(tl.bfloat16)
+            kb = kb.to(tl.bfloat16)
+    return ka, kb
 
-    @triton.jit
-    def _head_reduce(ka, kb, qa, qb, w, BT: tl.constexpr, BS: tl.constexpr, HP: tl.constexpr, MODE: tl.constexpr):
-        """[BT, BS]: sum over heads of w * relu(k . q), fp32 accumulation."""
-        if MODE == 2:
-            acc = tl.dot_scaled(ka, kb, "e2m1", qa, None, "bf16")
-        elif MODE == 1:
-            acc = tl.dot(ka, qa, input_precision="ieee")
-            acc = tl.dot(kb, qb, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(ka, qa)
-            acc = tl.dot(kb, qb, acc)
-        contrib = tl.maximum(acc, 0.0) * w[None, :]  # [BT, BS*HP]
-        return tl.sum(tl.reshape(contrib, (BT, BS, HP)), axis=2)
 
-    @triton.jit
-    def _dense_kernel(q_ptr, kp_ptr, ks_ptr, w_ptr, vis_ptr, out_ptr,
-                      S, T, H, stride_qs, stride_qh, stride_ws, stride_os, t_tiles_per_prog, s_tiles_per_prog,
-                      BT: tl.constexpr, BS: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
-                      MODE: tl.constexpr, ONE_S: tl.constexpr):
-        """Program (i, j): key tiles i*t_tiles_per_prog + [0, t_tiles_per_prog) against query tiles
-        j*s_tiles_per_prog + [0, s_tiles_per_prog). Each key tile is dequantized once and scored against
-        all the program's query tiles; with a single query tile (ONE_S, decode) the queries load once.
-        Key tiles no query of the program can see only get -inf (no key reads); the main loop has no
-        branches, so Triton's pipeliner may prefetch the next tile's keys."""
-        pid_t = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        first_s = pid_s * s_tiles_per_prog
-        n_s = tl.minimum(s_tiles_per_prog, (S + BS - 1) // BS - first_s)
-        # the farthest entry any of this program's queries sees
-        vmax = tl.zeros((BS,), dtype=tl.int32)
-        for i in range(n_s):
-            s_idx = (first_s + i) * BS + tl.arange(0, BS)
-            vmax = tl.maximum(vmax, tl.load(vis_ptr + s_idx, mask=s_idx < S, other=0))
-        vmax = tl.minimum(tl.max(vmax, axis=0), T)
-        first_t = pid_t * t_tiles_per_prog
-        n_t = tl.minimum(t_tiles_per_prog, (T + BT - 1) // BT - first_t)
-        n_live = tl.minimum(tl.maximum((vmax - first_t * BT + BT - 1) // BT, 0), n_t)
+@triton.jit
+def _load_queries(q_ptr, w_ptr, s0, S, H, stride_qs, stride_qh, stride_ws,
+                  BS: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
+    """Queries s0 .. s0+BS-1, heads padded to HP, as the MMA's right operand: the transposed even/odd
+    halves [D/2, BS*HP] (modes 0/1) or q^T [D, BS*HP] twice (mode 2); and the weights [BS*HP]. Padded
+    heads and queries past S get q = 0 and w = 0, so they add exactly 0."""
+    D2: tl.constexpr = D // 2
+    N: tl.constexpr = BS * HP
+    n = tl.arange(0, N)
+    s = s0 + n // HP
+    h = n % HP
+    ok = (s < S) & (h < H)
+    base = s.to(tl.int64) * stride_qs + h * stride_qh
+    q = tl.load(q_ptr + base[:, None] + tl.arange(0, D)[None, :], mask=ok[:, None], other=0.0)  # [N, D]
+    w = tl.load(w_ptr + s.to(tl.int64) * stride_ws + h, mask=ok, other=0.0)
+    if MODE == 2:
+        qa = tl.trans(q)
+        qb = qa
+    else:
+        if MODE == 1:
+            q = q.to(tl.float32)
+        q_even, q_odd = tl.split(tl.reshape(q, (N, D2, 2)))
+        qa = tl.trans(q_even)
+        qb = tl.trans(q_odd)
+    return qa, qb, w
+
+
+@triton.jit
+def _head_reduce(ka, kb, qa, qb, w, BT: tl.constexpr, BS: tl.constexpr, HP: tl.constexpr, MODE: tl.constexpr):
+    """[BT, BS]: sum over heads of w * relu(k . q), fp32 accumulation."""
+    if MODE == 2:
+        acc = tl.dot_scaled(ka, kb, "e2m1", qa, None, "bf16")
+    elif MODE == 1:
+        acc = tl.dot(ka, qa, input_precision="ieee")
+        acc = tl.dot(kb, qb, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(ka, qa)
+        acc = tl.dot(kb, qb, acc)
+    contrib = tl.maximum(acc, 0.0) * w[None, :]  # [BT, BS*HP]
+    return tl.sum(tl.reshape(contrib, (BT, BS, HP)), axis=2)
+
+
+@triton.jit
+def _dense_kernel(q_ptr, kp_ptr, ks_ptr, w_ptr, vis_ptr, out_ptr,
+                  S, T, H, stride_qs, stride_qh, stride_ws, stride_os, t_tiles_per_prog, s_tiles_per_prog,
+                  BT: tl.constexpr, BS: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
+                  MODE: tl.constexpr, ONE_S: tl.constexpr):
+    """Program (i, j): key tiles i*t_tiles_per_prog + [0, t_tiles_per_prog) against query tiles
+    j*s_tiles_per_prog + [0, s_tiles_per_prog). Each key tile is dequantized once and scored against
+    all the program's query tiles; with a single query tile (ONE_S, decode) the queries load once.
+    Key tiles no query of the program can see only get -inf (no key reads); the main loop has no
+    branches, so Triton's pipeliner may prefetch the next tile's keys."""
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    first_s = pid_s * s_tiles_per_prog
+    n_s = tl.minimum(s_tiles_per_prog, (S + BS - 1) // BS - first_s)
+    # the farthest entry any of this program's queries sees
+    vmax = tl.zeros((BS,), dtype=tl.int32)
+    for i in range(n_s):
+        s_idx = (first_s + i) * BS + tl.arange(0, BS)
+        vmax = tl.maximum(vmax, tl.load(vis_ptr + s_idx, mask=s_idx < S, other=0))
+    vmax = tl.minimum(tl.max(vmax, axis=0), T)
+    first_t = pid_t * t_tiles_per_prog
+    n_t = tl.minimum(t_tiles_per_prog, (T + BT - 1) // BT - first_t)
+    n_live = tl.minimum(tl.maximum((vmax - first_t * BT + BT - 1) // BT, 0), n_t)
+    if ONE_S:
+        s_idx = first_s * BS + tl.arange(0, BS)
+        s_ok = s_idx < S
+        vis = tl.load(vis_ptr + s_idx, mask=s_ok, other=0)
+        q_a, q_b, w = _load_queries(q_ptr, w_ptr, first_s * BS, S, H, stride_qs, stride_qh, stride_ws,
+                                    BS, HP, D, MODE)
+    for j in range(n_live):
+        t = (first_t + j) * BT + tl.arange(0, BT)
+        k_a, k_b = _fp4_key_tile(kp_ptr, ks_ptr, t, t < vmax, BT, D, MODE)
         if ONE_S:
-            s_idx = first_s * BS + tl.arange(0, BS)
-            s_ok = s_idx < S
-            vis = tl.load(vis_ptr + s_idx, mask=s_ok, other=0)
-            q_a, q_b, w = _load_queries(q_ptr, w_ptr, first_s * BS, S, H, stride_qs, stride_qh, stride_ws,
-                                        BS, HP, D, MODE)
-        for j in range(n_live):
-            t = (first_t + j) * BT + tl.arange(0, BT)
-            k_a, k_b = _fp4_key_tile(kp_ptr, ks_ptr, t, t < vmax, BT, D, MODE)
-            if ONE_S:
-                score = _head_reduce(k_a, k_b, q_a, q_b, w, BT, BS, HP, MODE)
-                score = tl.where(t[:, None] < vis[None, :], score, float("-inf"))
-                ptrs = out_ptr + s_idx[None, :].to(tl.int64) * stride_os + t[:, None]
-                tl.store(ptrs, score, mask=(t < T)[:, None] & s_ok[None, :])
-            else:
-                for i in range(n_s):
-                    s0 = (first_s + i) * BS
-                    qa, qb, wi = _load_queries(q_ptr, w_ptr, s0, S, H, stride_qs, stride_qh, stride_ws,
-                                               BS, HP, D, MODE)
-                    score = _head_reduce(k_a, k_b, qa, qb, wi, BT, BS, HP, MODE)
-                    si = s0 + tl.arange(0, BS)
-                    vi = tl.load(vis_ptr + si, mask=si < S, other=0)
-                    score = tl.where(t[:, None] < vi[None, :], score, float("-inf"))
-                    ptrs = out_ptr + si[None, :].to(tl.int64) * stride_os + t[:, None]
-                    tl.store(ptrs, score, mask=(t < T)[:, None] & (si < S)[None, :])
-        for j in range(n_live, n_t):
-            t = (first_t + j) * BT + tl.arange(0, BT)
+            score = _head_reduce(k_a, k_b, q_a, q_b, w, BT, BS, HP, MODE)
+            score = tl.where(t[:, None] < vis[None, :], score, float("-inf"))
+            ptrs = out_ptr + s_idx[None, :].to(tl.int64) * stride_os + t[:, None]
+            tl.store(ptrs, score, mask=(t < T)[:, None] & s_ok[None, :])
+        else:
             for i in range(n_s):
-                si = (first_s + i) * BS + tl.arange(0, BS)
+                s0 = (first_s + i) * BS
+                qa, qb, wi = _load_queries(q_ptr, w_ptr, s0, S, H, stride_qs, stride_qh, stride_ws,
+                                           BS, HP, D, MODE)
+                score = _head_reduce(k_a, k_b, qa, qb, wi, BT, BS, HP, MODE)
+                si = s0 + tl.arange(0, BS)
+                vi = tl.load(vis_ptr + si, mask=si < S, other=0)
+                score = tl.where(t[:, None] < vi[None, :], score, float("-inf"))
                 ptrs = out_ptr + si[None, :].to(tl.int64) * stride_os + t[:, None]
-                tl.store(ptrs, tl.full((BT, BS), float("-inf"), tl.float32), mask=(t < T)[:, None] & (si < S)[None, :])
+                tl.store(ptrs, score, mask=(t < T)[:, None] & (si < S)[None, :])
+    for j in range(n_live, n_t):
+        t = (first_t + j) * BT + tl.arange(0, BT)
+        for i in range(n_s):
+            si = (first_s + i) * BS + tl.arange(0, BS)
+            ptrs = out_ptr + si[None, :].to(tl.int64) * stride_os + t[:, None]
+            tl.store(ptrs, tl.full((BT, BS), float("-inf"), tl.float32), mask=(t < T)[:, None] & (si < S)[None, :])
 
-    @triton.jit
-    def _pool_kernel(q_ptr, kp_ptr, ks_ptr, w_ptr, vis_ptr, blk_ptr, out_ptr,
-                     S, T, H, E, block_size, stride_qs, stride_qh, stride_ws, stride_bs, stride_os, tiles_per_prog,
-                     BT: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
-        s = tl.program_id(0)
-        pid = tl.program_id(1)
-        vis = tl.minimum(tl.load(vis_ptr + s), T)
-        q_even, q_odd, w = _load_queries(q_ptr, w_ptr, s, S, H, stride_qs, stride_qh, stride_ws, 1, HP, D, MODE)
-        for i in range(tiles_per_prog):
-            f = (pid * tiles_per_prog + i) * BT + tl.arange(0, BT)  # columns of the pool layout
-            f_ok = f < E
-            slot = f // block_size
-            blk = tl.load(blk_ptr + s.to(tl.int64) * stride_bs + slot, mask=f_ok, other=-1)
-            entry = blk * block_size + (f - slot * block_size)
-            ok = f_ok & (blk >= 0) & (entry < vis)
-            out = out_ptr + s.to(tl.int64) * stride_os + f
-            if tl.max(ok.to(tl.int32), axis=0) > 0:
-                k_even, k_odd = _fp4_key_tile(kp_ptr, ks_ptr, entry, ok, BT, D, MODE)
-                score = tl.reshape(_head_reduce(k_even, k_odd, q_even, q_odd, w, BT, 1, HP, MODE), (BT,))
-                tl.store(out, tl.where(ok, score, float("-inf")), mask=f_ok)
-            else:
-                tl.store(out, tl.full((BT,), float("-inf"), tl.float32), mask=f_ok)
+
+@triton.jit
+def _pool_kernel(q_ptr, kp_ptr, ks_ptr, w_ptr, vis_ptr, blk_ptr, out_ptr,
+                 S, T, H, E, block_size, stride_qs, stride_qh, stride_ws, stride_bs, stride_os, tiles_per_prog,
+                 BT: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
+    s = tl.program_id(0)
+    pid = tl.program_id(1)
+    vis = tl.minimum(tl.load(vis_ptr + s), T)
+    q_even, q_odd, w = _load_queries(q_ptr, w_ptr, s, S, H, stride_qs, stride_qh, stride_ws, 1, HP, D, MODE)
+    for i in range(tiles_per_prog):
+        f = (pid * tiles_per_prog + i) * BT + tl.arange(0, BT)  # columns of the pool layout
+        f_ok = f < E
+        slot = f // block_size
+        blk = tl.load(blk_ptr + s.to(tl.int64) * stride_bs + slot, mask=f_ok, other=-1)
+        entry = blk * block_size + (f - slot * block_size)
+        ok = f_ok & (blk >= 0) & (entry < vis)
+        out = out_ptr + s.to(tl.int64) * stride_os + f
+        if tl.max(ok.to(tl.int32), axis=0) > 0:
+            k_even, k_odd = _fp4_key_tile(kp_ptr, ks_ptr, entry, ok, BT, D, MODE)
+            score = tl.reshape(_head_reduce(k_even, k_odd, q_even, q_odd, w, BT, 1, HP, MODE), (BT,))
+            tl.store(out, tl.where(ok, score, float("-inf")), mask=f_ok)
+        else:
+            tl.store(out, tl.full((BT,), float("-inf"), tl.float32), mask=f_ok)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -32,10 +32,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
-from dsv4.fast.kernels import use_triton
+from dsv4.fast.kernels import tl, triton, use_triton
 from dsv4.fast.kernels.torch_math import exp
 from dsv4.reference.mhc import hc_collapse, hc_expand, hc_project, hc_split_sinkhorn
 

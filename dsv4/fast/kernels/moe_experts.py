@@ -72,10 +72,8 @@ import os
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from dsv4.fast.kernels import use_triton
+from dsv4.fast.kernels import tl, triton, use_triton
 from dsv4.fast.kernels.attention import _to_bf16
 from dsv4.quant import dequantize_mxfp4
 

@@ -24,10 +24,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from dsv4.fast.kernels import use_triton
+from dsv4.fast.kernels import tl, triton, use_triton
 from dsv4.fast.kernels.torch_math import exp, log1p
 from dsv4.reference.moe import route, router_scores
 

@@ -22,11 +22,9 @@ give unspecified bytes. Where `use_triton(x)` is false the ops call `dsv4.quant`
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from dsv4 import quant as ref
-from dsv4.fast.kernels import use_triton
+from dsv4.fast.kernels import tl, triton, use_triton
 
 __all__ = ["fp8_quant", "mxfp4_quant", "nvfp4_quant"]
 

@@ -35,14 +35,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsv4.fast.kernels import use_triton
+from dsv4.fast.kernels import tl, triton, use_triton
 from dsv4.reference.indexer import top_entries
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch twin still serves
-    triton = None
 
 __all__ = ["topk_select", "topk_select_pool", "twin_topk_select_pool"]
 
@@ -60,171 +54,174 @@ STAGE_MIN_CHUNK = 4096
 FILL_PROGRAMS = 256
 
 
-if triton is not None:
+# globals a kernel reads must be constexpr objects (an annotation is not enough for compiled Triton;
+# the interpreter accepts either, so only the GPU would notice)
+INT_MIN = tl.constexpr(-2147483648)
+# keys (signed int32, ordered like the floats) of -inf and of the canonical NaN 0x7FC00000
+NEG_KEY = tl.constexpr(-2139095041)  # 0xFF800000 ^ 0x7FFFFFFF = 0x807FFFFF
+NAN_KEY = tl.constexpr(2143289344)  # 0x7FC00000
 
-    # globals a kernel reads must be constexpr objects (an annotation is not enough for compiled Triton;
-    # the interpreter accepts either, so only the GPU would notice)
-    INT_MIN = tl.constexpr(-2147483648)
-    # keys (signed int32, ordered like the floats) of -inf and of the canonical NaN 0x7FC00000
-    NEG_KEY = tl.constexpr(-2139095041)  # 0xFF800000 ^ 0x7FFFFFFF = 0x807FFFFF
-    NAN_KEY = tl.constexpr(2143289344)  # 0x7FC00000
 
-    @triton.jit
-    def _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL: tl.constexpr):
-        """(key, ent, inb) for columns `cols`: order-preserving int32 keys (-inf past T and where the entry is
-        -1), the entry id of each column (POOL 0: the column; 1: from the block table; 2: read from blk_ptr
-        per column; -1 in -1 blocks), and cols < T."""
-        inb = cols < T
-        x = tl.load(s_ptr + row_off + cols, mask=inb, other=float("-inf"))
-        bits = x.to(tl.int32, bitcast=True)
-        bits = tl.where(bits == INT_MIN, 0, bits)  # -0.0 -> +0.0
-        bits = tl.where(x != x, 2143289344, bits)  # noqa: PLR0124 -- any NaN -> 0x7FC00000
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        if POOL == 1:
-            slot = cols // block_size
-            blk = tl.load(blk_ptr + blk_off + slot, mask=inb, other=-1)
-            ent = tl.where(blk >= 0, blk * block_size + (cols - slot * block_size), -1)
-            key = tl.where(blk >= 0, key, NEG_KEY)
-        elif POOL == 2:  # explicit entry ids per column (a second stage's candidates)
-            ent = tl.load(blk_ptr + blk_off + cols, mask=inb, other=-1).to(tl.int32)
-            key = tl.where(ent >= 0, key, NEG_KEY)
+@triton.jit
+def _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL: tl.constexpr):
+    """(key, ent, inb) for columns `cols`: order-preserving int32 keys (-inf past T and where the entry is
+    -1), the entry id of each column (POOL 0: the column; 1: from the block table; 2: read from blk_ptr
+    per column; -1 in -1 blocks), and cols < T."""
+    inb = cols < T
+    x = tl.load(s_ptr + row_off + cols, mask=inb, other=float("-inf"))
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == INT_MIN, 0, bits)  # -0.0 -> +0.0
+    bits = tl.where(x != x, 2143289344, bits)  # noqa: PLR0124 -- any NaN -> 0x7FC00000
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    if POOL == 1:
+        slot = cols // block_size
+        blk = tl.load(blk_ptr + blk_off + slot, mask=inb, other=-1)
+        ent = tl.where(blk >= 0, blk * block_size + (cols - slot * block_size), -1)
+        key = tl.where(blk >= 0, key, NEG_KEY)
+    elif POOL == 2:  # explicit entry ids per column (a second stage's candidates)
+        ent = tl.load(blk_ptr + blk_off + cols, mask=inb, other=-1).to(tl.int32)
+        key = tl.where(ent >= 0, key, NEG_KEY)
+    else:
+        ent = cols
+    return key, ent, inb
+
+
+@triton.jit
+def _select_values(key, ent, inb, thr_key, ID_MODE: tl.constexpr):
+    """The values a search ranks (unsigned order, as int32 bits) and which columns take part."""
+    if ID_MODE:
+        return 0x7FFFFFFF - ent, inb & (key == thr_key)
+    else:
+        return key ^ INT_MIN, inb
+
+
+@triton.jit
+def _bisect_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, k_rem, thr_key,
+                   ID_MODE: tl.constexpr, POOL: tl.constexpr, BLOCK: tl.constexpr):
+    """_radix_select for a row of at most BLOCK columns, held in registers: the k_rem-th largest value is
+    built from the top bit down, keeping a bit when at least k_rem values reach the prefix with it."""
+    key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, tl.arange(0, BLOCK), T, block_size, POOL)
+    v, ok = _select_values(key, ent, inb, thr_key, ID_MODE)
+    w = v ^ INT_MIN  # signed, in the order of v as unsigned
+    prefix = tl.zeros((), tl.int32)
+    for b in tl.static_range(32):
+        if b == 0:
+            cand = prefix | INT_MIN
         else:
-            ent = cols
-        return key, ent, inb
+            cand = prefix | (1 << (31 - b))
+        reach = tl.sum((ok & (w >= (cand ^ INT_MIN))).to(tl.int32), axis=0)
+        prefix = tl.where(reach >= k_rem, cand, prefix)
+    thr = prefix ^ INT_MIN
+    above = tl.sum((ok & (w > thr)).to(tl.int32), axis=0)
+    cnt = tl.sum((ok & (w == thr)).to(tl.int32), axis=0)
+    n_nan = tl.sum((inb & (key == NAN_KEY)).to(tl.int32), axis=0)
+    return prefix, k_rem - above, cnt, n_nan
 
-    @triton.jit
-    def _select_values(key, ent, inb, thr_key, ID_MODE: tl.constexpr):
-        """The values a search ranks (unsigned order, as int32 bits) and which columns take part."""
-        if ID_MODE:
-            return 0x7FFFFFFF - ent, inb & (key == thr_key)
+
+@triton.jit
+def _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, k_rem, thr_key,
+                  ID_MODE: tl.constexpr, POOL: tl.constexpr, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
+    """The k_rem-th largest value v over the row, by four 8-bit digit passes (most significant first), or
+    by bisection when the row is RESIDENT (one chunk). Values: v = key ^ INT_MIN (keys as unsigned) or,
+    ID_MODE, v = 0x7FFFFFFF - entry id over the columns whose key == thr_key (the largest v = the smallest
+    id). Returns (v as int32 bits, the rank left within the values equal to it, how many values equal it,
+    how many keys are NaN (not ID_MODE))."""
+    if RESIDENT:
+        return _bisect_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, k_rem, thr_key,
+                              ID_MODE, POOL, BLOCK)
+    prefix = tl.zeros((), tl.int32)
+    cnt = tl.zeros((), tl.int32)
+    n_nan = tl.zeros((), tl.int32)
+    bins = tl.arange(0, 256)
+    for p in tl.static_range(4):
+        SH = 24 - 8 * p  # a constexpr: p is a static_range index
+        hist = tl.zeros((256,), tl.int32)
+        for c in range(0, T, BLOCK):
+            cols = c + tl.arange(0, BLOCK)
+            key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL)
+            v, ok = _select_values(key, ent, inb, thr_key, ID_MODE)
+            if p == 0:
+                n_nan += tl.sum((inb & (key == NAN_KEY)).to(tl.int32), axis=0)
+            if p > 0:
+                HM = -(1 << (SH + 8))
+                ok = ok & ((v & HM) == prefix)
+            hist += tl.histogram((v >> SH) & 255, 256, mask=ok)
+        total = tl.sum(hist, axis=0)
+        ge = total - tl.cumsum(hist, axis=0) + hist  # values with digit >= bin
+        b = tl.sum((ge >= k_rem).to(tl.int32), axis=0) - 1  # ge is non-increasing
+        at = bins == b
+        k_rem -= tl.sum(tl.where(at, ge - hist, 0), axis=0)
+        cnt = tl.sum(tl.where(at, hist, 0), axis=0)
+        prefix = prefix | (b << SH)
+    return prefix, k_rem, cnt, n_nan
+
+
+@triton.jit
+def _topk_kernel(s_ptr, blk_ptr, out_ptr, T, K, block_size, stride_s, stride_b, stride_o,
+                 POOL: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr, KEEP_ALL: tl.constexpr,
+                 RESIDENT: tl.constexpr):
+    """One row per program. KEEP_ALL (a first stage): the columns of all K picks, -inf and NaN ones
+    included, in column order."""
+    row = tl.program_id(0)
+    row_off = row.to(tl.int64) * stride_s
+    blk_off = row.to(tl.int64) * stride_b
+    out = out_ptr + row.to(tl.int64) * stride_o
+    u, need, cnt_eq, n_nan = _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, K, 0,
+                                           False, POOL, BLOCK, RESIDENT)
+    thr = u ^ INT_MIN  # the k-th largest key; `need` of the keys equal to it are picks
+    thr_valid = (thr != NEG_KEY) & (thr != NAN_KEY)
+    ar = tl.arange(0, BLOCK)
+    if POOL:
+        # a cut tie at a selectable threshold goes to the lowest entry ids: find the need-th smallest
+        if thr_valid & (cnt_eq > need):
+            v_thr, _r, _c, _n = _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, need, thr,
+                                              True, POOL, BLOCK, RESIDENT)
+            use_id = tl.full((), 1, tl.int32)
         else:
-            return key ^ INT_MIN, inb
-
-    @triton.jit
-    def _bisect_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, k_rem, thr_key,
-                       ID_MODE: tl.constexpr, POOL: tl.constexpr, BLOCK: tl.constexpr):
-        """_radix_select for a row of at most BLOCK columns, held in registers: the k_rem-th largest value is
-        built from the top bit down, keeping a bit when at least k_rem values reach the prefix with it."""
-        key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, tl.arange(0, BLOCK), T, block_size, POOL)
-        v, ok = _select_values(key, ent, inb, thr_key, ID_MODE)
-        w = v ^ INT_MIN  # signed, in the order of v as unsigned
-        prefix = tl.zeros((), tl.int32)
-        for b in tl.static_range(32):
-            if b == 0:
-                cand = prefix | INT_MIN
-            else:
-                cand = prefix | (1 << (31 - b))
-            reach = tl.sum((ok & (w >= (cand ^ INT_MIN))).to(tl.int32), axis=0)
-            prefix = tl.where(reach >= k_rem, cand, prefix)
-        thr = prefix ^ INT_MIN
-        above = tl.sum((ok & (w > thr)).to(tl.int32), axis=0)
-        cnt = tl.sum((ok & (w == thr)).to(tl.int32), axis=0)
-        n_nan = tl.sum((inb & (key == NAN_KEY)).to(tl.int32), axis=0)
-        return prefix, k_rem - above, cnt, n_nan
-
-    @triton.jit
-    def _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, k_rem, thr_key,
-                      ID_MODE: tl.constexpr, POOL: tl.constexpr, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
-        """The k_rem-th largest value v over the row, by four 8-bit digit passes (most significant first), or
-        by bisection when the row is RESIDENT (one chunk). Values: v = key ^ INT_MIN (keys as unsigned) or,
-        ID_MODE, v = 0x7FFFFFFF - entry id over the columns whose key == thr_key (the largest v = the smallest
-        id). Returns (v as int32 bits, the rank left within the values equal to it, how many values equal it,
-        how many keys are NaN (not ID_MODE))."""
-        if RESIDENT:
-            return _bisect_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, k_rem, thr_key,
-                                  ID_MODE, POOL, BLOCK)
-        prefix = tl.zeros((), tl.int32)
-        cnt = tl.zeros((), tl.int32)
-        n_nan = tl.zeros((), tl.int32)
-        bins = tl.arange(0, 256)
-        for p in tl.static_range(4):
-            SH = 24 - 8 * p  # a constexpr: p is a static_range index
-            hist = tl.zeros((256,), tl.int32)
-            for c in range(0, T, BLOCK):
-                cols = c + tl.arange(0, BLOCK)
-                key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL)
-                v, ok = _select_values(key, ent, inb, thr_key, ID_MODE)
-                if p == 0:
-                    n_nan += tl.sum((inb & (key == NAN_KEY)).to(tl.int32), axis=0)
-                if p > 0:
-                    HM = -(1 << (SH + 8))
-                    ok = ok & ((v & HM) == prefix)
-                hist += tl.histogram((v >> SH) & 255, 256, mask=ok)
-            total = tl.sum(hist, axis=0)
-            ge = total - tl.cumsum(hist, axis=0) + hist  # values with digit >= bin
-            b = tl.sum((ge >= k_rem).to(tl.int32), axis=0) - 1  # ge is non-increasing
-            at = bins == b
-            k_rem -= tl.sum(tl.where(at, ge - hist, 0), axis=0)
-            cnt = tl.sum(tl.where(at, hist, 0), axis=0)
-            prefix = prefix | (b << SH)
-        return prefix, k_rem, cnt, n_nan
-
-    @triton.jit
-    def _topk_kernel(s_ptr, blk_ptr, out_ptr, T, K, block_size, stride_s, stride_b, stride_o,
-                     POOL: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr, KEEP_ALL: tl.constexpr,
-                     RESIDENT: tl.constexpr):
-        """One row per program. KEEP_ALL (a first stage): the columns of all K picks, -inf and NaN ones
-        included, in column order."""
-        row = tl.program_id(0)
-        row_off = row.to(tl.int64) * stride_s
-        blk_off = row.to(tl.int64) * stride_b
-        out = out_ptr + row.to(tl.int64) * stride_o
-        u, need, cnt_eq, n_nan = _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, K, 0,
-                                               False, POOL, BLOCK, RESIDENT)
-        thr = u ^ INT_MIN  # the k-th largest key; `need` of the keys equal to it are picks
-        thr_valid = (thr != NEG_KEY) & (thr != NAN_KEY)
-        ar = tl.arange(0, BLOCK)
-        if POOL:
-            # a cut tie at a selectable threshold goes to the lowest entry ids: find the need-th smallest
-            if thr_valid & (cnt_eq > need):
-                v_thr, _r, _c, _n = _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, need, thr,
-                                                  True, POOL, BLOCK, RESIDENT)
-                use_id = tl.full((), 1, tl.int32)
-            else:
-                v_thr = tl.zeros((), tl.int32)
-                use_id = tl.zeros((), tl.int32)
-            eq_carry = tl.zeros((), tl.int32)
-            carry = tl.zeros((), tl.int32)
-            for c in range(0, T, BLOCK):
-                cols = c + ar
-                key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL)
-                eq = (inb & (key == thr)).to(tl.int32)
-                rank = eq_carry + tl.cumsum(eq, axis=0) - eq
-                by_id = (0x7FFFFFFF - ent) >= v_thr
-                tie_ok = tl.where(use_id != 0, by_id, rank < need)
-                sel = (inb & (key > thr)) | ((eq != 0) & tie_ok)
-                si = sel.to(tl.int32)
-                pos = carry + tl.cumsum(si, axis=0) - si
-                valid = (key != NEG_KEY) & (key != NAN_KEY)
-                picked = cols if KEEP_ALL else tl.where(valid, ent, -1)
-                tl.store(out + pos, picked.to(tl.int64), mask=sel)
-                eq_carry += tl.sum(eq, axis=0)
-                carry += tl.sum(si, axis=0)
-            if not KEEP_ALL:
-                tl.debug_barrier()  # the compaction's stores, made by other threads of this program
-                kk = tl.arange(0, KP)
-                ids = tl.load(out + kk, mask=kk < K, other=2147483647).to(tl.int32)
-                tl.store(out + kk, tl.sort(ids).to(tl.int64), mask=kk < K)
-        else:
-            # picks that are not selectable (-inf or NaN) lead as -1s; valid picks follow in column order
-            n_valid = (K - need) - tl.where(thr != NAN_KEY, n_nan, 0) + tl.where(thr_valid, need, 0)
-            m = 0 if KEEP_ALL else K - n_valid
-            for c in range(0, m, BLOCK):
-                pos = c + ar
-                tl.store(out + pos, tl.full((BLOCK,), -1, tl.int64), mask=pos < m)
-            eq_carry = tl.zeros((), tl.int32)
-            carry = tl.zeros((), tl.int32)
-            for c in range(0, T, BLOCK):
-                cols = c + ar
-                key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL)
-                eq = (inb & (key == thr)).to(tl.int32)
-                rank = eq_carry + tl.cumsum(eq, axis=0) - eq
-                sel = (inb & (key > thr)) | ((eq != 0) & (rank < need))
-                vs = (sel if KEEP_ALL else sel & (key != NEG_KEY) & (key != NAN_KEY)).to(tl.int32)
-                pos = m + carry + tl.cumsum(vs, axis=0) - vs
-                tl.store(out + pos, cols.to(tl.int64), mask=vs != 0)
-                eq_carry += tl.sum(eq, axis=0)
-                carry += tl.sum(vs, axis=0)
+            v_thr = tl.zeros((), tl.int32)
+            use_id = tl.zeros((), tl.int32)
+        eq_carry = tl.zeros((), tl.int32)
+        carry = tl.zeros((), tl.int32)
+        for c in range(0, T, BLOCK):
+            cols = c + ar
+            key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL)
+            eq = (inb & (key == thr)).to(tl.int32)
+            rank = eq_carry + tl.cumsum(eq, axis=0) - eq
+            by_id = (0x7FFFFFFF - ent) >= v_thr
+            tie_ok = tl.where(use_id != 0, by_id, rank < need)
+            sel = (inb & (key > thr)) | ((eq != 0) & tie_ok)
+            si = sel.to(tl.int32)
+            pos = carry + tl.cumsum(si, axis=0) - si
+            valid = (key != NEG_KEY) & (key != NAN_KEY)
+            picked = cols if KEEP_ALL else tl.where(valid, ent, -1)
+            tl.store(out + pos, picked.to(tl.int64), mask=sel)
+            eq_carry += tl.sum(eq, axis=0)
+            carry += tl.sum(si, axis=0)
+        if not KEEP_ALL:
+            tl.debug_barrier()  # the compaction's stores, made by other threads of this program
+            kk = tl.arange(0, KP)
+            ids = tl.load(out + kk, mask=kk < K, other=2147483647).to(tl.int32)
+            tl.store(out + kk, tl.sort(ids).to(tl.int64), mask=kk < K)
+    else:
+        # picks that are not selectable (-inf or NaN) lead as -1s; valid picks follow in column order
+        n_valid = (K - need) - tl.where(thr != NAN_KEY, n_nan, 0) + tl.where(thr_valid, need, 0)
+        m = 0 if KEEP_ALL else K - n_valid
+        for c in range(0, m, BLOCK):
+            pos = c + ar
+            tl.store(out + pos, tl.full((BLOCK,), -1, tl.int64), mask=pos < m)
+        eq_carry = tl.zeros((), tl.int32)
+        carry = tl.zeros((), tl.int32)
+        for c in range(0, T, BLOCK):
+            cols = c + ar
+            key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL)
+            eq = (inb & (key == thr)).to(tl.int32)
+            rank = eq_carry + tl.cumsum(eq, axis=0) - eq
+            sel = (inb & (key > thr)) | ((eq != 0) & (rank < need))
+            vs = (sel if KEEP_ALL else sel & (key != NEG_KEY) & (key != NAN_KEY)).to(tl.int32)
+            pos = m + carry + tl.cumsum(vs, axis=0) - vs
+            tl.store(out + pos, cols.to(tl.int64), mask=vs != 0)
+            eq_carry += tl.sum(eq, axis=0)
+            carry += tl.sum(vs, axis=0)
 
 
 def _pow2(n: int) -> int:

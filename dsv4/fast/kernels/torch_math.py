@@ -7,9 +7,7 @@ values. The interpreter has no libdevice: with `ACCURATE` off, Triton's exp and 
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
-from triton.language.extra import libdevice
+from dsv4.fast.kernels import libdevice, tl, triton
 
 
 @triton.jit
