@@ -80,3 +80,25 @@ def test_decoder_replay_on_vs_off_is_reported(tool, tiny_v41_dir):
     assert report["logits"]["max_abs"] > 0 and not report["ok"]
     short = tool("compare").compare(tiny_v41_dir, "reference", "reference-replay", seq_len=config.sliding_window)
     assert short["ok"] and short["logits"]["max_abs"] == 0  # a prompt within one window replays everything
+
+
+@pytest.mark.usefixtures("kernel_twins")
+@pytest.mark.parametrize("model", ["tiny_v4_dir", "tiny_v41_dir"])
+def test_fast_against_the_reference(tool, request, model):
+    """The fast model as a side (off the GPU: its kernels' twins), rounding-free by default: every layer and
+    the logits agree to float32 summation order."""
+    report = tool("compare").compare(request.getfixturevalue(model), "reference", "fast", seq_len=40)
+    assert report["quant_sim"] is False
+    assert all(row["rel"] <= 1e-5 for row in report["layers"]), [row["rel"] for row in report["layers"]]
+    assert report["logits"]["top1"] == 1 and report["logits"]["rel"] <= 1e-5
+    assert report["first_divergence"] is None and report["ok"]
+
+
+@pytest.mark.usefixtures("kernel_twins")
+def test_fast_side_with_a_perturbed_weight_is_located(tool, edited_checkpoint, tiny_v4_dir):
+    """The fast side's layer states are recorded as the reference's are: a change to one layer's stream
+    mixing (hc base past pre: post and comb) is named there."""
+    changed = perturbed(edited_checkpoint, tiny_v4_dir, "layers.3.hc_ffn_base", slice(4, None))
+    report = tool("compare").compare(tiny_v4_dir, "reference", "fast", model_b=changed, seq_len=40)
+    assert report["first_divergence"]["layer"] == 3 and report["first_divergence"]["module"] == "mhc"
+    assert not report["ok"]

@@ -2,6 +2,7 @@
 
     python tools/compare.py --model DIR --a reference --b transformers --first-divergence
     python tools/compare.py --model DIR --model-b TWIN_DIR --a reference --b reference --quant-sim
+    python tools/compare.py --model DIR --a reference --b fast --first-divergence   # GPU: bf16, the kernels
 
 Both sides run the same prompt (`--prompt-ids 1,2,3`, or `--seq-len N --seed S` random ids). Printed per
 layer (the residual streams after each block) and for the final logits: max abs error, relative error
@@ -78,12 +79,9 @@ def _recording(blocks: list[dict[str, nn.Module]]) -> Iterator[list[dict[str, to
 
 
 # ----------------------------------------------------------------------------- implementations
-def load_reference(model_dir: Path, dtype: torch.dtype, quant_sim: bool, decoder_replay: bool = False) -> Runner:
-    """dsv4's reference model; layer states through `hidden_states`' layer hook. With decoder_replay
-    (V4.1), the decoder layers and the logits cover only the prompt's last window."""
-    from dsv4.reference.model import load_model
-
-    model = load_model(str(model_dir), dtype, quant_sim, progress=False, decoder_replay=decoder_replay)
+def _dsv4_runner(model) -> Runner:
+    """Layer states of a dsv4 model (reference or fast) through `hidden_states`' layer hook, on the host."""
+    device = model.embed.weight.device
     sublayers = [
         {label: getattr(block, label) for label in ("engram", "attn", "ffn") if hasattr(block, label)}
         for block in model.layers
@@ -94,10 +92,32 @@ def load_reference(model_dir: Path, dtype: torch.dtype, quant_sim: bool, decoder
             def keep(layer_id: int, h: torch.Tensor) -> None:
                 records[layer_id]["out"] = h.detach().float()
 
-            logits = model.logits(model.hidden_states(ids, keep))
-        return Trace(records, logits.float())
+            logits = model.logits(model.hidden_states(ids.to(device), keep))
+        records = [{label: t.cpu() for label, t in record.items()} for record in records]
+        return Trace(records, logits.float().cpu())
 
     return run
+
+
+def load_reference(model_dir: Path, dtype: torch.dtype, quant_sim: bool, decoder_replay: bool = False) -> Runner:
+    """dsv4's reference model. With decoder_replay (V4.1), the decoder layers and the logits cover only the
+    prompt's last window."""
+    from dsv4.reference.model import load_model
+
+    return _dsv4_runner(load_model(str(model_dir), dtype, quant_sim, progress=False, decoder_replay=decoder_replay))
+
+
+def load_fast(model_dir: Path, dtype: torch.dtype, quant_sim: bool) -> Runner:
+    """dsv4's fast model: on a GPU its kernels (bfloat16 only), elsewhere the kernels' reference twins.
+    quant_sim keeps its caches in the released packed formats; its linears never round their activations
+    to FP8 (the reference's quant_sim does), so the like-for-like comparison with the reference is the
+    rounding-free one, quant_sim off (the default when fast is a side)."""
+    from dsv4.fast.model import make_fast
+    from dsv4.reference.model import load_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_model(str(model_dir), dtype, quant_sim, progress=False).to(device)
+    return _dsv4_runner(make_fast(model, packed_kv=quant_sim))
 
 
 def _is_transformers_dir(model_dir: Path) -> bool:
@@ -129,6 +149,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Path, torch.dtype, bool], Runner]] = {
     "reference": load_reference,
     "reference-replay": functools.partial(load_reference, decoder_replay=True),
     "transformers": load_transformers,
+    "fast": load_fast,
 }
 
 
@@ -210,7 +231,8 @@ def compare(
 ) -> dict:
     """Run implementation `a` on `model` and `b` on `model_b` (default: the same directory) and report.
 
-    quant_sim defaults to off when transformers is one side (it has no FP8 simulation), else on.
+    quant_sim defaults to off when transformers is one side (it has no FP8 simulation) or fast is (it rounds
+    no activations), else on.
     The report's "ok" is False when the final logits' max abs error exceeds tol * max |logit of a|.
     """
     for name in (a, b):
@@ -219,7 +241,7 @@ def compare(
     dir_a = resolve_model_dir(model)
     dir_b = resolve_model_dir(model_b) if model_b is not None else dir_a
     if quant_sim is None:
-        quant_sim = "transformers" not in (a, b)
+        quant_sim = not {"transformers", "fast"} & {a, b}
     config = Dsv4Config.from_json(dir_a)
     ids = torch.tensor([prompt_ids]) if prompt_ids is not None else random_prompt(config, seq_len, seed)
     # one model in memory at a time: each runner (and its model) is dropped after its pass
@@ -290,7 +312,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quant-sim",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="the official FP8/FP4 precision steps in dsv4 (default: off against transformers, else on)",
+        help="the official FP8/FP4 precision steps in dsv4 (default: off against transformers or fast, else on)",
     )
     p.add_argument("--first-divergence", action="store_true", help="name the first divergent layer and sublayer")
     p.add_argument("--tol", type=float, default=1e-4, help="relative tolerance (of max |a|)")
