@@ -54,6 +54,16 @@ def parse_args(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None
     return args
 
 
+def fresh_compile_caches() -> None:
+    """Point inductor's and Triton's caches at a new empty directory, so this process compiles what its code
+    says (a run of another tree cannot serve it). Call before torch is imported."""
+    import tempfile
+
+    cache = tempfile.mkdtemp()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
+
+
 def git_commit() -> str:
     """$DSV4_COMMIT when set (the launcher knows what it sent); else HEAD of this checkout (+ "-dirty" if
     tracked files differ); else "unknown". The device machine's copy of the tree may carry a stale .git."""

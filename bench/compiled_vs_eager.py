@@ -8,13 +8,11 @@ random model turns any difference into a large one: a routing or top-k choice fl
 import json
 import os
 import sys
-import tempfile
-
-cache = tempfile.mkdtemp()  # empty inductor and Triton caches: this process compiles what its code says
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
-os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
 
 import common
+
+common.fresh_compile_caches()
+
 import torch
 from full_width import build_random_model, fill_slots, full_width_config, random_ids
 

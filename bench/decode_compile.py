@@ -12,15 +12,12 @@ the decode tokens were drawn from the prompt's generator then.)"""
 import json
 import os
 import sys
-import tempfile
-
-cache = tempfile.mkdtemp()
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
-os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
-
 import time
 
 import common
+
+common.fresh_compile_caches()
+
 import torch
 from full_width import build_random_model, fill_slots, full_width_config, random_ids
 from safetensors.torch import load_file, save_file

@@ -112,11 +112,12 @@ def load_fast(model_dir: Path, dtype: torch.dtype, quant_sim: bool) -> Runner:
     quant_sim keeps its caches in the released packed formats; its linears never round their activations
     to FP8 (the reference's quant_sim does), so the like-for-like comparison with the reference is the
     rounding-free one, quant_sim off (the default when fast is a side)."""
+    from dsv4.checkpoint import to_device
+    from dsv4.engine.llm import default_device
     from dsv4.fast.model import make_fast
     from dsv4.reference.model import load_model
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_model(str(model_dir), dtype, quant_sim, progress=False).to(device)
+    model = to_device(load_model(str(model_dir), dtype, quant_sim, progress=False), default_device("fast"))
     return _dsv4_runner(make_fast(model, packed_kv=quant_sim))
 
 
