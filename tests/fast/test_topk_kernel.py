@@ -171,8 +171,8 @@ def test_streamed_and_resident_searches_pick_the_same(S, nb, bs, k, pooled, kind
     K = min(k, x.shape[1])
     want = tk.twin_topk_select_pool(x, blocks, bs, k) if pooled else top_entries(x, k)
     table = blocks if pooled else None
-    assert torch.equal(tk._launch(x, table, bs, K, block=32, resident=False), want)
-    assert torch.equal(tk._launch(x, table, bs, K, resident=True), want)
+    assert torch.equal(tk._launch(x, K, not pooled, table, bs, block=32, resident=False), want)
+    assert torch.equal(tk._launch(x, K, not pooled, table, bs, resident=True), want)
 
 
 @needs_interp
@@ -190,13 +190,14 @@ def test_two_stage_select_matches_top_entries(S, T, k, chunk, kind, neg_inf, nan
 @needs_interp
 def test_long_dense_candidates_are_selected_in_stages_again(monkeypatch):
     """With chunks of 16, 300 columns and k = 4 take four launches (300 -> 76 -> 20 -> 8 candidates -> the
-    picks), and the picks are top_entries'."""
+    picks: three stages of 16-column parts, then one program a row), and the picks are top_entries'."""
     x = make_scores(2, 300, "ints", 7, neg_inf=0.3, nan=0.05)
     launches = []
     real = tk._launch
-    monkeypatch.setattr(tk, "_launch", lambda s, *a, **kw: launches.append(s.shape[1]) or real(s, *a, **kw))
+    monkeypatch.setattr(tk, "_launch",
+                        lambda s, *a, **kw: launches.append((s.shape[1], kw.get("part"))) or real(s, *a, **kw))
     assert torch.equal(tk._select(x, None, 1, 4, chunk=16), top_entries(x, 4))
-    assert launches == [16, 16, 16, 8]
+    assert launches == [(300, 16), (76, 16), (20, 16), (8, None)]
 
 
 def test_few_long_rows_take_small_chunks():

@@ -26,6 +26,8 @@ Dense: columns are visited in order, so the output comes out ascending and the t
 column order"; picks that are -inf/NaN are written as the leading -1s. Pool: when the tie at `thr` is
 actually cut, a second search of the same kind finds the need-th smallest entry id among the tied keys;
 the compacted entry ids (k of them) are then sorted in-kernel (tl.sort).
+Long rows go in stages (`_select`): programs per (row, chunk) keep each chunk's top k, ids and scores, read
+straight from the row (no padded or gathered copies), and the next launch selects among those candidates.
 No host syncs: capturable in CUDA graphs. Work per row: 2 reads of a resident row (pool with a cut tie: 3);
 5 of a streamed one (9), which after the first come from L2 for rows up to a few MB.
 """
@@ -33,7 +35,6 @@ No host syncs: capturable in CUDA graphs. Work per row: 2 reads of a resident ro
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dsv4.fast.kernels import tl, triton, use_triton
 from dsv4.reference.indexer import top_entries
@@ -63,27 +64,36 @@ NAN_KEY = tl.constexpr(2143289344)  # 0x7FC00000
 
 
 @triton.jit
-def _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL: tl.constexpr):
-    """(key, ent, inb) for columns `cols`: order-preserving int32 keys (-inf past T and where the entry is
-    -1), the entry id of each column (POOL 0: the column; 1: from the block table; 2: read from blk_ptr
-    per column; -1 in -1 blocks), and cols < T."""
-    inb = cols < T
-    x = tl.load(s_ptr + row_off + cols, mask=inb, other=float("-inf"))
+def _chunk_keys(s_ptr, id_ptr, col0, cols, width, n, block_size, IDS: tl.constexpr):
+    """(key, ent, inb) for the columns `cols` of a part that starts at row column col0 (s_ptr points there):
+    order-preserving int32 keys (-inf past the n loadable columns and where the entry is -1), the entry id
+    of each column (IDS 0: the row column; 1: from the row's block table; 2: read per column from id_ptr,
+    which points at the part's first; -1 in -1 blocks), and cols < width (the columns the part ranks)."""
+    inb = cols < width
+    ld = inb & (cols < n)
+    x = tl.load(s_ptr + cols, mask=ld, other=float("-inf"))
     bits = x.to(tl.int32, bitcast=True)
     bits = tl.where(bits == INT_MIN, 0, bits)  # -0.0 -> +0.0
     bits = tl.where(x != x, 2143289344, bits)  # noqa: PLR0124 -- any NaN -> 0x7FC00000
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    if POOL == 1:
-        slot = cols // block_size
-        blk = tl.load(blk_ptr + blk_off + slot, mask=inb, other=-1)
-        ent = tl.where(blk >= 0, blk * block_size + (cols - slot * block_size), -1)
+    if IDS == 1:
+        g = col0 + cols
+        slot = g // block_size
+        blk = tl.load(id_ptr + slot, mask=ld, other=-1)
+        ent = tl.where(blk >= 0, blk * block_size + (g - slot * block_size), -1)
         key = tl.where(blk >= 0, key, NEG_KEY)
-    elif POOL == 2:  # explicit entry ids per column (a second stage's candidates)
-        ent = tl.load(blk_ptr + blk_off + cols, mask=inb, other=-1).to(tl.int32)
+    elif IDS == 2:  # a later stage's candidates
+        ent = tl.load(id_ptr + cols, mask=ld, other=-1)
         key = tl.where(ent >= 0, key, NEG_KEY)
     else:
-        ent = cols
+        ent = col0 + cols
     return key, ent, inb
+
+
+@triton.jit
+def _key_score(key):
+    """The fp32 score of an order-preserving key (the map is its own inverse): -0.0 and NaN canonical."""
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -96,11 +106,11 @@ def _select_values(key, ent, inb, thr_key, ID_MODE: tl.constexpr):
 
 
 @triton.jit
-def _bisect_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, k_rem, thr_key,
-                   ID_MODE: tl.constexpr, POOL: tl.constexpr, BLOCK: tl.constexpr):
-    """_radix_select for a row of at most BLOCK columns, held in registers: the k_rem-th largest value is
+def _bisect_select(s_ptr, id_ptr, col0, width, n, block_size, k_rem, thr_key,
+                   ID_MODE: tl.constexpr, IDS: tl.constexpr, BLOCK: tl.constexpr):
+    """_radix_select for a part of at most BLOCK columns, held in registers: the k_rem-th largest value is
     built from the top bit down, keeping a bit when at least k_rem values reach the prefix with it."""
-    key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, tl.arange(0, BLOCK), T, block_size, POOL)
+    key, ent, inb = _chunk_keys(s_ptr, id_ptr, col0, tl.arange(0, BLOCK), width, n, block_size, IDS)
     v, ok = _select_values(key, ent, inb, thr_key, ID_MODE)
     w = v ^ INT_MIN  # signed, in the order of v as unsigned
     prefix = tl.zeros((), tl.int32)
@@ -119,16 +129,15 @@ def _bisect_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, k_rem, thr_k
 
 
 @triton.jit
-def _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, k_rem, thr_key,
-                  ID_MODE: tl.constexpr, POOL: tl.constexpr, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
-    """The k_rem-th largest value v over the row, by four 8-bit digit passes (most significant first), or
-    by bisection when the row is RESIDENT (one chunk). Values: v = key ^ INT_MIN (keys as unsigned) or,
+def _radix_select(s_ptr, id_ptr, col0, width, n, block_size, k_rem, thr_key,
+                  ID_MODE: tl.constexpr, IDS: tl.constexpr, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
+    """The k_rem-th largest value v over the part, by four 8-bit digit passes (most significant first), or
+    by bisection when the part is RESIDENT (one chunk). Values: v = key ^ INT_MIN (keys as unsigned) or,
     ID_MODE, v = 0x7FFFFFFF - entry id over the columns whose key == thr_key (the largest v = the smallest
     id). Returns (v as int32 bits, the rank left within the values equal to it, how many values equal it,
     how many keys are NaN (not ID_MODE))."""
     if RESIDENT:
-        return _bisect_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, k_rem, thr_key,
-                              ID_MODE, POOL, BLOCK)
+        return _bisect_select(s_ptr, id_ptr, col0, width, n, block_size, k_rem, thr_key, ID_MODE, IDS, BLOCK)
     prefix = tl.zeros((), tl.int32)
     cnt = tl.zeros((), tl.int32)
     n_nan = tl.zeros((), tl.int32)
@@ -136,9 +145,9 @@ def _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, k_rem, thr_ke
     for p in tl.static_range(4):
         SH = 24 - 8 * p  # a constexpr: p is a static_range index
         hist = tl.zeros((256,), tl.int32)
-        for c in range(0, T, BLOCK):
+        for c in range(0, width, BLOCK):
             cols = c + tl.arange(0, BLOCK)
-            key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL)
+            key, ent, inb = _chunk_keys(s_ptr, id_ptr, col0, cols, width, n, block_size, IDS)
             v, ok = _select_values(key, ent, inb, thr_key, ID_MODE)
             if p == 0:
                 n_nan += tl.sum((inb & (key == NAN_KEY)).to(tl.int32), axis=0)
@@ -157,105 +166,107 @@ def _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, k_rem, thr_ke
 
 
 @triton.jit
-def _topk_kernel(s_ptr, blk_ptr, out_ptr, T, K, block_size, stride_s, stride_b, stride_o,
-                 POOL: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr, KEEP_ALL: tl.constexpr,
-                 RESIDENT: tl.constexpr):
-    """One row per program. KEEP_ALL (a first stage): the columns of all K picks, -inf and NaN ones
-    included, in column order."""
+def _topk_kernel(s_ptr, id_ptr, out_ptr, out_s_ptr, T, part, K, block_size, stride_s, stride_i, stride_o,
+                 IDS: tl.constexpr, DENSE: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
+                 STAGE: tl.constexpr, RESIDENT: tl.constexpr):
+    """Program (row, p) selects the top K of the row's columns [p * part, (p + 1) * part), those past T at
+    -inf. DENSE: ids ascend with the column, so a cut tie goes to the first columns and the picks come out
+    in order; else (a pool) a cut tie goes to the lowest entry ids and the picks are sorted. STAGE (a first
+    stage): all K picks, -inf and NaN ones included, in column order, as ids (out_ptr) and scores (out_s_ptr)
+    at [row, p * K]; else the row's answer: ids, -1 for -inf/NaN picks, ascending."""
     row = tl.program_id(0)
-    row_off = row.to(tl.int64) * stride_s
-    blk_off = row.to(tl.int64) * stride_b
-    out = out_ptr + row.to(tl.int64) * stride_o
-    u, need, cnt_eq, n_nan = _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, K, 0,
-                                           False, POOL, BLOCK, RESIDENT)
+    col0 = tl.program_id(1) * part
+    s_row = s_ptr + row.to(tl.int64) * stride_s + col0
+    id_row = id_ptr + row.to(tl.int64) * stride_i + (col0 if IDS == 2 else 0)
+    n = T - col0  # loadable columns of this part
+    out = out_ptr + row.to(tl.int64) * stride_o + tl.program_id(1) * K
+    out_s = out_s_ptr + row.to(tl.int64) * stride_o + tl.program_id(1) * K
+    u, need, cnt_eq, n_nan = _radix_select(s_row, id_row, col0, part, n, block_size, K, 0,
+                                           False, IDS, BLOCK, RESIDENT)
     thr = u ^ INT_MIN  # the k-th largest key; `need` of the keys equal to it are picks
     thr_valid = (thr != NEG_KEY) & (thr != NAN_KEY)
     ar = tl.arange(0, BLOCK)
-    if POOL:
+    v_thr = tl.zeros((), tl.int32)
+    use_id = tl.zeros((), tl.int32)
+    m = 0  # leading -1s
+    if DENSE:
+        if not STAGE:  # picks that are not selectable (-inf or NaN) lead as -1s; valid ones follow in order
+            m = K - ((K - need) - tl.where(thr != NAN_KEY, n_nan, 0) + tl.where(thr_valid, need, 0))
+            for c in range(0, m, BLOCK):
+                pos = c + ar
+                tl.store(out + pos, tl.full((BLOCK,), -1, out_ptr.dtype.element_ty), mask=pos < m)
+    elif thr_valid & (cnt_eq > need):
         # a cut tie at a selectable threshold goes to the lowest entry ids: find the need-th smallest
-        if thr_valid & (cnt_eq > need):
-            v_thr, _r, _c, _n = _radix_select(s_ptr, blk_ptr, row_off, blk_off, T, block_size, need, thr,
-                                              True, POOL, BLOCK, RESIDENT)
-            use_id = tl.full((), 1, tl.int32)
-        else:
-            v_thr = tl.zeros((), tl.int32)
-            use_id = tl.zeros((), tl.int32)
-        eq_carry = tl.zeros((), tl.int32)
-        carry = tl.zeros((), tl.int32)
-        for c in range(0, T, BLOCK):
-            cols = c + ar
-            key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL)
-            eq = (inb & (key == thr)).to(tl.int32)
-            rank = eq_carry + tl.cumsum(eq, axis=0) - eq
-            by_id = (0x7FFFFFFF - ent) >= v_thr
-            tie_ok = tl.where(use_id != 0, by_id, rank < need)
-            sel = (inb & (key > thr)) | ((eq != 0) & tie_ok)
-            si = sel.to(tl.int32)
-            pos = carry + tl.cumsum(si, axis=0) - si
-            valid = (key != NEG_KEY) & (key != NAN_KEY)
-            picked = cols if KEEP_ALL else tl.where(valid, ent, -1)
-            tl.store(out + pos, picked.to(tl.int64), mask=sel)
-            eq_carry += tl.sum(eq, axis=0)
-            carry += tl.sum(si, axis=0)
-        if not KEEP_ALL:
-            tl.debug_barrier()  # the compaction's stores, made by other threads of this program
-            kk = tl.arange(0, KP)
-            ids = tl.load(out + kk, mask=kk < K, other=2147483647).to(tl.int32)
-            tl.store(out + kk, tl.sort(ids).to(tl.int64), mask=kk < K)
-    else:
-        # picks that are not selectable (-inf or NaN) lead as -1s; valid picks follow in column order
-        n_valid = (K - need) - tl.where(thr != NAN_KEY, n_nan, 0) + tl.where(thr_valid, need, 0)
-        m = 0 if KEEP_ALL else K - n_valid
-        for c in range(0, m, BLOCK):
-            pos = c + ar
-            tl.store(out + pos, tl.full((BLOCK,), -1, tl.int64), mask=pos < m)
-        eq_carry = tl.zeros((), tl.int32)
-        carry = tl.zeros((), tl.int32)
-        for c in range(0, T, BLOCK):
-            cols = c + ar
-            key, ent, inb = _chunk_keys(s_ptr, blk_ptr, row_off, blk_off, cols, T, block_size, POOL)
-            eq = (inb & (key == thr)).to(tl.int32)
-            rank = eq_carry + tl.cumsum(eq, axis=0) - eq
-            sel = (inb & (key > thr)) | ((eq != 0) & (rank < need))
-            vs = (sel if KEEP_ALL else sel & (key != NEG_KEY) & (key != NAN_KEY)).to(tl.int32)
-            pos = m + carry + tl.cumsum(vs, axis=0) - vs
-            tl.store(out + pos, cols.to(tl.int64), mask=vs != 0)
-            eq_carry += tl.sum(eq, axis=0)
-            carry += tl.sum(vs, axis=0)
+        v_thr, _r, _c, _n = _radix_select(s_row, id_row, col0, part, n, block_size, need, thr,
+                                          True, IDS, BLOCK, RESIDENT)
+        use_id = tl.full((), 1, tl.int32)
+    eq_carry = tl.zeros((), tl.int32)
+    carry = tl.zeros((), tl.int32)
+    for c in range(0, part, BLOCK):
+        cols = c + ar
+        key, ent, inb = _chunk_keys(s_row, id_row, col0, cols, part, n, block_size, IDS)
+        eq = (inb & (key == thr)).to(tl.int32)
+        rank = eq_carry + tl.cumsum(eq, axis=0) - eq
+        tie_ok = tl.where(use_id != 0, (0x7FFFFFFF - ent) >= v_thr, rank < need)
+        sel = (inb & (key > thr)) | ((eq != 0) & tie_ok)
+        valid = (key != NEG_KEY) & (key != NAN_KEY)
+        if DENSE and not STAGE:
+            sel = sel & valid  # the -inf/NaN picks are the leading -1s
+        si = sel.to(tl.int32)
+        pos = m + carry + tl.cumsum(si, axis=0) - si
+        picked = ent if STAGE else tl.where(valid, ent, -1)
+        tl.store(out + pos, picked.to(out_ptr.dtype.element_ty), mask=sel)
+        if STAGE:
+            tl.store(out_s + pos, _key_score(key), mask=sel)
+        eq_carry += tl.sum(eq, axis=0)
+        carry += tl.sum(si, axis=0)
+    if not DENSE and not STAGE:
+        tl.debug_barrier()  # the compaction's stores, made by other threads of this program
+        kk = tl.arange(0, KP)
+        ids = tl.load(out + kk, mask=kk < K, other=2147483647).to(tl.int32)
+        tl.store(out + kk, tl.sort(ids).to(tl.int64), mask=kk < K)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _launch(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, K: int,
-            block: int | None = None, num_warps: int | None = None, pool: int | None = None,
-            keep_all: bool = False, resident: bool | None = None) -> torch.Tensor:
-    """One program per row of scores [S, T]; `pool`: 0 dense, 1 `blocks` is a block table, 2 `blocks` holds
-    an entry id per column (default: 1 with blocks, else 0); `resident`: bisect a row held in registers
-    (default: when it fits) rather than stream it through histogram passes."""
+def _launch(scores: torch.Tensor, K: int, dense: bool, blocks: torch.Tensor | None = None, block_size: int = 1,
+            ids: torch.Tensor | None = None, part: int | None = None, block: int | None = None,
+            num_warps: int | None = None, resident: bool | None = None):
+    """Programs over scores [S, T]: one per row (the answer, [S, K] int64), or with `part`, one per (row, part
+    columns) (a stage: the picks' ids and scores, [S, C * K] int32 and fp32). A column's entry id: through
+    `blocks` (a pool's block table [S, nb]), read from `ids` ([S, T] int32, a stage's candidates), or else the
+    column itself; `dense`: ids ascend along the row (a dense row or its candidates). `resident`: bisect a part
+    held in registers (default: when it fits) rather than stream it through histogram passes."""
     S, T = scores.shape
-    out = torch.empty((S, K), dtype=torch.int64, device=scores.device)
+    part = T if part is None or part >= T else part
+    stage = part < T
+    C = -(-T // part) if stage else 1
+    out = torch.empty((S, C * K), dtype=torch.int32 if stage else torch.int64, device=scores.device)
+    out_s = torch.empty((S, C * K), dtype=torch.float32, device=scores.device) if stage else out
+    result = (out, out_s) if stage else out
     if S == 0 or K == 0:
-        return out
+        return result
     s = scores.float()
     if s.stride(-1) != 1:
         s = s.contiguous()
     if block is None:
-        fits = T <= (RESIDENT_MAX if s.is_cuda else INTERP_BLOCK) and resident is not False
-        block = _pow2(T) if fits else GPU_BLOCK if s.is_cuda else INTERP_BLOCK
-    block = min(block, max(16, _pow2(T)))
-    resident = T <= block if resident is None else resident and T <= block
+        fits = part <= (RESIDENT_MAX if s.is_cuda else INTERP_BLOCK) and resident is not False
+        block = _pow2(part) if fits else GPU_BLOCK if s.is_cuda else INTERP_BLOCK
+    block = min(block, max(16, _pow2(part)))
+    resident = part <= block if resident is None else resident and part <= block
     if num_warps is None:
         num_warps = 16 if block > 4096 else GPU_WARPS if block >= 2048 else 4
-    pool = (0 if blocks is None else 1) if pool is None else pool
-    blk = blocks.to(torch.int32).contiguous() if pool else out  # out: a dummy pointer when not pooled
-    _topk_kernel[(S,)](
-        s, blk, out, T, K, block_size, s.stride(0), blk.stride(0) if pool else 0, out.stride(0),
-        POOL=pool, BLOCK=block, KP=_pow2(K) if pool else 16, KEEP_ALL=keep_all, RESIDENT=resident,
-        num_warps=num_warps,
+    table = blocks if blocks is not None else ids
+    mode = 1 if blocks is not None else 2 if ids is not None else 0
+    idt = table.to(torch.int32).contiguous() if mode else out  # out: a dummy pointer when dense
+    _topk_kernel[(S, C)](
+        s, idt, out, out_s, T, part, K, block_size, s.stride(0), idt.stride(0) if mode else 0, out.stride(0),
+        IDS=mode, DENSE=dense, BLOCK=block, KP=16 if dense or stage else _pow2(K), STAGE=stage,
+        RESIDENT=resident, num_warps=num_warps,
     )
-    return out
+    return result
 
 
 def first_stage_chunk(T: int, K: int, block_size: int = 1, rows: int | None = None) -> int | None:
@@ -274,40 +285,20 @@ def _select(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, 
             chunk: int | None = None) -> torch.Tensor:
     """The kernel's selection, in stages for long rows (`chunk` overrides `first_stage_chunk` at every stage).
 
-    Stage one cuts each row into chunks of `chunk` columns (whole blocks; the tail padded with -inf or -1
-    blocks) and keeps each chunk's top K, -inf and NaN picks included, as columns in order; stage two
-    selects the top K of those candidates, each carrying its entry id, so ties still go to the lower entry
-    id and -inf/NaN picks still come out as -1. Exact: the row's top K (a total order: score, then entry
-    id) is among the union of its chunks' top K. Dense candidates stay in column order, a dense row again, so
-    their stage two is this selection (in stages itself while they are long)."""
-    S, T = scores.shape
-    forced = chunk is not None
-    chunk = chunk if forced else first_stage_chunk(T, K, block_size, S if blocks is None else None)
-    if chunk is None or T <= chunk or K >= chunk or -(-T // chunk) * K >= T:
-        return _launch(scores, blocks, block_size, K)
-    C = -(-T // chunk)
-    padded = F.pad(scores.float(), (0, C * chunk - T), value=float("-inf"))  # [S, C * chunk]
-    if blocks is None:
-        first = _launch(padded.view(S * C, chunk), None, 1, K, keep_all=True)  # [S * C, K] columns in each chunk
-        cand = _candidate_columns(first, S, C, chunk)
-        # positions in `cand` are in column order: the dense kernel's ties and order hold
-        pos = _select(padded.gather(1, cand), None, 1, K, chunk if forced else None)
-        return torch.where(pos >= 0, cand.gather(1, pos.clamp(min=0)), -1)
-    nb = C * chunk // block_size  # blocks of the padded row, -1 past the row's own
-    blk = F.pad(blocks.long()[:, :nb], (0, max(0, nb - blocks.shape[1])), value=-1)
-    first = _launch(padded.view(S * C, chunk), blk.view(S * C, -1), block_size, K, keep_all=True)
-    cand = _candidate_columns(first, S, C, chunk)
-    # each candidate's entry id (-1 in a -1 block or past the row), and its score (-inf there)
-    cand_blk = blk.gather(1, cand // block_size)
-    cand_ent = torch.where((cand_blk >= 0) & (cand < T), cand_blk * block_size + cand % block_size, -1)
-    cand_scores = padded.gather(1, cand).masked_fill(cand_ent < 0, float("-inf"))
-    return _launch(cand_scores, cand_ent, 1, K, pool=2)
-
-
-def _candidate_columns(first: torch.Tensor, S: int, C: int, chunk: int) -> torch.Tensor:
-    """A first stage's picks [S * C, K] (columns within each chunk) -> row columns [S, C * K], ascending."""
-    K = first.shape[1]
-    return (first.view(S, C, K) + torch.arange(C, device=first.device).view(1, C, 1) * chunk).flatten(1)
+    A stage cuts each row into chunks of `chunk` columns (whole blocks; the tail's missing columns at -inf)
+    and keeps each chunk's top K, -inf and NaN picks included, with their entry ids and scores; the next
+    selects over those candidates, so ties still go to the lower entry id and -inf/NaN picks still come out
+    as -1. Exact: the row's top K (a total order: score, then entry id) is among the union of its chunks'
+    top K. Candidates stay in the order of their columns, so a dense row's stay a dense row."""
+    dense = blocks is None
+    rows, ids = scores.shape[0] if dense else None, None
+    while True:
+        T = scores.shape[1]
+        c = chunk or first_stage_chunk(T, K, block_size, rows)
+        if c is None or T <= c or K >= c or -(-T // c) * K >= T:
+            return _launch(scores, K, dense, blocks, block_size, ids)
+        ids, scores = _launch(scores, K, dense, blocks, block_size, ids, part=c)  # [S, C * K] each
+        blocks, block_size = None, 1
 
 
 # --------------------------------------------------------------------------------------------------
