@@ -2,7 +2,8 @@
 inside a custom op's wrapper (padding, gathers, slot tables around a Triton kernel) or between compiled regions,
 each a launch of its own that inductor cannot fuse. Counts per (operator, innermost dsv4 frames or custom op),
 from torch.profiler's Python call tree over one step of the compiled decode (outside the CUDA graph, so the
-operators have their callers); operators that launch nothing (views, empty) are left out.
+operators have their callers); operators that launch nothing (on a GPU: no device time under them; on the CPU:
+views, empty) are left out.
 
     python bench/decode_glue.py --arch v41 --layers 4 --context 8192   # H200
     python bench/decode_glue.py --smoke                                # tiny widths on the CPU (the twins' ops)
@@ -66,6 +67,14 @@ NO_LAUNCH = {  # operators that only make views or allocate
 }
 
 
+def launches(ev, device: torch.device) -> bool:
+    """Whether an operator launched work: on a GPU, device time under it (a cast to the dtype a tensor has
+    already launches nothing); on the CPU, by name."""
+    if device.type == "cuda":
+        return ev.device_time_total > 0
+    return ev.name[len("aten::") :] not in NO_LAUNCH
+
+
 def caller(ev) -> str | None:
     """The innermost dsv4 frames (or custom op) above a top-level aten operator; None for one nested in another
     aten operator (its parent is counted)."""
@@ -96,7 +105,7 @@ def main():
                 torch.cuda.synchronize()
     counts = Counter()
     for ev in prof.events():
-        if ev.name.startswith("aten::") and ev.name[len("aten::") :] not in NO_LAUNCH:
+        if ev.name.startswith("aten::") and launches(ev, device):
             where = caller(ev)
             if where is not None:
                 counts[(ev.name, where)] += 1
