@@ -15,7 +15,7 @@ Ops:
 Order semantics (those of torch.sort(descending=True, stable=True), which the twin uses): -0.0 == 0.0;
 NaN ranks above +inf, NaNs tie among themselves; ties go to the lower id.
 
-Algorithm, one program per row: each float maps to an order-preserving 32-bit key (the sign bit flips the
+Algorithm, one program per row (per row chunk in a stage, below): each float maps to an order-preserving 32-bit key (the sign bit flips the
 magnitude bits of negatives; -0.0 and NaN are canonicalized first). The k-th largest key `thr` and `need`,
 the number of keys equal to `thr` that belong to the top k, come from one of two searches. A row that fits
 one chunk (up to RESIDENT_MAX columns) stays in registers and is bisected bit by bit, 32 counts of one
