@@ -263,11 +263,12 @@ class FastAttention(Attention):
 
     # -------------------------------------------------------------- decode step
     def decode(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, view: LayerSlots,
-               picks: torch.Tensor | None, pool: torch.Tensor | None):
+               picks: torch.Tensor | None, pool: torch.Tensor | None, compress: bool = True):
         """x [B, D]: one token of each sequence, at positions pos [B] of slots [B], in the layer's buffers
         `view`. `picks` [B, k]: the index source's top-k (a CSA layer without its own indexer); `pool`: the
-        candidate source's blocks (a candidate consumer; see `_index_decode`). -> (out [B, D], picks, pool): this
-        layer's top-k and candidate blocks where it computes them, else those given."""
+        candidate source's blocks (a candidate consumer; see `_index_decode`); `compress`: run the compressor
+        (off in a bounded replay, whose positions' entries and carries are restored). -> (out [B, D], picks,
+        pool): this layer's top-k and candidate blocks where it computes them, else those given."""
         cos, sin = self.rotary.cos_sin(pos)  # [B, R/2]
         on_x = self.on_x(x)  # {linear: [B, N]}, as on_qr below
         qr = self.q_norm(on_x["wq_a"])
@@ -283,7 +284,7 @@ class FastAttention(Attention):
         win_data, win_scale = view.window.flat()
         store = view.store
         if self.role.compress_ratio:
-            if self.role.owns_compressor:
+            if self.role.owns_compressor and compress:
                 self._compress_decode(on_x, x.dtype, pos, slots, view)
             if self.role.owns_indexer:
                 picks, pool = self._index_decode(on_x, on_qr, pos, slots, view, pool)
@@ -428,15 +429,16 @@ class FastBlock(Block):
         flat = mhc_post(f.flatten(0, 1), flat, post, comb)
         return flat.view_as(h), ffn_pre.view(B, S, -1)
 
-    def decode(self, h, pre, ids, pos, slots, view: LayerSlots, picks, pool, engram_rows):
+    def decode(self, h, pre, ids, pos, slots, view: LayerSlots, picks, pool, engram_rows, compress=True):
         """One token per row: h [B, hc, D], pre [B, hc] (V4.1), the layer's buffers `view`, the top-k and
-        candidate blocks it takes (FastAttention.decode), its Engram rows [B, C, head_dim] -> (h, pre, picks,
-        pool). Everything layer-specific comes in as arguments, so layers of one kind share compiled code."""
+        candidate blocks it takes and `compress` (FastAttention.decode), its Engram rows [B, C, head_dim] -> (h,
+        pre, picks, pool). Everything layer-specific comes in as arguments, so layers of one kind share compiled
+        code."""
         if self.role.engram:
             h = self.engram.mix(h[:, None], engram_rows[:, None])[:, 0]
         single_pass = self.config.is_v41
         x, attn_pre, post, comb = self.site(h, "attn", pre if single_pass else None)
-        a, picks, pool = self.attn.decode(self.attn_norm(x), pos, slots, view, picks, pool)
+        a, picks, pool = self.attn.decode(self.attn_norm(x), pos, slots, view, picks, pool, compress)
         h = mhc_post(a, h, post, comb)
         x, ffn_pre, post, comb = self.site(h, "ffn", attn_pre if single_pass else None)
         h = mhc_post(self.ffn(self.ffn_norm(x)[:, None], ids[:, None])[:, 0], h, post, comb)
@@ -450,18 +452,25 @@ class FastModel(Dsv4Model):
 
     @torch.no_grad()
     def decode_step(self, ids: torch.Tensor, slots: torch.Tensor, state: SlotState,
-                    parts: tuple[Callable, Callable, Callable] | None = None) -> torch.Tensor:
+                    parts: tuple[Callable, Callable, Callable] | None = None,
+                    replay_from: torch.Tensor | None = None) -> torch.Tensor | None:
         """ids [B] (one new token per sequence) in slots [B] -> logits [B, vocab] fp32.
 
         Appends each token at its slot's length and advances the lengths; every shape is static and no
         value crosses to the host, so the runner captures this in a CUDA graph. `parts`: the entry, block
         and exit functions to run (`compile_decode`'s compiled ones; default: these, eagerly).
 
+        With `replay_from` [1] (a restored slot's length minus the window), the step is that slot's bounded
+        replay instead: ids [W] are its tokens at replay_from.. (slots: the slot W times), each row one of those
+        positions. Every layer writes the rows' window KV before it attends, masked below replay_from (the new
+        window start), so each row sees the rows before it, as in a forward over the window; the compressors
+        are off (the restored entries and carries stay), lengths stay, and no logits are made (None).
+
         The layer loop stays in Python: it looks up each layer's buffers, hands each indexer's top-k to the
         layers that read it, and starts and awaits the Engram prefetch (stream and event calls a compiled
         region would break around), while every layer's own work runs in the one block function."""
         enter, block, leave = parts or (self.decode_enter, FastBlock.decode, self.decode_exit)
-        h, pre, pos, hash_ids = enter(ids, slots, state)
+        h, pre, pos, hash_ids = enter(ids, slots, state, replay_from)
         if self.engram_prefetch is not None:
             self.engram_prefetch.start(hash_ids[:, None])  # [B, 1, L, C]: one position per row
         topk, candidates = {}, None  # the indexers' top-k by layer id; the candidate source's blocks
@@ -471,20 +480,26 @@ class FastModel(Dsv4Model):
             pool = candidates if role.candidate_role == "consumer" else None
             rows = self._engram_rows(layer, hash_ids) if role.engram else None
             view = state.layer_slots[role.layer_id]
-            h, pre, picks, pool = block(layer, h, pre, ids, pos, slots, view, picks, pool, rows)
+            h, pre, picks, pool = block(layer, h, pre, ids, pos, slots, view, picks, pool, rows, replay_from is None)
             if role.owns_indexer:
                 topk[role.layer_id] = picks
             if role.candidate_role == "source":
                 candidates = pool
-        return leave(h, pre)
+        return leave(h, pre) if replay_from is None else None
 
-    def decode_enter(self, ids: torch.Tensor, slots: torch.Tensor, state: SlotState):
-        """The decode step's entry: positions [B], token and length writes, the embedded streams h [B, hc, D],
-        V4.1's first collapse weights pre [B, hc] and Engram hash ids [B, n_layers, C] (None without)."""
+    def decode_enter(self, ids: torch.Tensor, slots: torch.Tensor, state: SlotState,
+                     replay_from: torch.Tensor | None = None):
+        """The decode step's entry: positions [B], token and length writes (a replay's: the window start), the
+        embedded streams h [B, hc, D], V4.1's first collapse weights pre [B, hc] and Engram hash ids [B, n_layers,
+        C] (None without)."""
         c = self.config
-        pos = state.lengths[slots]  # [B]
-        state.tokens[slots, pos] = ids
-        state.lengths[slots] = pos + 1
+        if replay_from is None:
+            pos = state.lengths[slots]  # [B]
+            state.tokens[slots, pos] = ids
+            state.lengths[slots] = pos + 1
+        else:  # the replayed positions; the slot's window restarts at the first
+            pos = replay_from + torch.arange(ids.shape[0], device=ids.device)  # [W]
+            state.window_start[slots] = replay_from.expand_as(slots)
         state.lengths[state.scratch :].zero_()  # padding rows write at position 0 of the scratch slot, every step
         h = self.embed(ids)[:, None].expand(-1, c.hc_mult, -1).contiguous()  # [B, hc, D]
         one_hot = (torch.arange(c.hc_mult, device=ids.device) == 0).float()  # V4.1's first collapse: stream 0
@@ -512,16 +527,17 @@ class FastModel(Dsv4Model):
         Compiled code lives on the functions' code objects, shared by every model in the process (a second
         runner of other slot sizes compiles again, with those sizes symbolic too). Past a code object's limit of
         compiles dynamo would run the rest eagerly, so the step raises the limit to what this model may need: a
-        kind per layer at most, twice (batch 1 and symbolic), for two runners. The parts compile deterministic
+        kind per layer at most, three times (batch 1, symbolic, and the bounded replay's), for two runners. The parts compile deterministic
         (`compile_options`): a decode step gives the same logits in every process."""
         options = compile_options(backend, deterministic=True)
         parts = tuple(torch.compile(f, backend=backend, dynamic=None, options=options)
                       for f in (self.decode_enter, FastBlock.decode, self.decode_exit))
-        limit = max(torch._dynamo.config.recompile_limit, 4 * len(self.layers))
+        limit = max(torch._dynamo.config.recompile_limit, 6 * len(self.layers))
 
-        def step(ids: torch.Tensor, slots: torch.Tensor, state: SlotState) -> torch.Tensor:
+        def step(ids: torch.Tensor, slots: torch.Tensor, state: SlotState,
+                 replay_from: torch.Tensor | None = None) -> torch.Tensor | None:
             with torch._dynamo.config.patch(recompile_limit=limit):
-                return self.decode_step(ids, slots, state, parts)
+                return self.decode_step(ids, slots, state, parts, replay_from)
 
         return step
 

@@ -9,7 +9,8 @@
 Decode runs `FastModel.decode_step` for a batch padded up to the next captured size (padding rows use
 the scratch slot, whose writes nobody reads); the graph for each size is captured on first use, or ahead
 by `capture` (`warm_up` also compiles the prefill for every chunk length: the engine does it when it is
-built). Without CUDA (or with `cuda_graphs=False`) the same step runs eagerly. Positions live in device
+built). A resumed slot's bounded replay is the same step over the window's positions of that one slot, captured
+once (on first use). Without CUDA (or with `cuda_graphs=False`) the same step runs eagerly. Positions live in device
 memory, so a decode step needs no host synchronization: the host only tracks lengths to reject overflows.
 """
 
@@ -83,6 +84,7 @@ class Runner:
         self._stepped = [False] * max_seqs  # the slot's last position came from a decode step (drop_last's)
         self._marks: list[set[int]] = [set() for _ in range(max_seqs)]
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._replay_graph: tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def for_memory(cls, model: FastModel, memory_bytes: int, max_len: int = 8192, resume_span: int | None = None,
@@ -199,15 +201,39 @@ class Runner:
         self._marks[slot] = set()
         self._stepped[slot] = False
 
-    def resume(self, slot: int, source: int, length: int, ids: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
-        """`restore`, then the bounded replay of the window before `length`, in one forward with `ids` (the tokens
-        at length.., as `prefill` takes them) when given -> logits [vocab] of that forward's last position."""
+    def resume(self, slot: int, source: int, length: int,
+               ids: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor | None:
+        """`restore`, then the bounded replay of the window before `length`: with `ids` (the tokens at length..,
+        as `prefill` takes them) in one forward with them -> logits [vocab] of their last position (the 128
+        replayed tokens cost little more inside a prefill that reads every weight anyway); without, as `replay`
+        (None)."""
         self.restore(slot, source, length)
+        if ids is None:
+            self.replay(slot)
+            return None
         W = self.config.sliding_window
         window = self.state.tokens[slot, length - W : length][None]  # the slot's own, checked when first prefilled
-        if ids is not None:
-            window = torch.cat([window, self._upload(ids)], dim=1)
-        return self._forward(slot, window, length - W)
+        return self._forward(slot, torch.cat([window, self._upload(ids)], dim=1), length - W)
+
+    @torch.inference_mode()
+    def replay(self, slot: int) -> None:
+        """Rebuild the windows of a slot just `restore`d (at its length): the decode step over the W positions
+        before the length, every row the slot's (`FastModel.decode_step`'s replay), one graph replay."""
+        W, length = self.config.sliding_window, self._length[slot]
+        if self._window_start[slot] != length or length < W:
+            raise ValueError(f"slot {slot} holds no restored prefix to replay (restore one first)")
+        ids = self.state.tokens[slot, length - W : length]  # [W]: the slot's own, checked when first prefilled
+        slots = torch.full((W,), slot, device=self.state.device)
+        start = self.state.lengths[slot : slot + 1] - W  # [1], on the device: restore wrote the length there
+        if not self.cuda_graphs:
+            self.step(ids, slots, self.state, replay_from=start)
+        else:
+            graph, static_ids, static_slots, static_start = self._replay_step_graph()
+            static_ids.copy_(ids)
+            static_slots.copy_(slots)
+            static_start.copy_(start)
+            graph.replay()
+        self._window_start[slot] = length - W
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
@@ -254,12 +280,15 @@ class Runner:
             self._held_from[slot] = max(self._held_from[slot], end - span)
             self._marks[slot] = {m for m in self._marks[slot] if end - m <= span and m < end}
 
-    def warm_up(self, max_batch: int) -> None:
+    def warm_up(self, max_batch: int, replay: bool = True) -> None:
         """Compile and capture now what would otherwise compile on first use, stalling that request, as an engine
-        does at start-up: the prefill's pieces for every chunk length, and the decode graphs (`capture`)."""
+        does at start-up: the prefill's pieces for every chunk length, the decode graphs (`capture`) and, with
+        `replay` (an engine whose prefix hits replay windows), the bounded replay's."""
         if self.compiled:
             self._compile_prefill_lengths()
         self.capture(max_batch)
+        if replay and self.cuda_graphs:
+            self._replay_step_graph()
 
     def capture(self, max_batch: int) -> None:
         """Capture now the decode graphs that batches of up to `max_batch` sequences use (each compiles and
@@ -279,18 +308,35 @@ class Runner:
             self.prefill(slot, [0] * n)
             self.release(slot)
 
+    def _replay_step_graph(self):
+        """The replay step over W rows, captured once: its ids, slots and start are copied in before each replay."""
+        if self._replay_graph is None:
+            W, dev = self.config.sliding_window, self.state.device
+            ids = torch.zeros(W, dtype=torch.int64, device=dev)
+            slots = torch.full((W,), self.state.scratch, device=dev)
+            start = torch.zeros(1, dtype=torch.int64, device=dev)
+            graph, _ = self._capture(lambda: self.step(ids, slots, self.state, replay_from=start))
+            self._replay_graph = (graph, ids, slots, start)
+        return self._replay_graph
+
+    def _capture(self, run):
+        """(a CUDA graph of run(), what the captured run returned); run() compiles its kernels and warms the
+        allocator on a side stream first, outside the capture."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        return graph, out
+
     def _graph(self, size: int):
         if size not in self._graphs:
             ids = torch.zeros(size, dtype=torch.int64, device=self.state.device)
             slots = torch.full((size,), self.state.scratch, device=self.state.device)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # compile the kernels and warm the allocator outside the capture
-                for _ in range(2):
-                    self.step(ids, slots, self.state)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = self.step(ids, slots, self.state)
+            graph, logits = self._capture(lambda: self.step(ids, slots, self.state))
             self._graphs[size] = (graph, ids, slots, logits)
         return self._graphs[size]

@@ -421,6 +421,55 @@ def test_compiled_decode_step_and_prefill_trace_without_graph_breaks_and_change_
     assert torch.equal(traced, eager)
 
 
+def resumed_steps(runner: Runner, steps: int = 3) -> torch.Tensor:
+    """A 64-token prompt prefilled, a second slot resumed from it at 64 (the bounded replay as a decode step of
+    the window's rows), 5 new tokens prefilled, then `steps` greedy decode steps -> the logits [1 + steps,
+    vocab]."""
+    H, ids = 64, prompt(69, 11)
+    source = runner.allocate()
+    runner.prefill(source, ids[:H])
+    slot = runner.allocate()
+    runner.resume(slot, source, H)
+    out = [runner.prefill(slot, ids[H:]).clone()]
+    for _ in range(steps):
+        out.append(runner.decode([slot], out[-1].argmax().view(1))[0].clone())
+    return torch.stack(out)
+
+
+def test_the_replay_step_traces_without_graph_breaks_and_changes_nothing(tiny_v41_dir):
+    """The bounded replay's variant of the decode step (no compressors, no logits, positions from the window
+    start) compiles like the decode step: traced whole, and bit for bit what the eager step computes."""
+    (_, fast), (_, uncompiled) = models(tiny_v41_dir, packed=True), models(tiny_v41_dir, packed=True)
+    eager = resumed_steps(Runner(uncompiled, max_seqs=3, max_len=80, compile=False))
+    counters.clear()
+    traced = resumed_steps(Runner(fast, max_seqs=3, max_len=80, compile="aot_eager"))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.equal(traced, eager)
+
+
+def test_only_a_restored_slot_is_replayed(tiny_v41_dir):
+    _, fast = models(tiny_v41_dir, packed=False)
+    runner = Runner(fast, max_seqs=2, max_len=80)
+    source = runner.allocate()
+    runner.prefill(source, prompt(64, 3))
+    with pytest.raises(ValueError, match="no restored prefix"):
+        runner.replay(source)
+    slot = runner.allocate()
+    runner.restore(slot, source, 64)
+    runner.replay(slot)
+    with pytest.raises(ValueError, match="no restored prefix"):  # its window is rebuilt already
+        runner.replay(slot)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_replay_graph_changes_nothing(tiny_v41_dir):
+    """A resume's bounded replay replayed from its CUDA graph and run eagerly (both compiled): bit-identical."""
+    _, fast = models(tiny_v41_dir, packed=True, dtype=torch.bfloat16, device="cuda")
+    out = {graphs: resumed_steps(Runner(fast, max_seqs=3, max_len=80, cuda_graphs=graphs)) for graphs in (False, True)}
+    assert torch.equal(out[False], out[True])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_change_nothing(tiny_v41_dir):
