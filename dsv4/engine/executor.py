@@ -57,13 +57,14 @@ class ReferenceExecutor:
 
 class FastExecutor:
     """The fast runner over each request's slot (`SlotKV`): every single-token work of the step (the
-    decodes) in one batched `Runner.decode`, then each prefill chunk and window replay through the
-    module path. Slots hold whole sequences, so nothing is ever preempted."""
+    decodes) in one batched `Runner.decode`, then each prefill chunk (a hit's window replay leading the first)
+    through the module path; a replay that no prompt tokens joined is the runner's replay step. Slots hold
+    whole sequences, so nothing is ever preempted."""
 
     def __init__(self, kv: SlotKV):
         self.runner, self.block_size = kv.runner, kv.block_size
 
-    def run(self, works: Sequence[Work]) -> Iterator[tuple[list[Work], torch.Tensor]]:
+    def run(self, works: Sequence[Work]) -> Iterator[tuple[list[Work], torch.Tensor | None]]:
         steps = [w for w in works if w.is_step]
         if steps:
             ids = [w.request.token_ids[w.start] for w in steps]
@@ -73,7 +74,10 @@ class FastExecutor:
                 self.record(work, token)
             yield steps, logits
         for work in works:
-            if not work.is_step:
+            if work.replay:  # a hit's replay alone (no prompt tokens joined it): the runner's replay graph
+                self.runner.replay(work.request.cache.slot)
+                yield [work], None
+            elif not work.is_step:
                 yield [work], self._prefill(work)[None]
 
     def decode_ahead(self, steps: Sequence[Work], tokens: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:

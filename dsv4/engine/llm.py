@@ -135,7 +135,7 @@ class LLM:
             max_num_batched_tokens = FAST_BATCHED_TOKENS if impl == "fast" else REFERENCE_BATCHED_TOKENS
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens, max_num_seqs)
         if impl == "fast":  # compiles and captures before serving, not in some request's step
-            self.kv.runner.warm_up(max_num_seqs)
+            self.kv.runner.warm_up(max_num_seqs, replay=swa_bounded_replay and enable_prefix_caching)
         self.executor = FastExecutor(self.kv) if impl == "fast" else ReferenceExecutor(self.model, self.scheduler)
         self._ids = itertools.count()
         self.last_num_cached_tokens = 0  # of the last streamed request, for the CLI's chat report

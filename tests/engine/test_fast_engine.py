@@ -286,3 +286,23 @@ def test_steps_run_ahead_through_cuda_graphs_change_nothing(tiny_v41_dir, monkey
     monkeypatch.setattr(LLM, "_steady", lambda self, works: False)
     assert run() == ahead
     assert [reason for _, reason in ahead][:3] == ["stop"] * 3
+
+
+def test_a_replay_alone_in_its_step_runs_as_the_runners_replay_step(tiny_v41_dir, monkeypatch):
+    """A token budget of one window leaves a hit's replay a step of its own: the fast executor runs it as the
+    runner's replay (the decode step over the window's rows), and the tokens are the reference engine's."""
+    W = Dsv4Config.from_json(tiny_v41_dir).sliding_window
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    fast = fast_engine(tiny_v41_dir, slots=3, max_num_batched_tokens=W)
+    ref = reference_engine(tiny_v41_dir, max_num_batched_tokens=W)
+    replays = []
+    replay = fast.kv.runner.replay
+    monkeypatch.setattr(fast.kv.runner, "replay", lambda slot: replays.append(slot) or replay(slot))
+    base = prompt(9, 3 * W)
+    second = {}
+    for name, llm in (("ref", ref), ("fast", fast)):
+        llm.generate(base, sp)
+        second[name] = llm.generate(base + prompt(10, 5), sp)[0]
+    assert tokens([second["fast"]]) == tokens([second["ref"]])
+    assert second["fast"].num_cached_tokens == second["ref"].num_cached_tokens == 3 * W
+    assert len(replays) == 1
