@@ -252,10 +252,27 @@ def print_table(columns: Sequence[Column], rows: Sequence[Any]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
 
 
-def print_summary(gpu: str, checks: dict[Any, dict], path: Path, wall_s: float) -> None:
-    """"correctness on <gpu>: N=1 ok, N=8 FAIL, ..." (checks keyed by token count, each with an "ok") and where the
-    results went."""
-    print(f"\ncorrectness on {gpu}: " + ", ".join(f"N={n} {'ok' if c['ok'] else 'FAIL'}" for n, c in checks.items()))
+def write_timed_result(name: str, device: str, smoke: bool, started: float, reps: int, checks: dict[Any, dict],
+                       results: list[dict], **extra: Any) -> tuple[dict, Path]:
+    """A kernel bench's JSON (metadata, `extra`: its shapes and more, how it timed, its checks and rows) written
+    by write_result -> (the dict, its path)."""
+    result = {
+        "bench": name,
+        **metadata(device),
+        **extra,
+        "timing": "CUDA events, median of reps samples; each sample = R calls on rotating inputs, per call",
+        "reps": reps,
+        "wall_s": round(time.time() - started, 1),
+        "checks": checks,
+        "results": results,
+    }
+    return result, write_result(name, smoke, result)
+
+
+def print_summary(gpu: str, checks: dict[Any, dict], path: Path, wall_s: float, key: str = "N=") -> None:
+    """"correctness on <gpu>: N=1 ok, N=8 FAIL, ..." (checks keyed by token count, or what `key` names, each
+    with an "ok") and where the results went."""
+    print(f"\ncorrectness on {gpu}: " + ", ".join(f"{key}{n} {'ok' if c['ok'] else 'FAIL'}" for n, c in checks.items()))
     print(f"results: {path}  ({wall_s} s)")
 
 

@@ -151,18 +151,8 @@ def main():
                         print(f"sweep N={N} {cfg}: {type(e).__name__}", file=sys.stderr)
                     sweep.append({"N": N, "case": "pre_v41" if v41 else "pre_v4", **cfg, "us": t})
 
-    meta = {
-        "bench": "mhc",
-        **common.metadata(device),
-        "shape": {"D": D, "hc": hc, "M": M, "dtype": "bfloat16", "sinkhorn_iters": 20},
-        "timing": "CUDA events, median of reps samples; each sample = R calls on rotating inputs, per call",
-        "reps": reps,
-        "wall_s": round(time.time() - t_start, 1),
-        "checks": checks,
-        "results": results,
-        "sweep": sweep,
-    }
-    path = common.write_result("mhc", ARGS.smoke, meta)
+    meta, path = common.write_timed_result("mhc", device, ARGS.smoke, t_start, reps, checks, results, sweep=sweep,
+                                           shape={"D": D, "hc": hc, "M": M, "dtype": "bfloat16", "sinkhorn_iters": 20})
     shape = f"D={D} hc={hc}"
     common.save_figure(path.with_suffix(".png"), lambda fig, axes: common.plot_fused_vs_baseline(
         axes, results, device, "twin", ("pre_v41", "pre_v4", "post"), f"mHC, {shape}", 1.5))

@@ -179,19 +179,9 @@ def main():
                                      for kk, v in row.items() if kk.endswith(("_us", "roofline", "sweep"))),
               flush=True)
 
-    meta = {
-        "bench": "moe_experts",
-        **common.metadata(device),
-        "shape": {"E": E, "D": D, "I": I, "topk": k, "limit": LIMIT, "shared": "dense bf16",
-                  "expert_bits_per_weight": 4.25},
-        "peak_bytes_per_s": PEAK_BPS,
-        "timing": "CUDA events, median of reps samples; each sample = calls on rotating sets, per call",
-        "reps": reps,
-        "wall_s": round(time.time() - t_start, 1),
-        "checks": checks,
-        "results": results,
-    }
-    path = common.write_result("moe_experts", ARGS.smoke, meta)
+    shape = {"E": E, "D": D, "I": I, "topk": k, "limit": LIMIT, "shared": "dense bf16", "expert_bits_per_weight": 4.25}
+    meta, path = common.write_timed_result("moe_experts", device, ARGS.smoke, t_start, reps, checks, results,
+                                           shape=shape, peak_bytes_per_s=PEAK_BPS)
 
     common.print_summary(meta["gpu"], checks, path, meta["wall_s"])
     mode = common.modes(device)[0]

@@ -109,17 +109,9 @@ def main():
             common.time_fused_vs_baseline(row, calls, reps, device, "torch", nbytes)
             results.append(row)
 
-    meta = {
-        "bench": "moe_routing",
-        **common.metadata(device),
-        "shape": {"E": E, "D": D, "topk": TOPK, "score_func": FUNC, "temp": TEMP, "scale": SCALE, "bias": True},
-        "timing": "CUDA events, median of reps samples; each sample = R calls on rotating inputs, per call",
-        "reps": reps,
-        "wall_s": round(time.time() - t_start, 1),
-        "checks": checks,
-        "results": results,
-    }
-    path = common.write_result("moe_routing", ARGS.smoke, meta)
+    shape = {"E": E, "D": D, "topk": TOPK, "score_func": FUNC, "temp": TEMP, "scale": SCALE, "bias": True}
+    meta, path = common.write_timed_result("moe_routing", device, ARGS.smoke, t_start, reps, checks, results,
+                                           shape=shape)
     common.save_figure(path.with_suffix(".png"), lambda fig, axes: common.plot_fused_vs_baseline(
         axes, results, device, "torch", ("route", "gate"), f"MoE routing, E={E} k={TOPK}", 1.3))
 

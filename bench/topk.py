@@ -86,18 +86,8 @@ def main():
         common.time_fused_vs_baseline(row, calls, reps, device, "torch", nbytes)
         results.append(row)
 
-    meta = {
-        "bench": "topk",
-        **common.metadata(device),
-        "timing": "CUDA events, median of reps samples; each sample = R calls on rotating inputs, per call",
-        "reps": reps,
-        "wall_s": round(time.time() - t_start, 1),
-        "checks": checks,
-        "results": results,
-    }
-    path = common.write_result("topk", ARGS.smoke, meta)
-    print(f"\nexact on {meta['gpu']}: " + ", ".join(f"{n} {'ok' if c['ok'] else 'FAIL'}" for n, c in checks.items()))
-    print(f"results: {path}  ({meta['wall_s']} s)")
+    meta, path = common.write_timed_result("topk", device, ARGS.smoke, t_start, reps, checks, results)
+    common.print_summary(meta["gpu"], checks, path, meta["wall_s"], key="")
     common.print_fused_vs_baseline(results, device, "torch")
     common.exit_if_failed(checks)
 
