@@ -98,14 +98,14 @@ class FastExecutor:
         self.runner.drop_last(step.request.cache.slot)
 
     def _prefill(self, work: Work) -> torch.Tensor:
-        """Run a chunk (or replay) into its slot -> logits [vocab] of its last position. With overlapping
+        """Run a chunk (a hit's replay leading it) into its slot -> logits [vocab] of its last position. With overlapping
         compressors (V4), a chunk passing a block boundary runs as two forwards split there: only a
         forward ending at a boundary leaves that prefix's last group in the rings, which a later hit at
         the boundary (the retained slot's last, typically) needs."""
         seq, tokens = work.request.cache, work.request.token_ids
         cuts = [work.start, work.end]
         boundary = (work.end - 1) // self.block_size * self.block_size
-        if not work.replay and self.runner.state.overlap_ratio is not None and boundary > work.start:
+        if self.runner.state.overlap_ratio is not None and boundary > work.start:
             cuts.insert(1, boundary)
         for start, end in itertools.pairwise(cuts):
             logits = self.runner.prefill(seq.slot, tokens[start:end], start_pos=start)
