@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-quant-sim", action="store_true", help="full precision instead of the official FP8/FP4 steps")
     p.add_argument("--no-swa-bounded-replay", action="store_true",
                    help="cache sliding windows with prefixes instead of replaying the last window on a hit")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="fast: no torch.compile or CUDA graphs (starts at once; slower steps)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -73,7 +75,7 @@ def build_engine(args: argparse.Namespace) -> LLM:
     # one sequence at a time (a prompt, or a chat's turns): the fast engine captures the batch-1 graph only
     return LLM(args.model, impl=args.impl, swa_bounded_replay=not args.no_swa_bounded_replay, dtype=dtype,
                quant_sim=not args.no_quant_sim, max_model_len=args.max_model_len, max_num_seqs=1,
-               progress=not args.quiet)
+               progress=not args.quiet, enforce_eager=args.enforce_eager)
 
 
 def prompt_ids(llm, text: str) -> list[int]:

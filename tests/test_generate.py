@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from dsv4 import generate
+from dsv4.engine.llm import LLM
 from dsv4.generate import main
 
 
@@ -72,6 +74,18 @@ def test_fast_impl_generates(capsys):
     assert main(["--impl", "fast", "--prompt", "Hello", "--max-new-tokens", "3", "--max-model-len", "64", "--quiet"]) == 0
     out, err = capsys.readouterr()
     assert out.strip() and "3 new" in err
+
+
+@pytest.mark.usefixtures("kernel_twins")
+def test_enforce_eager_flag_prints_what_the_fast_impl_prints(capsys, monkeypatch):
+    argv = ["--impl", "fast", "--prompt", "Hello", "--max-new-tokens", "3", "--max-model-len", "64", "--quiet"]
+    assert main(argv) == 0
+    expected = capsys.readouterr().out
+    built = []
+    monkeypatch.setattr(generate, "LLM", lambda *a, **kw: built.append(kw) or LLM(*a, **kw))
+    assert main([*argv, "--enforce-eager"]) == 0
+    assert capsys.readouterr().out == expected
+    assert built[0]["enforce_eager"] is True
 
 
 @pytest.mark.usefixtures("kernel_twins")

@@ -71,6 +71,9 @@ class LLM:
             masks grow with the chunk. "fast" on a GPU compiles and captures the decode graph of every batch size
             up to max_num_seqs when it is built (each padded up to a power of two), and compiles the prefill for
             every chunk length, so no request's step waits for a compile.
+        enforce_eager: "fast" without torch.compile and CUDA graphs (vLLM's flag): the kernels run from eager
+            PyTorch, so the engine starts at once instead of compiling and capturing first (minutes for a large
+            model), at the cost of the launch overhead in every decode step. For debugging and quick runs.
         engram_tables: "device" (default) or "host": "fast" keeps V4.1's Engram tables in pinned host memory
             (THP where the OS allows) and its forwards prefetch their rows on a side stream, for
             checkpoints whose tables (V4.1-Flash: 2 x 98 GB) the GPU cannot hold (see
@@ -93,6 +96,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         max_num_seqs: int = 64,
         progress: bool = False,
+        enforce_eager: bool = False,
         engram_tables: str = "device",
     ):
         from dsv4.checkpoint import resolve_model_dir
@@ -125,7 +129,7 @@ class LLM:
         block_size = block_size or default_block_size(self.config)
         if impl == "fast":
             self.kv = self._slots(quant_sim, kv_cache_memory, kv_cache_fraction, block_size, swa_bounded_replay,
-                                  enable_prefix_caching)
+                                  enable_prefix_caching, enforce_eager)
         else:
             from dsv4.engine.prefix_cache import KVManager
 
@@ -142,7 +146,7 @@ class LLM:
         self._runs = 0  # engine loops started: a loop a later one took over stops when resumed
         self._in_flight: list[Work] = []  # decode steps run ahead by a loop left at a yield (a stream not read on)
 
-    def _slots(self, quant_sim, memory, fraction, block_size, replay, prefix_caching):
+    def _slots(self, quant_sim, memory, fraction, block_size, replay, prefix_caching, eager):
         """The fast model (in place of the reference one) on its device, and its runner's slots as the KV
         manager."""
         from dsv4.engine.slot_cache import SlotKV
@@ -151,12 +155,12 @@ class LLM:
 
         self.model = make_fast(self.model, packed_kv=quant_sim)
         # the rings keep a block past a retained slot's end, so it serves hits at its last block boundary
+        options = {"resume_span": block_size} | ({"compile": False, "cuda_graphs": False} if eager else {})
         if memory is None and self.device.type != "cuda":
             # the kernels' host twins read every slot's index keys each step: more slots cost time
-            runner = Runner(self.model, HOST_SLOTS, self.max_model_len, resume_span=block_size)
+            runner = Runner(self.model, HOST_SLOTS, self.max_model_len, **options)
         else:
-            runner = Runner.for_memory(self.model, self._memory(memory, fraction), self.max_model_len,
-                                       resume_span=block_size)
+            runner = Runner.for_memory(self.model, self._memory(memory, fraction), self.max_model_len, **options)
         return SlotKV(runner, block_size, replay, prefix_caching)
 
     def _memory(self, requested: int | None, fraction: float) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from dsv4.config import Dsv4Config
 from dsv4.engine import llm as llm_module
@@ -20,6 +21,7 @@ from dsv4.engine.executor import FastExecutor
 from dsv4.engine.llm import LLM, default_block_size
 from dsv4.engine.request import SamplingParams
 from dsv4.fast.cache import SlotState
+from dsv4.fast.runner import Runner
 
 MAX_LEN = 256  # tokens per slot: small slots keep the twins' per-step scans short
 
@@ -286,6 +288,31 @@ def test_steps_run_ahead_through_cuda_graphs_change_nothing(tiny_v41_dir, monkey
     monkeypatch.setattr(LLM, "_steady", lambda self, works: False)
     assert run() == ahead
     assert [reason for _, reason in ahead][:3] == ["stop"] * 3
+
+
+def test_enforce_eager_builds_the_runner_without_compile_or_graphs(tiny_v41_dir, monkeypatch):
+    """vLLM's enforce_eager reaches the runner (which elsewhere compiles and captures when the model is on a GPU)."""
+    built = []
+    init = Runner.__init__
+    monkeypatch.setattr(Runner, "__init__", lambda self, *a, **kw: built.append(kw) or init(self, *a, **kw))
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    want = tokens(reference_engine(tiny_v41_dir).generate(prompt(5, 30), sp))
+    assert tokens(fast_engine(tiny_v41_dir, slots=2, enforce_eager=True).generate(prompt(5, 30), sp)) == want
+    assert built[-1]["compile"] is False and built[-1]["cuda_graphs"] is False
+    fast_engine(tiny_v41_dir, slots=2)
+    assert "compile" not in built[-1] and "cuda_graphs" not in built[-1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_enforce_eager_serves_on_the_gpu_without_compiling_or_capturing(tiny_v41_dir):
+    counters.clear()
+    llm = LLM(tiny_v41_dir, impl="fast", enforce_eager=True, max_num_seqs=2, max_model_len=256,
+              kv_cache_memory=2**21)
+    outs = llm.generate([prompt(1, 20), prompt(2, 9)], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert [len(t) for t in tokens(outs)] == [5, 5]
+    assert not llm.kv.runner.compiled and not llm.kv.runner.cuda_graphs and not llm.kv.runner._graphs
+    assert not counters["stats"]["unique_graphs"]  # nothing went through torch.compile
 
 
 def test_a_replay_alone_in_its_step_runs_as_the_runners_replay_step(tiny_v41_dir, monkeypatch):
