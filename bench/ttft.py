@@ -62,36 +62,33 @@ def measure(runner, device, prefix: int, suffix: int, reps: int) -> dict:
         sync()
         return time.perf_counter() - t
 
+    def in_new_slot(fn):  # seconds of fn(slot) in a newly allocated slot, released after
+        slot = runner.allocate()
+        seconds = clock(lambda: fn(slot))
+        runner.release(slot)
+        return seconds
+
+    def replay_hit(slot, cached):  # the replay leads the first chunk's forward, as in the engine
+        runner.resume(slot, cached, prefix, ids[prefix : prefix + ARGS.chunk])
+        if ids.numel() > prefix + ARGS.chunk:
+            prefill_chunks(runner, slot, ids[prefix + ARGS.chunk :], ARGS.chunk)
+
+    def replay_step_hit(slot, cached):  # the replay on its own, then the new tokens
+        runner.resume(slot, cached, prefix)
+        prefill_chunks(runner, slot, ids[prefix:], ARGS.chunk)
+
     times = {"cold": [], "hit_replay": [], "hit_replay_step": [], "hit_no_replay": []}
     for _ in range(reps):
         cached = runner.allocate()
         prefill_chunks(runner, cached, ids[:prefix], ARGS.chunk)  # the previous turn, left in its slot
-        slot = runner.allocate()
-        times["cold"].append(clock(lambda slot=slot: prefill_chunks(runner, slot, ids, ARGS.chunk)))
-        runner.release(slot)
-        slot = runner.allocate()
-
-        def replay_hit(slot=slot, cached=cached):  # the replay leads the first chunk's forward, as in the engine
-            runner.resume(slot, cached, prefix, ids[prefix : prefix + ARGS.chunk])
-            if ids.numel() > prefix + ARGS.chunk:
-                prefill_chunks(runner, slot, ids[prefix + ARGS.chunk :], ARGS.chunk)
-
-        times["hit_replay"].append(clock(replay_hit))
-        runner.release(slot)
-        slot = runner.allocate()
-
-        def replay_step_hit(slot=slot, cached=cached):  # the replay on its own, then the new tokens
-            runner.resume(slot, cached, prefix)
-            prefill_chunks(runner, slot, ids[prefix:], ARGS.chunk)
-
-        times["hit_replay_step"].append(clock(replay_step_hit))
-        runner.release(slot)
+        times["cold"].append(in_new_slot(lambda slot: prefill_chunks(runner, slot, ids, ARGS.chunk)))
+        times["hit_replay"].append(in_new_slot(lambda slot, cached=cached: replay_hit(slot, cached)))
+        times["hit_replay_step"].append(in_new_slot(lambda slot, cached=cached: replay_step_hit(slot, cached)))
         times["hit_no_replay"].append(clock(lambda cached=cached: prefill_chunks(runner, cached, ids[prefix:], ARGS.chunk)))
         runner.release(cached)
     out = {k: statistics.median(v) for k, v in times.items()}
-    out["replay_vs_cold"] = 1 - out["hit_replay"] / out["cold"]
-    out["replay_step_vs_cold"] = 1 - out["hit_replay_step"] / out["cold"]
-    out["no_replay_vs_cold"] = 1 - out["hit_no_replay"] / out["cold"]
+    for hit in ("hit_replay", "hit_replay_step", "hit_no_replay"):  # -> replay_vs_cold, replay_step_vs_cold, ...
+        out[f"{hit.removeprefix('hit_')}_vs_cold"] = 1 - out[hit] / out["cold"]
     return out
 
 
