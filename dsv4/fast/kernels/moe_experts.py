@@ -93,7 +93,6 @@ _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 GATHER_MAX_N = 2
 GATHER_TC_MAX_N = 8
 MAX_SCALE_EXP = 123  # largest MXFP4 scale exponent the tensor-core decode (`_E2M1_BF16_PTX`) keeps exact
-_PAIRS_UNIT = tl.constexpr(2.0**14)  # `_e2m1_pairs` returns e2m1 values divided by this
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,52 +162,68 @@ def _round(v, IS_BF16: tl.constexpr, INTERP: tl.constexpr):
         return v
 
 
-def _nibble_ptx(magnitude_shift: int, sign_shift: int, first_out: int) -> str:
-    """PTX turning the nibbles at one position of the four bytes (spread to 16-bit lanes in t0, t1) into four
-    fp32 outputs $first_out.. : magnitude to bits 9-11, sign to bit 15, to fp32."""
-    lines = []
-    for t, m, s in (("t0", "m0", "s0"), ("t1", "m1", "s1")):
-        lines += [f"shl.b32 {m}, {t}, {magnitude_shift};", f"and.b32 {m}, {m}, 0x0E000E00;",
-                  f"shl.b32 {s}, {t}, {sign_shift};", f"and.b32 {s}, {s}, 0x80008000;", f"or.b32 {m}, {m}, {s};"]
-    lines += ["mov.b32 {v0, v1}, m0;", "mov.b32 {v2, v3}, m1;"]
-    lines += [f"cvt.f32.f16 ${first_out + n}, v{n};" for n in range(4)]
-    return "\n".join(lines)
+@triton.jit
+def _e2m1_values(n):
+    """e2m1 codes (int32, 0..15: sign bit 3, magnitude bits 0-2) -> their exact values, fp32, by arithmetic
+    (the interpreter's twin of the PTX decoders below)."""
+    m = n & 7
+    # magnitude m >= 2 is 2^(m>>1 - 1) * (1 + (m&1)/2): the fp32 with exponent field (m >> 1) + 126 and top
+    # mantissa bit m & 1, i.e. bits (m << 22) + (126 << 23); m in {0, 1} is m / 2
+    v = tl.where(m < 2, m.to(tl.float32) * 0.5, ((m << 22) + (126 << 23)).to(tl.float32, bitcast=True))
+    return tl.where((n & 8) != 0, -v, v)
 
 
-# four packed bytes -> their low and high nibbles as exact fp32 values times 2^-14: the nibble's magnitude bits
-# go to fp16's exponent/mantissa boundary (bits 9-11) and its sign to bit 15, which is e2m1 times 2^-14 (an fp16
-# subnormal for codes 0 and 1), and the fp16 -> fp32 conversion is exact. Two values per 32-bit instruction. The
-# 2^14 goes into the scale of each 32-group's sum (`_gemv_fp4`): multiplying every pair by it was an fp16x2
-# instruction per two values, 16 of the up loop's 241 in sm_90 SASS.
-_E2M1_PTX = tl.constexpr("\n".join([
+# One 32-bit word of packed codes (eight K positions, low nibble first) and the eight activations (fp32) ->
+# sum_j e2m1_j * a_j / 64, exactly the products, summed in K order (a multiply, then seven FMAs). A code's sign
+# and magnitude bits placed as an FP8 e4m3 byte (sign at bit 7, magnitude at bits 2-4) are its e2m1 value times
+# 2^-6, subnormal codes included; sm_89's cvt widens two such bytes to fp16x2 in one instruction, fp16 -> fp32 is
+# exact. ~9 integer ops for the eight bytes, 4 cvt, 8 widenings and 8 FMAs per word: in sm_90 SASS the up loop
+# runs ~38 instructions per word (8 rows x 256 K, 2 warps), where the earlier nibble-to-fp16 decode with the
+# activations split into even and odd halves through shared memory ran 55.
+_WORD_DOT_PTX = tl.constexpr("\n".join([
     "{",
-    ".reg .b32 z, t0, t1, m0, m1, s0, s1;",
-    ".reg .b16 v0, v1, v2, v3;",
-    "mov.b32 z, 0;",
-    "prmt.b32 t0, $8, z, 0x4140;",  # bytes 0, 1 -> the low bytes of two 16-bit lanes
-    "prmt.b32 t1, $8, z, 0x4342;",  # bytes 2, 3
-    _nibble_ptx(9, 12, 0),  # low nibbles: bits 0-2 -> 9-11, bit 3 -> 15
-    _nibble_ptx(5, 8, 4),  # high nibbles: bits 4-6 -> 9-11, bit 7 -> 15
-    "}",
-]))
+    ".reg .b32 t, u, l, h, p0, p1, p2, p3;",
+    ".reg .b16 l0, l1, h0, h1, x0, x1, x2, x3, x4, x5, x6, x7;",
+    ".reg .f32 f0, f1, f2, f3, f4, f5, f6, f7;",
+    "shl.b32 t, $1, 4;",  # low nibbles (elements 0, 2, 4, 6): sign bit 3 -> 7
+    "and.b32 t, t, 0x80808080;",
+    "shl.b32 u, $1, 2;",  # magnitude bits 0-2 -> 2-4
+    "and.b32 u, u, 0x1C1C1C1C;",
+    "or.b32 l, t, u;",
+    "and.b32 t, $1, 0x80808080;",  # high nibbles (elements 1, 3, 5, 7): the sign is at bit 7 already
+    "shr.b32 u, $1, 2;",  # magnitude bits 4-6 -> 2-4
+    "and.b32 u, u, 0x1C1C1C1C;",
+    "or.b32 h, t, u;",
+    "mov.b32 {l0, l1}, l;",
+    "mov.b32 {h0, h1}, h;",
+    "cvt.rn.f16x2.e4m3x2 p0, l0;",  # (element 0, element 2)
+    "cvt.rn.f16x2.e4m3x2 p1, l1;",  # (4, 6)
+    "cvt.rn.f16x2.e4m3x2 p2, h0;",  # (1, 3)
+    "cvt.rn.f16x2.e4m3x2 p3, h1;",  # (5, 7)
+    "mov.b32 {x0, x2}, p0;",
+    "mov.b32 {x4, x6}, p1;",
+    "mov.b32 {x1, x3}, p2;",
+    "mov.b32 {x5, x7}, p3;",
+] + [f"cvt.f32.f16 f{j}, x{j};" for j in range(8)] + ["mul.f32 $0, f0, $2;"]
+  + [f"fma.rn.f32 $0, f{j}, ${j + 2}, $0;" for j in range(1, 8)] + ["}"]))
+_WORD_DOT_UNIT = tl.constexpr(64.0)  # `_word_dot` returns the dot product divided by this
 
 
 @triton.jit
-def _e2m1_pairs(b, INTERP: tl.constexpr):
-    """Packed uint8 codes -> (low nibble, high nibble) as exact e2m1 values times 2^-14, fp32."""
-    if INTERP:  # no inline PTX in the interpreter: the same values by arithmetic
-        b = b.to(tl.int32)
-        m_lo = b & 7
-        m_hi = (b >> 4) & 7
-        # magnitude m >= 2 is 2^(m>>1 - 1) * (1 + (m&1)/2): the fp32 with exponent field (m >> 1) + 126 and
-        # top mantissa bit m & 1, i.e. bits (m << 22) + (126 << 23); m in {0, 1} is m / 2
-        v_lo = tl.where(m_lo < 2, m_lo.to(tl.float32) * 0.5, ((m_lo << 22) + (126 << 23)).to(tl.float32, bitcast=True))
-        v_hi = tl.where(m_hi < 2, m_hi.to(tl.float32) * 0.5, ((m_hi << 22) + (126 << 23)).to(tl.float32, bitcast=True))
-        v_lo, v_hi = v_lo / _PAIRS_UNIT, v_hi / _PAIRS_UNIT
-        return tl.where((b & 0x08) != 0, -v_lo, v_lo), tl.where((b & 0x80) != 0, -v_hi, v_hi)
+def _word_dot(w, a0, a1, a2, a3, a4, a5, a6, a7, INTERP: tl.constexpr):
+    """w int32 (eight codes) and a0..a7 fp32 (same shape) -> sum_j e2m1_j * a_j / _WORD_DOT_UNIT, fp32."""
+    if INTERP:  # the same products (exact) and sums, in the same order
+        s = _e2m1_values(w & 15) * a0 / _WORD_DOT_UNIT
+        s += _e2m1_values((w >> 4) & 15) * a1 / _WORD_DOT_UNIT
+        s += _e2m1_values((w >> 8) & 15) * a2 / _WORD_DOT_UNIT
+        s += _e2m1_values((w >> 12) & 15) * a3 / _WORD_DOT_UNIT
+        s += _e2m1_values((w >> 16) & 15) * a4 / _WORD_DOT_UNIT
+        s += _e2m1_values((w >> 20) & 15) * a5 / _WORD_DOT_UNIT
+        s += _e2m1_values((w >> 24) & 15) * a6 / _WORD_DOT_UNIT
+        return s + _e2m1_values((w >> 28) & 15) * a7 / _WORD_DOT_UNIT
     else:
-        return tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b],
-                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(_WORD_DOT_PTX, "=f,r,f,f,f,f,f,f,f,f", [w, a0, a1, a2, a3, a4, a5, a6, a7],
+                                         dtype=tl.float32, is_pure=True, pack=1)
 
 
 # Two 16-bit words of packed codes (four K positions each, low nibble first) and their scales (bf16x2, one per
@@ -252,10 +267,9 @@ def _e2m1_quads(q, s, INTERP: tl.constexpr):
     phases e2m1 * s exactly: bf16 MMA operands, fp32 under the interpreter (its dots run in fp32)."""
     if INTERP:
         q = q.to(tl.int32)
-        s = s.to(tl.float32) * _PAIRS_UNIT
-        v0, v1 = _e2m1_pairs(q & 0xFF, INTERP)
-        v2, v3 = _e2m1_pairs((q >> 8) & 0xFF, INTERP)
-        return v0 * s, v1 * s, v2 * s, v3 * s
+        s = s.to(tl.float32)
+        return (_e2m1_values(q & 15) * s, _e2m1_values((q >> 4) & 15) * s, _e2m1_values((q >> 8) & 15) * s,
+                _e2m1_values((q >> 12) & 15) * s)
     else:
         return tl.inline_asm_elementwise(_E2M1_BF16_PTX, "=r,=r,=r,=r,r,r", [q, s], dtype=(tl.bfloat16,) * 4,
                                          is_pure=True, pack=2)
@@ -292,24 +306,32 @@ def _quarters(a):
 
 
 @triton.jit
-def _gemv_fp4(acc, w_ptr, s_ptr, rows64, rmask, row_bytes, row_scales, a_row, k0, NS: tl.constexpr,
-              INTERP: tl.constexpr):
-    """acc [R, NS] + packed FP4 rows `rows64` . a[k0 : k0 + 32 NS] (a_row: fp32 or bf16 activations) per
-    32-element scale group: summed unscaled (exact e2m1 x activation products), then scaled. The caller sums
-    over the groups once, after its K loop: a sum per step crossed threads every step (H200, V4.1 batch 1, a
-    development kernel of this form: the routed down GEMV 36.0 us with it, 28.0 us without)."""
-    g = k0 // 32 + tl.arange(0, NS)
-    gmask = g < row_scales
-    byte = g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [NS, 16]
-    b = tl.load(w_ptr + rows64[:, None, None] * row_bytes + byte[None, :, :],
-                mask=rmask[:, None, None] & gmask[None, :, None], other=0)  # [R, NS, 16] uint8
-    lo, hi = _e2m1_pairs(b, INTERP)
-    av = tl.load(a_row + g[:, None] * 32 + tl.arange(0, 32)[None, :], mask=gmask[:, None], other=0.0)
-    ae, ao = tl.split(tl.reshape(av.to(tl.float32), (NS, 16, 2)))  # even / odd elements [NS, 16]
-    part = tl.sum(lo * ae[None, :, :] + hi * ao[None, :, :], axis=2)  # [R, NS]
-    e = tl.load(s_ptr + rows64[:, None] * row_scales + g[None, :], mask=rmask[:, None] & gmask[None, :],
+def _activation_plane(planes, j: tl.constexpr, plane, c, R: tl.constexpr):
+    """Activations 8c + j ([NW] for the word columns c) of `planes` (see `activation_planes`), as [R, NW]."""
+    return tl.broadcast_to(tl.load(planes + j * plane + c, mask=c < plane, other=0.0)[None, :], (R, c.shape[0]))
+
+
+@triton.jit
+def _gemv_words(acc, w_ptr, s_ptr, rows64, rmask, row_words, row_scales, planes, k0, NW: tl.constexpr,
+                INTERP: tl.constexpr):
+    """acc [R, NW/4] + packed FP4 rows `rows64` (int32 words, eight codes each) . activations k0 .. k0 + 8 NW - 1
+    (`planes`: see `activation_planes`), per 32-element scale group: the four words' exact products summed
+    unscaled, then scaled. The caller sums over the groups once, after its K loop (a sum per step crossed threads
+    every step: on the H200 the routed down GEMV took 36.0 us with it, 28.0 without)."""
+    R: tl.constexpr = rows64.shape[0]
+    c = k0 // 8 + tl.arange(0, NW)  # word columns
+    w = tl.load(w_ptr + rows64[:, None] * row_words + c[None, :], mask=rmask[:, None] & (c < row_words)[None, :],
+                other=0)  # [R, NW] int32
+    p = _word_dot(w, _activation_plane(planes, 0, row_words, c, R), _activation_plane(planes, 1, row_words, c, R),
+                  _activation_plane(planes, 2, row_words, c, R), _activation_plane(planes, 3, row_words, c, R),
+                  _activation_plane(planes, 4, row_words, c, R), _activation_plane(planes, 5, row_words, c, R),
+                  _activation_plane(planes, 6, row_words, c, R), _activation_plane(planes, 7, row_words, c, R),
+                  INTERP)
+    part = tl.sum(tl.reshape(p, (R, NW // 4, 4)), axis=2)  # [R, NW/4]: a scale group is four words
+    g = k0 // 32 + tl.arange(0, NW // 4)
+    e = tl.load(s_ptr + rows64[:, None] * row_scales + g[None, :], mask=rmask[:, None] & (g < row_scales)[None, :],
                 other=0).to(tl.int32)
-    return acc + (part * _PAIRS_UNIT) * (e << 23).to(tl.float32, bitcast=True)
+    return acc + part * (e << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -340,11 +362,14 @@ def _slot_expert(ids_ptr, t, slot, K, E):
 
 @triton.jit
 def _gather_up_kernel(
-    x_ptr, ids_ptr, wts_ptr, w13_ptr, s13_ptr, sh13_ptr, h_ptr,
+    x_ptr, xp_ptr, ids_ptr, wts_ptr, w13_ptr, s13_ptr, sh13_ptr, hp_ptr,
     D, I, S, K, E, limit,
-    BI: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr, SHARED: tl.constexpr,
+    BI: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
-    """Program (t, slot, i tile): h[t, slot, i] = swiglu(x[t] . w1[e, i], x[t] . w3[e, i]) * weight."""
+    """Program (t, slot, i tile): h[t, slot, i] = swiglu(x[t] . w1[e, i], x[t] . w3[e, i]) * weight, rounded,
+    written as activation planes (`activation_planes`) for the down kernel. x [N, D] as given (the shared
+    expert's dense rows read it) and as planes xp [N, 8, D/8]; w13 as int32 words."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1)
     i = tl.program_id(2) * BI + tl.arange(0, BI)
@@ -358,12 +383,15 @@ def _gather_up_kernel(
         rows_g = e * 2 * I + i.to(tl.int64)
         part_g = tl.zeros((BI, BK // 32), dtype=tl.float32)
         part_u = tl.zeros((BI, BK // 32), dtype=tl.float32)
-        for k0 in range(0, D, BK):
-            part_g = _gemv_fp4(part_g, w13_ptr, s13_ptr, rows_g, imask, D // 2, D // 32, x_row, k0, BK // 32, INTERP)
-            part_u = _gemv_fp4(part_u, w13_ptr, s13_ptr, rows_g + I, imask, D // 2, D // 32, x_row, k0, BK // 32,
-                               INTERP)
-        acc_g = tl.sum(part_g, axis=1)
-        acc_u = tl.sum(part_u, axis=1)
+        planes = xp_ptr + t * D
+        # software-pipelined: the next steps' weights are in flight while this one is decoded (a plain loop
+        # issued each step's loads after the last step's math; on the H200 the up GEMV 50.8 -> 38.5 us)
+        for k0 in tl.range(0, D, BK, num_stages=STAGES):
+            part_g = _gemv_words(part_g, w13_ptr, s13_ptr, rows_g, imask, D // 8, D // 32, planes, k0, BK // 8, INTERP)
+            part_u = _gemv_words(part_u, w13_ptr, s13_ptr, rows_g + I, imask, D // 8, D // 32, planes, k0, BK // 8,
+                                 INTERP)
+        acc_g = tl.sum(part_g, axis=1) * _WORD_DOT_UNIT
+        acc_u = tl.sum(part_u, axis=1) * _WORD_DOT_UNIT
     elif SHARED:  # the shared expert, dense (see SHARED in moe_triton)
         i64 = i.to(tl.int64)
         for k0 in range(0, D, BK):
@@ -375,40 +403,38 @@ def _gather_up_kernel(
             wu = tl.load(sh13_ptr + (i64 + I)[:, None] * D + kk[None, :], mask=m2, other=0.0).to(tl.float32)
             acc_g += tl.sum(wg * xv[None, :], axis=1)
             acc_u += tl.sum(wu * xv[None, :], axis=1)
-    h = _swiglu(acc_g, acc_u, wt, limit, IS_BF16, INTERP)
-    dst = h_ptr + (t * S + slot) * I + i
-    if IS_BF16:
-        tl.store(dst, _to_bf16(h, INTERP), mask=imask)
-    else:
-        tl.store(dst, h, mask=imask)
+    h = _round(_swiglu(acc_g, acc_u, wt, limit, IS_BF16, INTERP), IS_BF16, INTERP)
+    tl.store(hp_ptr + (t * S + slot) * I + (i % 8) * (I // 8) + i // 8, h, mask=imask)
 
 
 @triton.jit
 def _gather_down_kernel(
-    h_ptr, ids_ptr, w2_ptr, s2_ptr, sh2_ptr, out_ptr,
+    hp_ptr, ids_ptr, w2_ptr, s2_ptr, sh2_ptr, out_ptr,
     D, I, S, K, E,
-    BD: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr, SHARED: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
-    """Program (t, d tile, slot): out[t, slot, d] = round(h[t, slot] . w2[e, d]) (the caller sums the slots)."""
+    """Program (t, d tile, slot): out[t, slot, d] = round(h[t, slot] . w2[e, d]) (the caller sums the slots);
+    h as the up kernel's planes, w2 as int32 words."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     slot = tl.program_id(2)
     dmask = d < D
     d64 = d.to(tl.int64)
     e = _slot_expert(ids_ptr, t, slot, K, E)
-    h_row = h_ptr + (t * S + slot) * I
+    planes = hp_ptr + (t * S + slot) * I
     acc = tl.zeros((BD,), dtype=tl.float32)
     if e < E:
         rows = e * D + d64
         part = tl.zeros((BD, BK // 32), dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            part = _gemv_fp4(part, w2_ptr, s2_ptr, rows, dmask, I // 2, I // 32, h_row, k0, BK // 32, INTERP)
-        acc = tl.sum(part, axis=1)
+        for k0 in tl.range(0, I, BK, num_stages=STAGES):
+            part = _gemv_words(part, w2_ptr, s2_ptr, rows, dmask, I // 8, I // 32, planes, k0, BK // 8, INTERP)
+        acc = tl.sum(part, axis=1) * _WORD_DOT_UNIT
     elif SHARED:
         for k0 in range(0, I, BK):
             kk = k0 + tl.arange(0, BK)
             km = kk < I
-            hv = tl.load(h_row + kk, mask=km, other=0.0).to(tl.float32)
+            hv = tl.load(planes + (kk % 8) * (I // 8) + kk // 8, mask=km, other=0.0)
             w = tl.load(sh2_ptr + d64[:, None] * I + kk[None, :], mask=dmask[:, None] & km[None, :],
                         other=0.0).to(tl.float32)
             acc += tl.sum(w * hv[None, :], axis=1)
@@ -613,6 +639,14 @@ def tile_table(ids_s: torch.Tensor, E: int, BM: int):
     return order, te.to(torch.int32), r0.to(torch.int32), r1.to(torch.int32)
 
 
+def activation_planes(x: torch.Tensor) -> torch.Tensor:
+    """x [N, K] -> [N, 8, K/8] fp32, plane j holding elements 8c + j: the eight activations that meet one int32
+    word of codes (`_word_dot`) are then one element of each plane, and a thread's run of words reads each plane
+    in one vector load."""
+    N, K = x.shape
+    return x.float().view(N, K // 8, 8).transpose(1, 2).contiguous()
+
+
 def _block_k(K: int, most: int, cuda: bool) -> int:
     """The grouped kernels' K step: the largest power of two <= `most` dividing K (K is a multiple of 32), so
     their loads need no K mask (a mask varying along K stops 16-byte loads); on the GPU at least 64, each K
@@ -625,16 +659,17 @@ def _block_k(K: int, most: int, cuda: bool) -> int:
 
 def _cfg(x, N, path):
     if not x.is_cuda:  # the interpreter pays per program: large tiles
-        return {"BI": 64, "BK": 64, "BD": 64, "BM": 16, "BN": 64, "BKG": 64, "gather_warps": 4, "warps": 4, "stages": 1}
+        return {"BI": 64, "BK": 64, "BD": 64, "BM": 16, "BN": 64, "BKG": 64, "gather_warps": 4, "gather_stages": 1,
+                "warps": 4, "stages": 1}
     if path == "gather_tc":  # BM: the MMA's smallest N side; 32 rows in 2 warps (mma.sync) beat the 64-row
         # warpgroup tiles at every N measured (N = 4: 332 us against 365-428)
         return {"BM": 16, "BN": 32, "BKG": 128, "warps": 2, "stages": 3}
-    # gather tiles measured on the H200 at V4.1 widths: for one or two tokens 4 rows x 256 K in 2 warps
-    # (batch 1: 101 us against 110 us for 4 x 512, whose down rows end in a half step; 125 us for 8 x 512 in 4
-    # warps, an earlier run), 16 x 256 in 4 warps above
-    BI, BK, warps = (4, 256, 2) if N <= 2 else (16, 256, 4)
-    return {"BI": BI, "BK": BK, "BD": BI, "BM": None, "BN": 64, "BKG": 64, "gather_warps": warps, "warps": 4,
-            "stages": 3}
+    # gather tiles measured on the H200 at V4.1 widths: for one or two tokens 8 rows x 256 K in 2 warps, K
+    # pipelined two steps deep (the up GEMV 39.1 us; 38.5-39.5 for 4 x 512 and 8 x 512 in 4 warps, two or three
+    # steps deep), 16 x 256 in 4 warps above
+    BI, BK, warps = (8, 256, 2) if N <= 2 else (16, 256, 4)
+    return {"BI": BI, "BK": BK, "BD": BI, "BM": None, "BN": 64, "BKG": 64, "gather_warps": warps, "gather_stages": 2,
+            "warps": 4, "stages": 3}
 
 
 def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=None, path="auto", cfg=None):
@@ -661,16 +696,17 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
     # routed-only gather_tc take 2.8 ms at 4 tokens on the H200, against 0.33 ms for the same call with one)
     if path == "gather":  # the router's ids and weights as they are
         ids_r, wts_r = ids.contiguous(), weights.float().contiguous()
-        h = torch.empty(N, S, I, dtype=x.dtype, device=x.device)
+        hp = torch.empty(N, S, I, dtype=torch.float32, device=x.device)  # h as planes, rounded to x's dtype
+        words13, words2 = w13.view(torch.int32), w2.view(torch.int32)
         _gather_up_kernel[(N, S, triton.cdiv(I, c["BI"]))](
-            x, ids_r, wts_r, w13, s13, sh13, h, D, I, S, ids.shape[1], E, lim,
-            BI=c["BI"], BK=c["BK"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared, num_warps=c["gather_warps"],
-            num_stages=c["stages"])
+            x, activation_planes(x), ids_r, wts_r, words13, s13, sh13, hp, D, I, S, ids.shape[1], E, lim,
+            BI=c["BI"], BK=c["BK"], STAGES=c["gather_stages"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared,
+            num_warps=c["gather_warps"])
         out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
         _gather_down_kernel[(N, triton.cdiv(D, c["BD"]), S)](
-            h, ids_r, w2, s2, sh2, out, D, I, S, ids.shape[1], E,
-            BD=c["BD"], BK=c["BK"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared, num_warps=c["gather_warps"],
-            num_stages=c["stages"])
+            hp, ids_r, words2, s2, sh2, out, D, I, S, ids.shape[1], E,
+            BD=c["BD"], BK=c["BK"], STAGES=c["gather_stages"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared,
+            num_warps=c["gather_warps"])
         return out.sum(dim=1)
     ids_s, wts_s = _slots(ids, weights, E, has_shared)
     R = N * S
