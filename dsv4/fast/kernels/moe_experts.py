@@ -394,7 +394,7 @@ def _gather_up_kernel(
         acc_u = tl.sum(part_u, axis=1) * _WORD_DOT_UNIT
     elif SHARED:  # the shared expert, dense (see SHARED in moe_triton)
         i64 = i.to(tl.int64)
-        for k0 in range(0, D, BK):
+        for k0 in tl.range(0, D, BK, num_stages=STAGES):
             kk = k0 + tl.arange(0, BK)
             km = kk < D
             xv = tl.load(x_row + kk, mask=km, other=0.0).to(tl.float32)
@@ -431,7 +431,7 @@ def _gather_down_kernel(
             part = _gemv_words(part, w2_ptr, s2_ptr, rows, dmask, I // 8, I // 32, planes, k0, BK // 8, INTERP)
         acc = tl.sum(part, axis=1) * _WORD_DOT_UNIT
     elif SHARED:
-        for k0 in range(0, I, BK):
+        for k0 in tl.range(0, I, BK, num_stages=STAGES):
             kk = k0 + tl.arange(0, BK)
             km = kk < I
             hv = tl.load(planes + (kk % 8) * (I // 8) + kk // 8, mask=km, other=0.0)
@@ -644,7 +644,7 @@ def activation_planes(x: torch.Tensor) -> torch.Tensor:
     word of codes (`_word_dot`) are then one element of each plane, and a thread's run of words reads each plane
     in one vector load."""
     N, K = x.shape
-    return x.float().view(N, K // 8, 8).transpose(1, 2).contiguous()
+    return torch.empty(N, 8, K // 8, dtype=torch.float32, device=x.device).copy_(x.view(N, K // 8, 8).transpose(1, 2))
 
 
 def _block_k(K: int, most: int, cuda: bool) -> int:
@@ -664,11 +664,12 @@ def _cfg(x, N, path):
     if path == "gather_tc":  # BM: the MMA's smallest N side; 32 rows in 2 warps (mma.sync) beat the 64-row
         # warpgroup tiles at every N measured (N = 4: 332 us against 365-428)
         return {"BM": 16, "BN": 32, "BKG": 128, "warps": 2, "stages": 3}
-    # gather tiles measured on the H200 at V4.1 widths: for one or two tokens 8 rows x 256 K in 2 warps, K
-    # pipelined two steps deep (the up GEMV 39.1 us; 38.5-39.5 for 4 x 512 and 8 x 512 in 4 warps, two or three
-    # steps deep), 16 x 256 in 4 warps above
-    BI, BK, warps = (8, 256, 2) if N <= 2 else (16, 256, 4)
-    return {"BI": BI, "BK": BK, "BD": BI, "BM": None, "BN": 64, "BKG": 64, "gather_warps": warps, "gather_stages": 2,
+    # gather tiles measured on the H200 at V4.1 widths (the whole op, shared expert included, graph): for one or
+    # two tokens 4 up rows and 16 down rows x 512 K in 2 warps, K pipelined two steps deep (89.8 / 144.3 us at
+    # one / two tokens; 92.2 / 145.0 for 8 x 256 both, 96.7-98.6 / 164.7-171.0 for 4 x 512 both), 16 x 256 in 4
+    # warps above
+    BI, BD, BK, warps = (4, 16, 512, 2) if N <= 2 else (16, 16, 256, 4)
+    return {"BI": BI, "BK": BK, "BD": BD, "BM": None, "BN": 64, "BKG": 64, "gather_warps": warps, "gather_stages": 2,
             "warps": 4, "stages": 3}
 
 
