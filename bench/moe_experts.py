@@ -162,7 +162,7 @@ def main():
                 row[f"{mode}_{path}_speedup_vs_naive"] = row["eager_naive_us"] / t
         if device == "cuda" and N <= 16:  # tile sweep of the gather path (graph mode), for tuning
             row["gather_sweep"] = {}
-            for BI, BD, BK in [(8, 8, 256), (16, 16, 256), (32, 32, 128), (16, 8, 512), (8, 16, 256)]:
+            for BI, BD, BK in [(4, 16, 512), (8, 8, 256), (4, 4, 512), (16, 16, 256), (8, 16, 256)]:
                 cfg = {"BI": BI, "BD": BD, "BK": BK}
                 calls = [lambda s=s, c=cfg: M.moe_triton(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"],
                                                          W["s2"], LIMIT, W["sh13"], W["sh2"], "gather", c) for s in sets]

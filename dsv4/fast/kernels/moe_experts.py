@@ -27,16 +27,19 @@ land on the other side of a bf16 tie, one bf16 ulp.
 Paths (all free of host syncs, so they can be captured in a CUDA graph):
 - gather (decode, N <= GATHER_MAX_N under "auto"): kernel 1, one program per (token, slot, I tile), streams the
   slot's expert rows of w1 and w3 once, GEMV on the CUDA cores in fp32 (each 32-wide scale group summed
-  unscaled, then scaled), SwiGLU epilogue, h to a [N, S, I] workspace (S = k, + 1 with the shared expert);
-  kernel 2, one program per (token, D tile, slot), streams w2 rows and writes the slot's rounded output to
-  [N, S, D]; a torch sum over slots gives y. Both read the router's ids and weights as they are (the shared
-  expert is the slot past them). Summing the slots inside kernel 2 (one program per token and D tile) measured
-  slower on the H200: 104.4 against 99.7 us at V4.1 batch 1, 195 against 171 us at two tokens. At batch 1
-  every selected expert's weights are read exactly once.
-  V4.1 batch 1 takes ~101 us against a 42.7 us byte floor on the H200 (the shared expert's dense rows stream at
-  ~3.5 TB/s; the routed FP4 rows, which a plain read streams at 3.8 TB/s, at ~1.3-1.8 TB/s: the decode and
-  FMAs per byte, at the occupancy the registers allow, hold it). gather_tc, with ~5x fewer instructions per
-  weight value, measured no faster there (118 us).
+  unscaled, then scaled), SwiGLU epilogue, h (rounded) to an fp32 [N, S, I] workspace as activation planes
+  (`activation_planes`, S = k, + 1 with the shared expert); kernel 2, one program per (token, D tile, slot),
+  streams w2 rows and writes the slot's rounded output to [N, S, D]; a torch sum over slots gives y. Both read
+  the router's ids and weights as they are (the shared expert is the slot past them). Summing the slots inside
+  kernel 2 (one program per token and D tile) measured slower on the H200: 104.4 against 99.7 us at V4.1 batch
+  1, 195 against 171 us at two tokens. At batch 1 every selected expert's weights are read exactly once.
+  V4.1 batch 1 takes ~90 us against a 42.7 us byte floor on the H200 (graph, shared expert included). Not the
+  access pattern: a plain read of the routed rows in the up kernel's own pattern (8 rows x 128 bytes a step
+  per 2 warps) streams at 3.6 TB/s, 89-92% of the copy rate, like contiguous tiles. What holds the GEMV is its
+  instructions per byte and the loads in flight: the K loops are software-pipelined (`tl.range` stages; a plain
+  loop issues a step's loads after the last step's math) and decode whole words (below); together they took
+  the routed up GEMV from 50.8 to 38.5 us, but it still streams at ~1.9 TB/s. gather_tc (tensor cores)
+  measured no faster at one token (118 us, against 114.7 for gather then).
 - grouped: token-slots sorted by expert on the device (argsort, scatter_add counts, cumsum, searchsorted),
   a tile table padded to a static upper bound cdiv(N*S, BM) + min(E+1, N*S) (empty tiles exit at once);
   tiles never straddle experts. Kernel 1 is a grouped GEMM (tensor cores, bf16 operands: dequantized e2m1 is
@@ -53,14 +56,16 @@ Paths (all free of host syncs, so they can be captured in a CUDA graph):
   token's slots are visited last first, so the dense shared expert (4x the bytes per row of an MXFP4 one)
   starts first. Meant for decode sizes: every program scans all N*S ids.
 The shared expert is one more slot (expert id E) in every path, so the layer's expert part is one op.
-FP4 decoding. gather: the packed bytes split K into even (low nibble) and odd (high nibble) elements, the
-activations are split to match (no interleave); on the GPU a few PTX integer ops per pair of values give exact
-fp32 (`_E2M1_PTX`). Tensor-core paths: the codes are read as 16-bit words (four K positions each) and
-decoded straight to scaled bf16 MMA operands, one per K phase (k mod 4), by byte-permute lookups and one
+FP4 decoding. gather: the codes are read as int32 words (eight K positions); each code's sign and magnitude
+bits placed as an FP8 e4m3 byte are its value times 2^-6, which one cvt per two codes widens to fp16x2
+(`_WORD_DOT_PTX`), and the activations come as eight planes (plane j holds elements 8c + j), so the eight that
+meet a word are one vector load per plane and nothing is split across threads; in sm_90 SASS the up loop
+runs ~41 instructions per word (4 rows x 512 K, 2 warps, two stages), 55 with the earlier nibble-to-fp16
+decode and the activations split into even and odd halves through shared memory. Tensor-core paths: the codes are read as
+16-bit words (four K positions each) and decoded straight to scaled bf16 MMA operands, one per K phase (k mod 4), by byte-permute lookups and one
 bf16x2 FMA per pair (`_E2M1_BF16_PTX`); the activations are split into the same phases (`_quarters`). In sm_90
 SASS (Triton 3.9) gather_tc's up / down loops run ~4.6 / ~5.3 instructions per weight value per thread, MMA and
-activation handling included (BN 64, K step 128, 4 warps), against ~23 for gather's. The interpreter
-computes the same values arithmetically. Under the Triton interpreter (TRITON_INTERPRET=1) all dots run in fp32
+activation handling included (BN 64, K step 128, 4 warps). The interpreter computes the same values arithmetically. Under the Triton interpreter (TRITON_INTERPRET=1) all dots run in fp32
 and bf16 rounding is done on the bits (the interpreter mishandles bf16 arithmetic and truncates casts).
 Scales are assumed in 2^-126 .. 2^127 (what dsv4.quant writes); the tensor-core decode is exact up to 2^123.
 The tensor-core paths step K by a power of two dividing D (and I), at least 64 on the GPU.
@@ -177,9 +182,7 @@ def _e2m1_values(n):
 # sum_j e2m1_j * a_j / 64, exactly the products, summed in K order (a multiply, then seven FMAs). A code's sign
 # and magnitude bits placed as an FP8 e4m3 byte (sign at bit 7, magnitude at bits 2-4) are its e2m1 value times
 # 2^-6, subnormal codes included; sm_89's cvt widens two such bytes to fp16x2 in one instruction, fp16 -> fp32 is
-# exact. ~9 integer ops for the eight bytes, 4 cvt, 8 widenings and 8 FMAs per word: in sm_90 SASS the up loop
-# runs ~38 instructions per word (8 rows x 256 K, 2 warps), where the earlier nibble-to-fp16 decode with the
-# activations split into even and odd halves through shared memory ran 55.
+# exact. ~9 integer ops for the eight bytes, 4 cvt, 8 widenings and 8 FMAs per word.
 _WORD_DOT_PTX = tl.constexpr("\n".join([
     "{",
     ".reg .b32 t, u, l, h, p0, p1, p2, p3;",
