@@ -309,6 +309,13 @@ def _quarters(a):
 
 
 @triton.jit
+def _plane_offset(k, K):
+    """Where element k of a K-long row sits in its activation planes (`activation_planes`): plane k % 8, column
+    k // 8."""
+    return (k % 8) * (K // 8) + k // 8
+
+
+@triton.jit
 def _activation_plane(planes, j: tl.constexpr, plane, c, R: tl.constexpr):
     """Activations 8c + j ([NW] for the word columns c) of `planes` (see `activation_planes`), as [R, NW]."""
     return tl.broadcast_to(tl.load(planes + j * plane + c, mask=c < plane, other=0.0)[None, :], (R, c.shape[0]))
@@ -408,7 +415,7 @@ def _gather_up_kernel(
             acc_g += tl.sum(wg * xv[None, :], axis=1)
             acc_u += tl.sum(wu * xv[None, :], axis=1)
     h = _round(_swiglu(acc_g, acc_u, wt, limit, IS_BF16, INTERP), IS_BF16, INTERP)
-    tl.store(hp_ptr + (t * S + slot) * I + (i % 8) * (I // 8) + i // 8, h, mask=imask)
+    tl.store(hp_ptr + (t * S + slot) * I + _plane_offset(i, I), h, mask=imask)
 
 
 @triton.jit
@@ -438,7 +445,7 @@ def _gather_down_kernel(
         for k0 in tl.range(0, I, BK, num_stages=STAGES):
             kk = k0 + tl.arange(0, BK)
             km = kk < I
-            hv = tl.load(planes + (kk % 8) * (I // 8) + kk // 8, mask=km, other=0.0)
+            hv = tl.load(planes + _plane_offset(kk, I), mask=km, other=0.0)
             w = tl.load(sh2_ptr + d64[:, None] * I + kk[None, :], mask=dmask[:, None] & km[None, :],
                         other=0.0).to(tl.float32)
             acc += tl.sum(w * hv[None, :], axis=1)
