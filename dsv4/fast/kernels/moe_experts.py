@@ -322,6 +322,13 @@ def _activation_plane(planes, j: tl.constexpr, plane, c, R: tl.constexpr):
 
 
 @triton.jit
+def _sum_eights(p):
+    """p [R, K] -> [R, K/8], sums of eight neighbours: the eight bf16 weights of one 16-byte load sit in one
+    thread, so this stays in registers, where a sum over K per step crossed threads every step."""
+    return tl.sum(tl.reshape(p, (p.shape[0], p.shape[1] // 8, 8)), axis=2)
+
+
+@triton.jit
 def _gemv_words(acc, w_ptr, s_ptr, rows64, rmask, row_words, row_scales, planes, k0, NW: tl.constexpr,
                 INTERP: tl.constexpr):
     """acc [R, NW/4] + packed FP4 rows `rows64` (int32 words, eight codes each) . activations k0 .. k0 + 8 NW - 1
@@ -405,6 +412,8 @@ def _gather_up_kernel(
         acc_u = tl.sum(part_u, axis=1) * _WORD_DOT_UNIT
     elif SHARED:  # the shared expert, dense (see SHARED in moe_triton)
         i64 = i.to(tl.int64)
+        sh_g = tl.zeros((BI, BK // 8), dtype=tl.float32)
+        sh_u = tl.zeros((BI, BK // 8), dtype=tl.float32)
         for k0 in tl.range(0, D, BK, num_stages=STAGES):
             kk = k0 + tl.arange(0, BK)
             km = kk < D
@@ -412,8 +421,10 @@ def _gather_up_kernel(
             m2 = imask[:, None] & km[None, :]
             wg = tl.load(sh13_ptr + i64[:, None] * D + kk[None, :], mask=m2, other=0.0).to(tl.float32)
             wu = tl.load(sh13_ptr + (i64 + I)[:, None] * D + kk[None, :], mask=m2, other=0.0).to(tl.float32)
-            acc_g += tl.sum(wg * xv[None, :], axis=1)
-            acc_u += tl.sum(wu * xv[None, :], axis=1)
+            sh_g += _sum_eights(wg * xv[None, :])
+            sh_u += _sum_eights(wu * xv[None, :])
+        acc_g = tl.sum(sh_g, axis=1)
+        acc_u = tl.sum(sh_u, axis=1)
     h = _round(_swiglu(acc_g, acc_u, wt, limit, IS_BF16, INTERP), IS_BF16, INTERP)
     tl.store(hp_ptr + (t * S + slot) * I + _plane_offset(i, I), h, mask=imask)
 
@@ -442,13 +453,15 @@ def _gather_down_kernel(
             part = _gemv_words(part, w2_ptr, s2_ptr, rows, dmask, I // 8, I // 32, planes, k0, BK // 8, INTERP)
         acc = tl.sum(part, axis=1) * _WORD_DOT_UNIT
     elif SHARED:
+        sh_part = tl.zeros((BD, BK // 8), dtype=tl.float32)
         for k0 in tl.range(0, I, BK, num_stages=STAGES):
             kk = k0 + tl.arange(0, BK)
             km = kk < I
             hv = tl.load(planes + _plane_offset(kk, I), mask=km, other=0.0)
             w = tl.load(sh2_ptr + d64[:, None] * I + kk[None, :], mask=dmask[:, None] & km[None, :],
                         other=0.0).to(tl.float32)
-            acc += tl.sum(w * hv[None, :], axis=1)
+            sh_part += _sum_eights(w * hv[None, :])
+        acc = tl.sum(sh_part, axis=1)
     tl.store(out_ptr + (t * S + slot) * D + d, _round(acc, IS_BF16, INTERP), mask=dmask)
 
 
