@@ -1,0 +1,183 @@
+"""Weight-only FP8 GEMV for decode: a block-scaled FP8 linear read as it is stored, not as a bf16 copy.
+
+    y[m, n] = round( sum over k of x[m, k] * e4m3[n, k] * 2^(e8m0[n // bn, k // bk] - 127) )      (fp32 sums)
+
+- `dsv4::fp8_gemv(x, w, w_scale, bn, bk, out_dtype) -> [M, N]`: x bf16 / fp32 [M, K] (a decode batch), w
+    float8_e4m3fn [N, K], w_scale float8_e8m0fnu [ceil(N / bn), ceil(K / bk)], out_dtype bfloat16 / float32.
+
+The value of `F.linear(x, dequantize_fp8(w, w_scale))` (the fast model's bf16 copies) up to fp32 summation
+order: an e4m3 code times a power of two is a bf16 number and its product with a bf16 activation is exact in
+fp32. The point is bytes: one byte a weight where the bf16 copy reads two.
+
+A program takes BN weight rows over all of K, in K steps of BK, software-pipelined (`tl.range` stages: the
+next steps' weights are in flight while one is decoded); BN and BK divide the block, so a step has one scale,
+folded into the activations (exact: a power of two). The codes are read as int32 words, four K positions
+each, and two cvt instructions (sm_89) widen a word to two fp16x2, exact; the products accumulate
+elementwise in registers ([BM, BN, BK/4]) and are summed once after the loop. Under the Triton interpreter
+the codes are decoded arithmetically, the same values and sums in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from dsv4.fast.kernels import tl, triton, use_triton
+from dsv4.fast.kernels.attention import _to_bf16
+from dsv4.quant import dequantize_fp8
+
+__all__ = ["MAX_M", "fp8_gemv", "fp8_gemv_reference"]
+
+_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_M = 16  # decode batches; larger M belongs to a GEMM (tensor cores)
+_OUT_DTYPES = {torch.bfloat16: True, torch.float32: False}
+
+# acc + sum_j e4m3_j * x_j over the four codes of one int32 word (K positions 0..3, lowest byte first)
+_DOT4_PTX = tl.constexpr("\n".join([
+    "{",
+    ".reg .b16 lo, hi, h0, h1, h2, h3;",
+    ".reg .b32 p0, p1;",
+    ".reg .f32 f0, f1, f2, f3;",
+    "mov.b32 {lo, hi}, $2;",
+    "cvt.rn.f16x2.e4m3x2 p0, lo;",  # (position 0, position 1)
+    "cvt.rn.f16x2.e4m3x2 p1, hi;",  # (2, 3)
+    "mov.b32 {h0, h1}, p0;",
+    "mov.b32 {h2, h3}, p1;",
+] + [f"cvt.f32.f16 f{j}, h{j};" for j in range(4)]
+  + [f"fma.rn.f32 $0, f{j}, ${j + 3}, {'$1' if j == 0 else '$0'};" for j in range(4)] + ["}"]))
+
+
+@triton.jit
+def _e4m3_values(code):
+    """e4m3 codes (int32, 0..255; no NaN codes) -> their exact values, fp32."""
+    e = (code >> 3) & 15
+    m = code & 7
+    normal = ((e + 120) << 23 | m << 20).to(tl.float32, bitcast=True)  # 2^(e - 7) * (1 + m / 8)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
+    return tl.where((code & 128) != 0, -v, v)
+
+
+@triton.jit
+def _dot4(acc, w, x0, x1, x2, x3, INTERP: tl.constexpr):
+    """acc + the four codes of the int32 words w times x0..x3 (fp32, same shape), in position order."""
+    if INTERP:
+        acc += _e4m3_values(w & 255) * x0
+        acc += _e4m3_values((w >> 8) & 255) * x1
+        acc += _e4m3_values((w >> 16) & 255) * x2
+        return acc + _e4m3_values((w >> 24) & 255) * x3
+    else:
+        return tl.inline_asm_elementwise(_DOT4_PTX, "=f,f,r,f,f,f,f", [acc, w, x0, x1, x2, x3],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, KS, block_n, block_k,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, OUT_BF16: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """Program: weight rows pid * BN .. + BN for all BM <= M activation rows."""
+    pid = tl.program_id(0)
+    n = pid * BN + tl.arange(0, BN)
+    nmask = n < N
+    NW: tl.constexpr = BK // 4
+    c = tl.arange(0, NW)
+    mm = tl.arange(0, BM)
+    mmask = mm < M
+    words = w_ptr.to(tl.pointer_type(tl.int32)) + n.to(tl.int64)[:, None] * (K // 4)
+    s_row = s_ptr + ((pid * BN) // block_n) * KS  # BN divides block_n: one scale row for the program
+    acc = tl.zeros((BM, BN, NW), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        cw = k0 // 4 + c  # word columns
+        cm = cw < K // 4
+        w = tl.load(words + cw[None, :], mask=nmask[:, None] & cm[None, :], other=0)  # [BN, NW]
+        scale = (tl.load(s_row + k0 // block_k).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        xq = tl.load(x_ptr + mm[:, None, None] * K + (4 * cw)[None, :, None] + tl.arange(0, 4)[None, None, :],
+                     mask=mmask[:, None, None] & cm[None, :, None], other=0.0).to(tl.float32) * scale
+        even, odd = tl.split(tl.reshape(xq, (BM, NW, 2, 2)))  # positions (0, 2) and (1, 3) of each word
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        acc = _dot4(acc, tl.broadcast_to(w[None, :, :], (BM, BN, NW)), _rows(x0, BN), _rows(x1, BN),
+                    _rows(x2, BN), _rows(x3, BN), INTERP)
+    y = tl.sum(acc, axis=2)  # [BM, BN]
+    dst = y_ptr + mm[:, None] * N + n[None, :]
+    ymask = mmask[:, None] & nmask[None, :]
+    if OUT_BF16:
+        tl.store(dst, _to_bf16(y, INTERP), mask=ymask)  # round to nearest (the interpreter's cast truncates)
+    else:
+        tl.store(dst, y, mask=ymask)
+
+
+@triton.jit
+def _rows(xj, BN: tl.constexpr):
+    """[BM, NW] activations -> [BM, BN, NW], the same for every weight row."""
+    return tl.broadcast_to(xj[:, None, :], (xj.shape[0], BN, xj.shape[1]))
+
+
+def _pow2_divisor(n: int, most: int) -> int:
+    return min(most, n & -n)
+
+
+def _check(x, w, w_scale, bn: int, bk: int, out_dtype) -> None:
+    if x.dim() != 2 or w.dim() != 2 or w_scale.dim() != 2:
+        raise ValueError("fp8_gemv: x, w and w_scale must be 2-D")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"fp8_gemv: x must be bfloat16 or float32, got {x.dtype}")
+    if w.dtype != torch.float8_e4m3fn or w_scale.dtype != torch.float8_e8m0fnu:
+        raise ValueError(f"fp8_gemv: w must be float8_e4m3fn and w_scale float8_e8m0fnu, got {w.dtype}, "
+                         f"{w_scale.dtype}")
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"fp8_gemv: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    (M, K), (N, K2) = x.shape, w.shape
+    if K != K2:
+        raise ValueError(f"fp8_gemv: x [M, K={K}] and w [N, K={K2}] disagree on K")
+    if M > MAX_M:
+        raise ValueError(f"fp8_gemv: a decode GEMV takes at most {MAX_M} rows, got {M}")
+    if K % 4 or bk % 4 or bn <= 0:
+        raise ValueError(f"fp8_gemv: K ({K}) and the block's K side ({bk}) must be multiples of 4 (int32 words)")
+    if w_scale.shape != (-(-N // bn), -(-K // bk)):
+        raise ValueError(f"fp8_gemv: w_scale must be [{-(-N // bn)}, {-(-K // bk)}], got {tuple(w_scale.shape)}")
+
+
+def fp8_gemv_reference(x, w, w_scale, bn: int, bk: int, out_dtype=torch.bfloat16):
+    """The twin: the weight dequantized exactly (dsv4.quant), fp32 matmul, one rounding."""
+    _check(x, w, w_scale, bn, bk, out_dtype)
+    return F.linear(x.float(), dequantize_fp8(w, w_scale, (bn, bk))).to(out_dtype)
+
+
+def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, cfg: dict | None = None):
+    cfg = cfg or {}
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    # the accumulator is BM x BN x BK/4 fp32 across the program: 32 rows to two activation rows, then 16
+    BN = cfg.get("BN") or _pow2_divisor(bn, 16 if _INTERP or M > 2 else 32)
+    BK = cfg.get("BK") or _pow2_divisor(bk, 128)
+    if bn % BN or bk % BK or BK < 4:
+        raise ValueError(f"fp8_gemv: tile {BN} x {BK} must divide the block {bn} x {bk} (K step >= 4)")
+    _fp8_gemv_kernel[(triton.cdiv(N, BN),)](
+        x.contiguous(), w.contiguous(), w_scale.view(torch.uint8).contiguous(), y, M, N, K, w_scale.shape[1], bn, bk,
+        BM=triton.next_power_of_2(M), BN=BN, BK=BK, STAGES=cfg.get("stages", 1 if _INTERP else 3),
+        OUT_BF16=out_dtype == torch.bfloat16, INTERP=_INTERP, num_warps=cfg.get("num_warps", 4))
+    return y
+
+
+@torch.library.custom_op("dsv4::fp8_gemv", mutates_args=())
+def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bn: int, bk: int,
+             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [M <= MAX_M, K] times the block-scaled FP8 weight w [N, K] transposed -> [M, N] out_dtype."""
+    _check(x, w, w_scale, bn, bk, out_dtype)
+    if use_triton(x):
+        return _fp8_gemv_triton(x, w, w_scale, bn, bk, out_dtype)
+    return fp8_gemv_reference(x, w, w_scale, bn, bk, out_dtype)
+
+
+@fp8_gemv.register_fake
+def _(x, w, w_scale, bn, bk, out_dtype=torch.bfloat16):
+    return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype)
