@@ -137,10 +137,12 @@ def test_mhc_post_matches_twin(N, hc, D, dtype, seed):
 
 
 def test_mhc_pre_split_configs_agree():
-    """Every split of D gives the same answer (the workspace reduction covers each d exactly once)."""
+    """Every split of D gives the same answer (the workspace reduction covers each d exactly once, also when the
+    finish kernel sums the splits in several steps, the last one partial: SB 4 of 6)."""
     h, fn, scale, base, pre_prev = make_inputs(19, 4, 96, torch.float32, True, 3)
     ref = K.mhc_pre_twin(h, fn, scale, base, pre_prev, 1e-6, 1e-6, 20)
-    for cfg in ({"BD": 16, "split": 1}, {"BD": 16, "split": 6}, {"BD": 32, "split": 2}, {"BN": 32, "BN2": 32}):
+    for cfg in ({"BD": 16, "split": 1}, {"BD": 16, "split": 6}, {"BD": 16, "split": 6, "SB": 4}, {"BD": 32, "split": 2},
+                {"BN": 32, "BN2": 32}):
         check_pre(K.mhc_pre_triton(h, fn, scale, base, pre_prev, 1e-6, 1e-6, 20, cfg=cfg), ref, torch.float32)
         check_pre(K.mhc_pre_triton(h, fn, scale, base, None, 1e-6, 1e-6, 20, cfg=cfg),
                   K.mhc_pre_twin(h, fn, scale, base, None, 1e-6, 1e-6, 20), torch.float32)

@@ -135,7 +135,7 @@ def _pre_finish_kernel(
     ws_ptr, scale_ptr, base_ptr, h_ptr, x_ptr, pre_ptr, post_ptr, comb_ptr,
     N, D, n_split, d_per_prog, norm_eps, hc_eps, iters,
     stride_hn, stride_hk, stride_xn,
-    HC: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    HC: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr,
     COLLAPSE: tl.constexpr, ACCURATE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -152,12 +152,19 @@ def _pre_finish_kernel(
     pre_raw = tl.zeros((BN, HC), dtype=tl.float32)
     post_raw = tl.zeros((BN, HC), dtype=tl.float32)
     comb_raw = tl.zeros((BN, HC, HC), dtype=tl.float32)
-    for s in range(n_split):
-        row = ws_ptr + (s * N + rows64) * (M + 1)
-        ss += tl.load(row + M, mask=rmask, other=0.0)
-        pre_raw += tl.load(row[:, None] + c[None, :], mask=r2, other=0.0)
-        post_raw += tl.load(row[:, None] + HC + c[None, :], mask=r2, other=0.0)
-        comb_raw += tl.load(row[:, None, None] + 2 * HC + jk[None, :, :], mask=r3, other=0.0)
+    # SB splits a step, their loads all in flight at once: one split a step waited out an L2 round trip per
+    # split (80 of them for one token at V4.1 widths), most of this kernel's time at decode
+    sb = tl.arange(0, SB)
+    for s0 in range(0, n_split, SB):
+        s = s0 + sb
+        row = ws_ptr + (s[:, None] * N + rows64[None, :]) * (M + 1)  # [SB, BN]
+        live = (s < n_split)[:, None] & rmask[None, :]
+        ss += tl.sum(tl.load(row + M, mask=live, other=0.0), axis=0)
+        pre_raw += tl.sum(tl.load(row[:, :, None] + c[None, None, :], mask=live[:, :, None], other=0.0), axis=0)
+        post_raw += tl.sum(tl.load(row[:, :, None] + HC + c[None, None, :], mask=live[:, :, None], other=0.0),
+                           axis=0)
+        comb_raw += tl.sum(tl.load(row[:, :, None, None] + 2 * HC + jk[None, None, :, :], mask=live[:, :, None, None],
+                                   other=0.0), axis=0)
 
     rs = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, (HC * D) * 1.0) + norm_eps))
     s_pre = tl.load(scale_ptr)
@@ -281,8 +288,9 @@ def _hc_supported(hc: int, D: int) -> bool:
 
 
 def mhc_pre_triton(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters, cfg: dict | None = None):
-    """The Triton path of mhc_pre; `cfg` (BN, BD, split, target, num_warps, num_stages, BN2, finish_warps) overrides the
-    tiles (`target`: the program count the D split aims at)."""
+    """The Triton path of mhc_pre; `cfg` (BN, BD, split, target, num_warps, num_stages, BN2, finish_warps, SB)
+    overrides the tiles (`target`: the program count the D split aims at; SB: the splits the second kernel sums a
+    step)."""
     cfg = cfg or {}
     h = h.contiguous()
     fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
@@ -327,7 +335,8 @@ def mhc_pre_triton(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters, cf
         ws, scale, base, h, x, pre, post, comb,
         N, D, split, d_per, norm_eps, hc_eps, iters,
         h.stride(0), h.stride(1), x.stride(0),
-        HC=hc, M=M, BN=BN2, BD=BD2, COLLAPSE=not collapse_now, ACCURATE=not interp,
+        HC=hc, M=M, BN=BN2, BD=BD2, SB=cfg.get("SB") or min(triton.next_power_of_2(split), 32 if small else 8),
+        COLLAPSE=not collapse_now, ACCURATE=not interp,
         num_warps=cfg.get("finish_warps", 1 if small else 4),
     )
     return x, pre, post, comb
