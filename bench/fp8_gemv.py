@@ -4,9 +4,10 @@ V4.1's attention projections and decode batch sizes: does one byte a weight beat
     python bench/fp8_gemv.py          # H200: exactness, then timings; ~1-2 minutes
     python bench/fp8_gemv.py --smoke  # small shapes on the CPU under the Triton interpreter
 
-Cases: (N, K) of wq_b, wo_b, wo_a (as one [8192, 4096] weight), wq_a and the indexer's wq_b, 128 x 128 blocks,
-M = 1, 2, 4, 8, 16 activation rows. "fused" is the FP8 GEMV (its default tiles), "cublas" F.linear on the weight
-dequantized to bf16 (exactly). Bytes: the weight as each reads it (FP8 + scales, or bf16), the activations and the
+Cases: the decode step's FP8 GEMVs at V4.1 widths, 128 x 128 blocks, M = 1, 2, 4, 8, 16 activation rows: wq_b and
+the indexer's wq_b concatenated (one weight, as the fast model reads the query latent's linears), wo_a (8 groups,
+each its own 4096 columns of x) and wo_b. "fused" is the FP8 GEMV (its default tiles), "cublas" the fast model's
+bf16 path on the weight dequantized to bf16 (exactly): F.linear, or for wo_a its einsum (a batched GEMM). Bytes: the weight as each reads it (FP8 + scales, or bf16), the activations and the
 output. Timing: CUDA events, the median of --reps samples of R calls on R rotating weight sets (past L2), per call;
 "graph": replayed from a CUDA graph, as the decode step runs them; at M = 1 and 4 also a sweep of tiles
 (graph_sweep_us). Exactness: within the fp32 summation-order
@@ -35,17 +36,25 @@ from dsv4.fast.kernels.fp8_gemv import _fp8_gemv_triton, fp8_gemv, fp8_gemv_refe
 from dsv4.quant import dequantize_fp8, quantize_fp8
 
 BLOCK = (128, 128)
-SHAPES = {"wq_b": (32768, 1280), "wo_b": (5120, 8192), "wo_a": (8192, 4096), "wq_a": (1280, 5120),
-          "idx_wq_b": (4096, 1280)}
-SMOKE_SHAPES = {"small": (96, 256)}
-SWEEP = [{"BN": bn, "stages": st, "num_warps": nw} for bn, st, nw in [(16, 3, 4), (32, 3, 4), (32, 4, 4), (64, 3, 8),
-                                                                      (16, 4, 2), (32, 2, 4)]]
+SHAPES = {"wq_b+idx": (36864, 1280, 1), "wo_a": (8192, 4096, 8), "wo_b": (5120, 8192, 1)}  # (N, K, groups)
+SMOKE_SHAPES = {"small": (96, 256, 1), "grouped": (64, 128, 2)}
+SWEEP = [{"BN": bn, "BK": bk, "stages": st, "num_warps": nw}
+         for bn, bk, st, nw in [(8, 128, 6, 2), (16, 128, 4, 2), (8, 128, 6, 1), (16, 128, 3, 4), (32, 128, 3, 4),
+                                (16, 64, 6, 2)]]
 
 
 def make_set(N, K, block, device, seed):
     g = torch.Generator().manual_seed(seed)
     w, s = quantize_fp8(torch.randn(N, K, generator=g), block)
     return w.to(device), s.to(device), dequantize_fp8(w, s, block).to(torch.bfloat16).to(device)
+
+
+def bf16_path(x, wb, groups):
+    """The fast model's GEMM on the bf16 copy: F.linear, per group an einsum as Attention._output's for wo_a."""
+    if groups == 1:
+        return F.linear(x, wb)
+    M, (N, K) = x.shape[0], wb.shape
+    return torch.einsum("mgk,gnk->mgn", x.view(M, groups, K), wb.view(groups, N // groups, K)).reshape(M, N)
 
 
 def main():
@@ -57,33 +66,33 @@ def main():
     reps = 3 if ARGS.smoke else ARGS.reps
     t_start = time.time()
     results, checks = [], {}
-    for name, (N, K) in shapes.items():
+    for name, (N, K, G) in shapes.items():
         fp8_bytes = N * K + -(-N // block[0]) * -(-K // block[1])
         nsets = 2 if ARGS.smoke else max(2, min(8, -(-256 * 2**20 // fp8_bytes)))
         sets = [make_set(N, K, block, device, 31 * N + K + i) for i in range(nsets)]
         for M in ms:
-            x = torch.randn(M, K, device=device).to(torch.bfloat16)
+            x = torch.randn(M, G * K, device=device).to(torch.bfloat16)
             w, s, wb = sets[0]
-            y = fp8_gemv(x, w, s, *block, torch.bfloat16).float()
-            twin = fp8_gemv_reference(x, w, s, *block, torch.float32)
-            bound = 1e-5 * (x.abs().float() @ wb.abs().float().T) + twin.abs() * 2.0**-8
+            y = fp8_gemv(x, w, s, *block, torch.bfloat16, G).float()
+            twin = fp8_gemv_reference(x, w, s, *block, torch.float32, G)
+            bound = 1e-5 * bf16_path(x.abs().float(), wb.abs().float(), G) + twin.abs() * 2.0**-8
             case = f"{name} M={M}"
             checks[case] = {"ok": bool(((y - twin).abs() <= bound + 1e-30).all()),
                             "max_abs_diff": float((y - twin).abs().max())}
 
             def calls(fast, x=x, sets=sets):
                 if fast:
-                    return [lambda w=w, s=s: fp8_gemv(x, w, s, *block, torch.bfloat16) for w, s, _ in sets]
-                return [lambda wb=wb: F.linear(x, wb) for _, _, wb in sets]
+                    return [lambda w=w, s=s: fp8_gemv(x, w, s, *block, torch.bfloat16, G) for w, s, _ in sets]
+                return [lambda wb=wb: bf16_path(x, wb, G) for _, _, wb in sets]
 
-            io = 2 * M * (K + N)
-            row = {"case": name, "N": M, "out_features": N, "in_features": K, "rotating_sets": nsets,
+            io = 2 * M * (G * K + N)
+            row = {"case": name, "N": M, "out_features": N, "in_features": K, "groups": G, "rotating_sets": nsets,
                    "fp8_bytes": fp8_bytes + io, "bf16_bytes": 2 * N * K + io}
             common.time_fused_vs_baseline(row, calls, reps, device, "cublas", fp8_bytes + io, 2 * N * K + io)
             if device == "cuda" and M in (1, 4):  # tiles, for tuning the defaults (graph mode)
                 row["graph_sweep_us"] = {
                     "BN{BN}_st{stages}_w{num_warps}".format(**c): common.time_calls(
-                        [lambda w=w, s=s, c=c, x=x: _fp8_gemv_triton(x, w, s, *block, torch.bfloat16, c)
+                        [lambda w=w, s=s, c=c, x=x: _fp8_gemv_triton(x, w, s, *block, torch.bfloat16, G, c)
                          for w, s, _ in sets],
                         reps)
                     for c in SWEEP}

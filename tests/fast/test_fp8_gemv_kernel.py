@@ -26,20 +26,22 @@ from dsv4.fast.kernels.fp8_gemv import MAX_M, fp8_gemv, fp8_gemv_reference
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_case(seed: int, M: int, N: int, K: int, block: tuple[int, int], dtype=torch.bfloat16):
-    """x [M, K] and a weight whose magnitude changes per block by 2^-6..2^6 (so the scales differ), FP8."""
+def make_case(seed: int, M: int, N: int, K: int, block: tuple[int, int], dtype=torch.bfloat16, groups: int = 1):
+    """x [M, groups * K] and a weight whose magnitude changes per block by 2^-6..2^6 (so the scales differ), FP8."""
     gen = torch.Generator().manual_seed(seed)
     nr, nc = -(-N // block[0]), -(-K // block[1])
     exp = torch.randint(-6, 7, (nr, nc), generator=gen).float()
     full = exp.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:N, :K]
     w, s = quantize_fp8(torch.randn(N, K, generator=gen) * torch.exp2(full), block)
-    x = (torch.randn(M, K, generator=gen) * 3).to(dtype)
+    x = (torch.randn(M, groups * K, generator=gen) * 3).to(dtype)
     return x.to(DEVICE), w.to(DEVICE), s.to(DEVICE)
 
 
-def check(y: torch.Tensor, x, w, s, block) -> None:
-    twin = fp8_gemv_reference(x, w, s, *block, torch.float32)
-    bound = x.abs().double() @ dequantize_fp8(w, s, block).abs().double().T
+def check(y: torch.Tensor, x, w, s, block, groups: int = 1) -> None:
+    twin = fp8_gemv_reference(x, w, s, *block, torch.float32, groups)
+    (M, N), K = y.shape, w.shape[1]
+    wabs = dequantize_fp8(w, s, block).abs().double().view(groups, N // groups, K)
+    bound = torch.einsum("mgk,gnk->mgn", x.abs().double().view(M, groups, K), wabs).reshape(M, N)
     tol = 1e-5 * bound.float()
     if y.dtype == torch.bfloat16:
         tol = tol + twin.abs() * 2.0**-8  # one bf16 rounding
@@ -62,6 +64,24 @@ def test_kernel_matches_twin(M, N, words, block, out_bf16, x_bf16, seed):
     y = fp8_gemv(x, w, s, *block, torch.bfloat16 if out_bf16 else torch.float32)
     assert y.shape == (M, N) and y.dtype == (torch.bfloat16 if out_bf16 else torch.float32)
     check(y, x, w, s, block)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    M=st.integers(1, 3),
+    groups=st.integers(2, 4),
+    rows=st.sampled_from([8, 16, 24, 40]),
+    words=st.integers(1, 24),
+    seed=st.integers(0, 2**16),
+)
+def test_groups_match_twin(M, groups, rows, words, seed):
+    """Grouped (the attention's wo_a): each group of `rows` output rows reads its own K columns of x; group sizes
+    that are not a multiple of the default 16-row tile (8, 24, 40) shrink the tile."""
+    x, w, s = make_case(seed, M, groups * rows, 4 * words, (16, 16), groups=groups)
+    y = fp8_gemv(x, w, s, 16, 16, torch.float32, groups)
+    check(y, x, w, s, (16, 16), groups)
+    # the groups are not interchangeable: x's columns of one group moved to another change the result
+    assert not torch.equal(y, fp8_gemv(x.roll(4 * words, dims=1), w, s, 16, 16, torch.float32, groups))
 
 
 def test_every_code_decodes_exactly():
@@ -92,6 +112,14 @@ def test_bad_input_names_the_problem(bad, message):
         fp8_gemv(*bad(x, w, s), 32, 32, torch.bfloat16)
 
 
+@pytest.mark.parametrize("groups, width, message", [(3, 192, "divide the weight's 64 rows"), (0, 64, "positive"),
+                                                    (2, 64, "2 group")])
+def test_bad_groups_name_the_problem(groups, width, message):
+    x, w, s = make_case(0, 1, 64, 64, (32, 32))
+    with pytest.raises(ValueError, match=message):
+        fp8_gemv(torch.zeros(1, width, dtype=x.dtype, device=x.device), w, s, 32, 32, torch.bfloat16, groups)
+
+
 def test_k_not_in_words_is_refused():
     x, w, s = make_case(0, 1, 8, 6, (16, 16))
     with pytest.raises(ValueError, match="multiples of 4"):
@@ -101,8 +129,9 @@ def test_k_not_in_words_is_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("M", [1, 2, 4, 16])
-@pytest.mark.parametrize("N, K", [(32768, 1280), (5120, 8192), (300, 1000)])
-def test_gpu_decode_shapes(M, N, K):
-    """V4.1's wq_b and wo_b widths (and a ragged one) at decode batch sizes, through the PTX decode."""
-    x, w, s = make_case(M + N, M, N, K, (128, 128))
-    check(fp8_gemv(x, w, s, 128, 128, torch.bfloat16), x, w, s, (128, 128))
+@pytest.mark.parametrize("N, K, groups", [(36864, 1280, 1), (5120, 8192, 1), (8192, 4096, 8), (300, 1000, 1)])
+def test_gpu_decode_shapes(M, N, K, groups):
+    """V4.1's wq_b + indexer wq_b, wo_b and grouped wo_a widths (and a ragged one) at decode batch sizes, through
+    the PTX decode and the default tiles of each batch size."""
+    x, w, s = make_case(M + N, M, N, K, (128, 128), groups=groups)
+    check(fp8_gemv(x, w, s, 128, 128, torch.bfloat16, groups), x, w, s, (128, 128), groups)

@@ -2,8 +2,10 @@
 
     y[m, n] = round( sum over k of x[m, k] * e4m3[n, k] * 2^(e8m0[n // bn, k // bk] - 127) )      (fp32 sums)
 
-- `dsv4::fp8_gemv(x, w, w_scale, bn, bk, out_dtype) -> [M, N]`: x bf16 / fp32 [M, K] (a decode batch), w
-    float8_e4m3fn [N, K], w_scale float8_e8m0fnu [ceil(N / bn), ceil(K / bk)], out_dtype bfloat16 / float32.
+- `dsv4::fp8_gemv(x, w, w_scale, bn, bk, out_dtype, groups=1) -> [M, N]`: x bf16 / fp32 [M, groups * K] (a
+    decode batch), w float8_e4m3fn [N, K], w_scale float8_e8m0fnu [ceil(N / bn), ceil(K / bk)], out_dtype
+    bfloat16 / float32. With groups G, output rows g * N / G .. (g + 1) * N / G read x's g-th K columns (the
+    attention's grouped `wo_a`); G = 1 is the plain GEMV.
 
 The value of `F.linear(x, dequantize_fp8(w, w_scale))` (the fast model's bf16 copies) up to fp32 summation
 order: an e4m3 code times a power of two is a bf16 number and its product with a bf16 activation is exact in
@@ -74,11 +76,12 @@ def _dot4(acc, w, x0, x1, x2, x3, INTERP: tl.constexpr):
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, KS, block_n, block_k,
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, KS, block_n, block_k, G,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, OUT_BF16: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """Program: weight rows pid * BN .. + BN for all BM <= M activation rows."""
+    """Program: weight rows pid * BN .. + BN for all BM <= M activation rows; of G groups of
+    N / G rows (BN divides N / G when G > 1), each reading its own K columns of x's rows."""
     pid = tl.program_id(0)
     n = pid * BN + tl.arange(0, BN)
     nmask = n < N
@@ -88,13 +91,14 @@ def _fp8_gemv_kernel(
     mmask = mm < M
     words = w_ptr.to(tl.pointer_type(tl.int32)) + n.to(tl.int64)[:, None] * (K // 4)
     s_row = s_ptr + ((pid * BN) // block_n) * KS  # BN divides block_n: one scale row for the program
+    x_rows = x_ptr + ((pid * BN) // (N // G)) * K + mm[:, None, None] * (G * K)  # the program's group's columns
     acc = tl.zeros((BM, BN, NW), dtype=tl.float32)
     for k0 in tl.range(0, K, BK, num_stages=STAGES):
         cw = k0 // 4 + c  # word columns
         cm = cw < K // 4
         w = tl.load(words + cw[None, :], mask=nmask[:, None] & cm[None, :], other=0)  # [BN, NW]
         scale = (tl.load(s_row + k0 // block_k).to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        xq = tl.load(x_ptr + mm[:, None, None] * K + (4 * cw)[None, :, None] + tl.arange(0, 4)[None, None, :],
+        xq = tl.load(x_rows + (4 * cw)[None, :, None] + tl.arange(0, 4)[None, None, :],
                      mask=mmask[:, None, None] & cm[None, :, None], other=0.0).to(tl.float32) * scale
         even, odd = tl.split(tl.reshape(xq, (BM, NW, 2, 2)))  # positions (0, 2) and (1, 3) of each word
         x0, x2 = tl.split(even)
@@ -120,7 +124,7 @@ def _pow2_divisor(n: int, most: int) -> int:
     return min(most, n & -n)
 
 
-def _check(x, w, w_scale, bn: int, bk: int, out_dtype) -> None:
+def _check(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int) -> None:
     if x.dim() != 2 or w.dim() != 2 or w_scale.dim() != 2:
         raise ValueError("fp8_gemv: x, w and w_scale must be 2-D")
     if x.dtype not in (torch.bfloat16, torch.float32):
@@ -130,9 +134,11 @@ def _check(x, w, w_scale, bn: int, bk: int, out_dtype) -> None:
                          f"{w_scale.dtype}")
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"fp8_gemv: out_dtype must be bfloat16 or float32, got {out_dtype}")
-    (M, K), (N, K2) = x.shape, w.shape
-    if K != K2:
-        raise ValueError(f"fp8_gemv: x [M, K={K}] and w [N, K={K2}] disagree on K")
+    (M, GK), (N, K) = x.shape, w.shape
+    if groups < 1 or N % groups:
+        raise ValueError(f"fp8_gemv: groups ({groups}) must be positive and divide the weight's {N} rows")
+    if GK != groups * K:
+        raise ValueError(f"fp8_gemv: x [M, {GK}] and w [N, K={K}] disagree on K ({groups} group(s) of K)")
     if M > MAX_M:
         raise ValueError(f"fp8_gemv: a decode GEMV takes at most {MAX_M} rows, got {M}")
     if K % 4 or bk % 4 or bn <= 0:
@@ -141,43 +147,55 @@ def _check(x, w, w_scale, bn: int, bk: int, out_dtype) -> None:
         raise ValueError(f"fp8_gemv: w_scale must be [{-(-N // bn)}, {-(-K // bk)}], got {tuple(w_scale.shape)}")
 
 
-def fp8_gemv_reference(x, w, w_scale, bn: int, bk: int, out_dtype=torch.bfloat16):
-    """The twin: the weight dequantized exactly (dsv4.quant), fp32 matmul, one rounding."""
-    _check(x, w, w_scale, bn, bk, out_dtype)
-    return F.linear(x.float(), dequantize_fp8(w, w_scale, (bn, bk))).to(out_dtype)
+def fp8_gemv_reference(x, w, w_scale, bn: int, bk: int, out_dtype=torch.bfloat16, groups: int = 1):
+    """The twin: the weight dequantized exactly (dsv4.quant), fp32 matmul per group, one rounding."""
+    _check(x, w, w_scale, bn, bk, out_dtype, groups)
+    M, (N, K) = x.shape[0], w.shape
+    wf = dequantize_fp8(w, w_scale, (bn, bk)).view(groups, N // groups, K)
+    return torch.einsum("mgk,gnk->mgn", x.float().view(M, groups, K), wf).reshape(M, N).to(out_dtype)
 
 
-def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, cfg: dict | None = None):
-    cfg = cfg or {}
-    M, K = x.shape
-    N = w.shape[0]
+def _tiles(M: int, N: int, K: int, groups: int, bn: int, bk: int, cfg: dict) -> tuple[int, int, int, int]:
+    """(BN, BK, stages, num_warps). One or two rows (the tile sweep dev/fp8-gemv-tile-sweep-24b5691.json at the
+    decode step's shapes): 8 weight rows a program (16 for the 32K-row wq_b, whose programs are plenty), 2 warps,
+    more stages along a long K. More rows: an accumulator of BM x BN x BK/4 fp32 keeps BN at 16."""
+    few = M <= 2 and not _INTERP
+    BN = cfg.get("BN") or _pow2_divisor(bn, (16 if N >= 16384 else 8) if few else 16)
+    if groups > 1:  # a program's rows in one group
+        BN = min(BN, _pow2_divisor(N // groups, BN))
+    BK = cfg.get("BK") or _pow2_divisor(bk, 128)
+    if bn % BN or bk % BK or BK < 4:
+        raise ValueError(f"fp8_gemv: tile {BN} x {BK} must divide the block {bn} x {bk} (K step >= 4)")
+    stages = cfg.get("stages") or (1 if _INTERP else (4 if K <= 2048 else 6) if few else 3)
+    return BN, BK, stages, cfg.get("num_warps") or (2 if few else 4)
+
+
+def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1, cfg: dict | None = None):
+    M, (N, K) = x.shape[0], w.shape
     y = torch.empty(M, N, dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return y
     if K == 0:
         return y.zero_()
-    # the accumulator is BM x BN x BK/4 fp32 across the program: 32 rows to two activation rows, then 16
-    BN = cfg.get("BN") or _pow2_divisor(bn, 16 if _INTERP or M > 2 else 32)
-    BK = cfg.get("BK") or _pow2_divisor(bk, 128)
-    if bn % BN or bk % BK or BK < 4:
-        raise ValueError(f"fp8_gemv: tile {BN} x {BK} must divide the block {bn} x {bk} (K step >= 4)")
+    BN, BK, stages, warps = _tiles(M, N, K, groups, bn, bk, cfg or {})
     _fp8_gemv_kernel[(triton.cdiv(N, BN),)](
         x.contiguous(), w.contiguous(), w_scale.view(torch.uint8).contiguous(), y, M, N, K, w_scale.shape[1], bn, bk,
-        BM=triton.next_power_of_2(M), BN=BN, BK=BK, STAGES=cfg.get("stages", 1 if _INTERP else 3),
-        OUT_BF16=out_dtype == torch.bfloat16, INTERP=_INTERP, num_warps=cfg.get("num_warps", 4))
+        groups, BM=triton.next_power_of_2(M), BN=BN, BK=BK, STAGES=stages, OUT_BF16=out_dtype == torch.bfloat16,
+        INTERP=_INTERP, num_warps=warps)
     return y
 
 
 @torch.library.custom_op("dsv4::fp8_gemv", mutates_args=())
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bn: int, bk: int,
-             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """x [M <= MAX_M, K] times the block-scaled FP8 weight w [N, K] transposed -> [M, N] out_dtype."""
-    _check(x, w, w_scale, bn, bk, out_dtype)
+             out_dtype: torch.dtype = torch.bfloat16, groups: int = 1) -> torch.Tensor:
+    """x [M <= MAX_M, groups * K] times the block-scaled FP8 weight w [N, K] transposed, group by group ->
+    [M, N] out_dtype."""
+    _check(x, w, w_scale, bn, bk, out_dtype, groups)
     if use_triton(x):
-        return _fp8_gemv_triton(x, w, w_scale, bn, bk, out_dtype)
-    return fp8_gemv_reference(x, w, w_scale, bn, bk, out_dtype)
+        return _fp8_gemv_triton(x, w, w_scale, bn, bk, out_dtype, groups)
+    return fp8_gemv_reference(x, w, w_scale, bn, bk, out_dtype, groups)
 
 
 @fp8_gemv.register_fake
-def _(x, w, w_scale, bn, bk, out_dtype=torch.bfloat16):
+def _(x, w, w_scale, bn, bk, out_dtype=torch.bfloat16, groups=1):
     return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype)
