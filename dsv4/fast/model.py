@@ -9,7 +9,10 @@ modules (so the same checkpoints load), with forward methods that run the Triton
 - each MoE's MXFP4 experts are stacked for the fused expert kernel (the per-expert parameters become
   views into the stacked tensors, so names and bytes stay those of the checkpoint);
 - the attention's linears that read one input (x, or the query latent) are concatenated the same way, so
-  that a decode step runs one GEMM per input and output dtype (`SharedInput`).
+  that a decode step runs one GEMM per input and output dtype (`SharedInput`);
+- on CUDA the attention's FP8 weights are also kept as stored (`Fp8Copy`, half the bytes of the bf16 copies,
+  which prefill's GEMMs read): a batch-1 decode step reads those (`dsv4::fp8_gemv`) for the query latent's
+  linears, wo_a and wo_b, the step's largest weight streams after the head and the experts.
 The indexer's scores are the MQA kernel's on both paths: fp32 sums of exact products, where the reference in
 bf16 rounds each head's dot product to bf16 first.
 
@@ -28,7 +31,8 @@ at each Engram layer).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +41,7 @@ from dsv4.fast.cache import POOL_BLOCK, LayerSlots, SlotState
 from dsv4.fast.engram_prefetch import EngramPrefetcher, HostEngramEmbedding
 from dsv4.fast.kernels.attention import sparse_attn_bf16, sparse_attn_fp4
 from dsv4.fast.kernels.engram import engram_hash
+from dsv4.fast.kernels.fp8_gemv import fp8_gemv
 from dsv4.fast.kernels.indexer import (
     candidate_mask,
     mqa_index_scores,
@@ -86,16 +91,49 @@ class FastLinear(Linear):
         return super().forward(x) if self.act_block else fp32_linear(x, self.weight)
 
 
+@dataclass(frozen=True)
+class Fp8Copy:
+    """A linear's block-scaled FP8 weight as the checkpoint stores it, kept beside the bf16 copy for the batch-1
+    decode GEMV: the same values (`dsv4::fp8_gemv` is the bf16 GEMM's sum up to fp32 summation order) in half the
+    bytes. Batch 1 only: at two rows its margin over cuBLAS shrinks (`dev/fp8-gemv-tile-sweep-24b5691.json`), and
+    a choice by batch size would add a compile of every layer kind (the batch dimension is symbolic past 1)."""
+
+    weight: torch.Tensor  # [N, K] float8_e4m3fn
+    scale: torch.Tensor  # [N / bn, K / bk] float8_e8m0fnu
+    block: tuple[int, int]
+
+    @staticmethod
+    def serves(x: torch.Tensor) -> bool:
+        return x.shape[0] == 1
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype, groups: int = 1) -> torch.Tensor:
+        """x [1, groups * K] -> [1, N] out_dtype (see fp8_gemv for groups)."""
+        return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups)
+
+    @staticmethod
+    def stacked(copies: Iterable[Fp8Copy | None]) -> Fp8Copy | None:
+        """The copies' rows in one weight; None unless every linear has one, all in the same blocks and each
+        whole blocks of rows (so that their scale rows stack too)."""
+        copies = list(copies)
+        if not copies or any(c is None or c.block != copies[0].block or c.weight.shape[0] % c.block[0]
+                             for c in copies):
+            return None
+        if len(copies) == 1:
+            return copies[0]
+        return Fp8Copy(torch.cat([c.weight for c in copies]), torch.cat([c.scale for c in copies]), copies[0].block)
+
+
 class SharedInput:
     """Dense linears that read one input, their weights concatenated at load (each linear's `weight` becomes a
     view of its rows, so the checkpoint's names still hold them): the decode step runs one GEMM per output dtype
     where it ran one per linear, each a launch and a GEMV tail of its own. The fp32 linears (the compressors')
     form one GEMM with fp32 output, the others one with the input's dtype: a GEMM that rounds its own output,
     as each linear did. (One fp32 GEMM cast to bf16 after would not do: inside torch.compile a cast followed by
-    the consumer's upcast can fold away, and the compiled step would skip a rounding the eager one makes.)"""
+    the consumer's upcast can fold away, and the compiled step would skip a rounding the eager one makes.)
+    A part whose linears all have FP8 copies (`fp8`, by linear) also stacks those, for the batch-1 GEMV."""
 
-    def __init__(self, linears: dict[str, Linear]):
-        self.parts = []  # (names, widths, fp32, weight [sum of N, K]) per output dtype
+    def __init__(self, linears: dict[str, Linear], fp8: dict[Linear, Fp8Copy]):
+        self.parts = []  # (names, widths, fp32, weight [sum of N, K], Fp8Copy of the same rows or None)
         for fp32 in (False, True):
             group = {name: lin for name, lin in linears.items() if lin.fp32 == fp32}
             if not group:
@@ -104,7 +142,8 @@ class SharedInput:
             weight = torch.cat([lin.weight for lin in group.values()])  # [sum of widths, K]
             for lin, rows in zip(group.values(), weight.split(widths)):
                 lin.weight.data = rows
-            self.parts.append((tuple(group), widths, fp32, weight))
+            stored = Fp8Copy.stacked(fp8.get(lin) for lin in group.values())
+            self.parts.append((tuple(group), widths, fp32, weight, stored))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -113,8 +152,11 @@ class SharedInput:
     def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """x [B, K] -> each linear's output by name [B, N]."""
         outs = {}
-        for names, widths, fp32, weight in self.parts:
-            y = fp32_linear(x, weight) if fp32 else F.linear(x, weight)
+        for names, widths, fp32, weight, stored in self.parts:
+            if stored is not None and stored.serves(x):
+                y = stored(x, torch.float32 if fp32 else x.dtype)
+            else:
+                y = fp32_linear(x, weight) if fp32 else F.linear(x, weight)
             outs.update(zip(names, y.split(widths, dim=-1)))
         return outs
 
@@ -218,13 +260,16 @@ class FastAttention(Attention):
             "indexer.compressor.wgate")
     ON_QR = ("wq_b", "indexer.wq_b")
 
-    def share_inputs(self) -> None:
-        """Concatenate the dense linears reading x, and those reading the query latent (see SharedInput)."""
+    def share_inputs(self, fp8: dict[Linear, Fp8Copy]) -> None:
+        """Concatenate the dense linears reading x, and those reading the query latent (see SharedInput); keep the
+        FP8 copies (`fp8`, by linear) the batch-1 decode reads: of those parts, and of wo_a and wo_b."""
         modules = dict(self.named_modules())
         if any(modules[n].fmt != "dense" for n in self.ON_X + self.ON_QR if n in modules):
             raise ValueError("the attention's linears are concatenated once dense (make_fast dequantizes them first)")
-        self.on_x = SharedInput({n: modules[n] for n in self.ON_X if n in modules})
-        self.on_qr = SharedInput({n: modules[n] for n in self.ON_QR if n in modules})
+        self.on_x = SharedInput({n: modules[n] for n in self.ON_X if n in modules}, fp8)
+        self.on_qr = SharedInput({n: modules[n] for n in self.ON_QR if n in modules}, fp8)
+        wo = fp8.get(self.wo_a), fp8.get(self.wo_b)
+        self.wo_fp8 = None if None in wo else wo
 
     # -------------------------------------------------------------- module path (prefill, replay)
     def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: SharedKV, cache) -> torch.Tensor:
@@ -298,7 +343,15 @@ class FastAttention(Attention):
                                 self.attn_sink, scale, cos, sin)
         else:
             o = sparse_attn_bf16(q, win_data, win_idx, glob_data, glob_idx, self.attn_sink, scale, cos, sin)
-        return self._output(o.to(x.dtype)[:, None])[:, 0], picks, pool
+        return self._output_decode(o.to(x.dtype)), picks, pool
+
+    def _output_decode(self, o: torch.Tensor) -> torch.Tensor:
+        """`_output` of one token a row, o [B, H, Dh] -> [B, D]; at batch 1 from wo_a's and wo_b's FP8 copies."""
+        if self.wo_fp8 is None or not Fp8Copy.serves(o):
+            return self._output(o[:, None])[:, 0]
+        wo_a, wo_b = self.wo_fp8
+        o = wo_a(o.reshape(o.shape[0], -1), o.dtype, groups=self.o_groups)  # [1, groups * o_lora_rank]
+        return wo_b(o, o.dtype)
 
     def _global_ids(self, pos, slots, view: LayerSlots, picks) -> torch.Tensor:
         """Rows of the source's compressed store each query attends to [B, k] (-1 = none)."""
@@ -627,7 +680,7 @@ def _compiled_piece(compiled: Callable, method: Callable, module: torch.nn.Modul
 PREFILL_PIECES = ((FastAttention, ("_q_kv", "_output")), (FastIndexer, ("_queries",)))
 
 
-def make_fast(model: Dsv4Model, packed_kv: bool = True) -> FastModel:
+def make_fast(model: Dsv4Model, packed_kv: bool = True, fp8_decode: bool | None = None) -> FastModel:
     """Turn a loaded reference model into the fast model, in place (see the module docstring).
 
     `packed_kv` keeps the KV cache and index keys in the released formats (FP8 / NVFP4 / MXFP4, the
@@ -637,7 +690,11 @@ def make_fast(model: Dsv4Model, packed_kv: bool = True) -> FastModel:
 
     The fast classes add no parameters, only forward methods; switching the instances' classes keeps
     every module, name and tensor of the checkpoint where the loader put it. Move the model to its
-    device first: the re-laid-out weights and RoPE frequencies are made where the weights are."""
+    device first: the re-laid-out weights and RoPE frequencies are made where the weights are.
+
+    `fp8_decode` (default: on CUDA) keeps the attention's FP8 weights as stored beside their bf16 copies for the
+    batch-1 decode step (`Fp8Copy`): ~0.12 GB a V4.1-Flash layer more. Off the GPU the op runs its twin, which
+    dequantizes every call: correct, not faster."""
     if isinstance(model, FastModel):  # already converted: its weights are laid out; only the KV formats change
         _attach_engram_prefetch(model)
         model.set_quant_sim(packed_kv, activations=False)
@@ -658,14 +715,19 @@ def make_fast(model: Dsv4Model, packed_kv: bool = True) -> FastModel:
         if hasattr(block.attn, "indexer"):
             block.attn.indexer.__class__ = FastIndexer
     dtype = model.embed.weight.dtype
+    if fp8_decode is None:
+        fp8_decode = device.type == "cuda"
+    stored = {}  # FP8 linear -> its weight as stored; what share_inputs keeps outlives this function
     for m in model.modules():
         if isinstance(m, Linear) and m.fmt == "fp8":
+            if fp8_decode:
+                stored[m] = Fp8Copy(m.weight.detach(), m.scale.detach(), m.block)
             _dequantize_in_place(m, torch.float32 if m.fp32 else dtype)
         if isinstance(m, Linear) and m.fp32 and m.fmt == "dense":
             m.__class__ = FastLinear
     for block in model.layers:
         block.ffn.prepare()
-        block.attn.share_inputs()
+        block.attn.share_inputs(stored)
     _attach_engram_prefetch(model)
     model.set_quant_sim(packed_kv, activations=False)
     return model

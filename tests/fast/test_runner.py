@@ -23,10 +23,11 @@ from dsv4.engine.llm import LLM
 from dsv4.engine.request import SamplingParams
 from dsv4.fast import engram_prefetch
 from dsv4.fast.engram_prefetch import HostEngramEmbedding, keep_engram_on_host
-from dsv4.fast.model import FastIndexer, FastLinear, compile_options, make_fast
+from dsv4.fast.model import FastIndexer, FastLinear, Fp8Copy, compile_options, make_fast
 from dsv4.fast.runner import OutOfSlots, Runner
 from dsv4.reference.cache import DenseCache
 from dsv4.reference.engram import EngramEmbedding
+from dsv4.quant import dequantize_fp8
 from dsv4.reference.linear import Linear
 from dsv4.reference.model import bounded_replay_state, load_model
 from dsv4.tiny import make_tiny_checkpoint
@@ -38,10 +39,10 @@ PACKED = 5e-2  # of max |logit|: a KV value crossing an FP8/FP4 rounding boundar
 pytestmark = pytest.mark.usefixtures("kernel_twins")
 
 
-def models(path, packed: bool, dtype=torch.float32, device="cpu"):
+def models(path, packed: bool, dtype=torch.float32, device="cpu", fp8_decode: bool | None = None):
     ref = load_model(str(path), dtype, progress=False).to(device)
     ref.set_quant_sim(packed, activations=False)
-    fast = make_fast(load_model(str(path), dtype, progress=False).to(device), packed_kv=packed)
+    fast = make_fast(load_model(str(path), dtype, progress=False).to(device), packed_kv=packed, fp8_decode=fp8_decode)
     return ref, fast
 
 
@@ -533,7 +534,7 @@ def test_the_attention_linears_reading_one_input_run_as_one_gemm_per_output_dtyp
         for group in (block.attn.on_x, block.attn.on_qr):
             x = torch.randn(3, modules[group.names[0]].in_features)
             outs = group(x)
-            for names, _, fp32, weight in group.parts:
+            for names, _, fp32, weight, _ in group.parts:
                 for name in names:
                     lin = modules[name]
                     assert lin.fp32 == fp32
@@ -544,6 +545,79 @@ def test_the_attention_linears_reading_one_input_run_as_one_gemm_per_output_dtyp
             assert sorted(outs) == sorted(group.names)
             grouped.update(group.names)
     assert {"compressor.wgate", "indexer.weights_proj", "indexer.wq_b"} <= grouped
+
+
+def fp8_copies(fast) -> list[tuple[torch.Tensor, Fp8Copy]]:
+    """(bf16 copy, FP8 copy of the same rows) of every attention weight a batch-1 decode step reads as FP8."""
+    pairs = []
+    for block in fast.layers:
+        attn = block.attn
+        pairs += [(weight, stored) for *_, weight, stored in attn.on_x.parts + attn.on_qr.parts if stored is not None]
+        if attn.wo_fp8 is not None:
+            pairs += zip((attn.wo_a.weight, attn.wo_b.weight), attn.wo_fp8)
+    return pairs
+
+
+def test_a_batch_1_decode_reads_the_attention_weights_as_stored(arch_dir, monkeypatch):
+    """make_fast(fp8_decode=True) keeps the attention's FP8 weights as stored beside the dequantized copies (the
+    query latent's part, x's where all its linears are FP8, wo_a and wo_b), holding the same values. A decode step
+    of one sequence reads them, and equals the reference; a batch of two reads the bf16 copies."""
+    ref, fast = models(arch_dir, packed=False, fp8_decode=True)
+    pairs = fp8_copies(fast)
+    assert len(pairs) >= 3 * len(fast.layers)  # wq_b's part, wo_a and wo_b in every layer
+    for weight, stored in pairs:
+        assert stored.weight.dtype == torch.float8_e4m3fn
+        assert torch.equal(dequantize_fp8(stored.weight, stored.scale, stored.block).to(weight.dtype), weight)
+    assert fp8_copies(models(arch_dir, packed=False)[1]) == []  # off the GPU, by default none are kept
+
+    rows = []
+    monkeypatch.setattr(Fp8Copy, "__call__", lambda self, x, *a, _call=Fp8Copy.__call__, **k: rows.append(x.shape[0])
+                        or _call(self, x, *a, **k))
+    runner = Runner(fast, max_seqs=2, max_len=96, compile=False)
+    slots, seqs = [runner.allocate() for _ in range(2)], [ReferenceSequence(ref) for _ in range(2)]
+    tokens = torch.stack([(runner.prefill(s, prompt(30 + i, i)), seq.run(prompt(30 + i, i)))[1].argmax()
+                          for i, (s, seq) in enumerate(zip(slots, seqs))])
+    assert rows == []  # the prefill reads the bf16 copies
+    for _ in range(3):
+        got, want = runner.decode(slots[:1], tokens[:1])[0], seqs[0].run([int(tokens[0])])
+        assert_close(got, want, EXACT)
+        assert got.argmax() == want.argmax()
+        tokens[0] = want.argmax()
+    assert rows == [1] * 3 * len(pairs)
+    rows.clear()
+    runner.decode(slots, tokens)
+    assert rows == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_batch_1_decode_from_fp8_weights_on_cuda_is_as_close_to_the_reference(tiny_v41_dir):
+    """On the GPU (compiled, CUDA graphs, the FP8 GEMV kernel) one sequence's greedy decode from the stored FP8
+    weights and from the bf16 copies: the same sums up to fp32 order, so both as close to the exact (float32,
+    rounding-free) reference as each other on the same tokens."""
+    ref = load_model(str(tiny_v41_dir), torch.float32, progress=False).cuda()
+    ref.set_quant_sim(False, activations=False)
+
+    def greedy(fp8: bool, fed: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """8 decode steps of one sequence -> (logits [8, vocab], the tokens fed: `fed`, else greedy)."""
+        _, fast = models(tiny_v41_dir, packed=False, dtype=torch.bfloat16, device="cuda", fp8_decode=fp8)
+        assert bool(fp8_copies(fast)) == fp8
+        runner = Runner(fast, max_seqs=2, max_len=128)
+        slot = runner.allocate()
+        token, tokens, out = int(runner.prefill(slot, prompt(40, 7)).argmax()), [], []
+        for step in range(8):
+            tokens.append(fed[step] if fed else token)
+            out.append(runner.decode([slot], torch.tensor([tokens[-1]]))[0].clone())
+            token = int(out[-1].argmax())
+        return torch.stack(out), tokens
+
+    from_fp8, fed = greedy(True)
+    from_bf16, _ = greedy(False, fed)
+    seq = ReferenceSequence(ref)
+    seq.run(prompt(40, 7))
+    want = torch.stack([seq.run([t]) for t in fed])
+    err_fp8, err_bf16 = ((x - want).abs().max().item() for x in (from_fp8, from_bf16))
+    assert err_fp8 <= 2 * err_bf16, f"FP8 weights {err_fp8:.3g} vs bf16 copies {err_bf16:.3g}"
 
 
 @pytest.mark.gpu
