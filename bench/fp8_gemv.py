@@ -4,7 +4,7 @@ V4.1's attention projections and decode batch sizes: does one byte a weight beat
     python bench/fp8_gemv.py          # H200: exactness, then timings; ~1-2 minutes
     python bench/fp8_gemv.py --smoke  # small shapes on the CPU under the Triton interpreter
 
-Cases: the decode step's FP8 GEMVs at V4.1 widths, 128 x 128 blocks, M = 1, 2, 4, 8, 16 activation rows: wq_b and
+Cases: the decode step's FP8 GEMVs at V4.1 widths and blocks (32 x 32), M = 1, 2, 4, 8, 16 activation rows: wq_b and
 the indexer's wq_b concatenated (one weight, as the fast model reads the query latent's linears), wo_a (8 groups,
 each its own 4096 columns of x) and wo_b. "fused" is the FP8 GEMV (its default tiles), "cublas" the fast model's
 bf16 path on the weight dequantized to bf16 (exactly): F.linear, or for wo_a its einsum (a batched GEMM). Bytes: the weight as each reads it (FP8 + scales, or bf16), the activations and the
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from dsv4.fast.kernels.fp8_gemv import _fp8_gemv_triton, fp8_gemv, fp8_gemv_reference
 from dsv4.quant import dequantize_fp8, quantize_fp8
 
-BLOCK = (128, 128)
+BLOCK = (32, 32)  # V4.1-Flash's FP8 weight blocks (weight_block_size in dsv4.config)
 SHAPES = {"wq_b+idx": (36864, 1280, 1), "wo_a": (8192, 4096, 8), "wo_b": (5120, 8192, 1)}  # (N, K, groups)
 SMOKE_SHAPES = {"small": (96, 256, 1), "grouped": (64, 128, 2)}
 SWEEP = [{"BN": bn, "BK": bk, "stages": st, "num_warps": nw}

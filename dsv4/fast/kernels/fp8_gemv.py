@@ -12,8 +12,10 @@ order: an e4m3 code times a power of two is a bf16 number and its product with a
 fp32. The point is bytes: one byte a weight where the bf16 copy reads two.
 
 A program takes BN weight rows over all of K, in K steps of BK, software-pipelined (`tl.range` stages: the
-next steps' weights are in flight while one is decoded); BN and BK divide the block, so a step has one scale,
-folded into the activations (exact: a power of two). The codes are read as int32 words, four K positions
+next steps' weights are in flight while one is decoded); BN divides the block's rows, so the program has one
+row of scales, and each int32 word lies in one K block (bk is a multiple of 4): a step loads its words' scales
+(several K blocks a step where they are narrow: V4.1's are 32 x 32) and folds them into the activations (exact:
+powers of two). The codes are read as int32 words, four K positions
 each, and two cvt instructions (sm_89) widen a word to two fp16x2, exact; the products accumulate
 elementwise in registers ([BM, BN, BK/4]) and are summed once after the loop. Under the Triton interpreter
 the codes are decoded arithmetically, the same values and sums in the same order.
@@ -97,9 +99,10 @@ def _fp8_gemv_kernel(
         cw = k0 // 4 + c  # word columns
         cm = cw < K // 4
         w = tl.load(words + cw[None, :], mask=nmask[:, None] & cm[None, :], other=0)  # [BN, NW]
-        scale = (tl.load(s_row + k0 // block_k).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        scale = (tl.load(s_row + (4 * cw) // block_k, mask=cm, other=0).to(tl.int32) << 23).to(tl.float32,
+                                                                                                bitcast=True)  # [NW]
         xq = tl.load(x_rows + (4 * cw)[None, :, None] + tl.arange(0, 4)[None, None, :],
-                     mask=mmask[:, None, None] & cm[None, :, None], other=0.0).to(tl.float32) * scale
+                     mask=mmask[:, None, None] & cm[None, :, None], other=0.0).to(tl.float32) * scale[None, :, None]
         even, odd = tl.split(tl.reshape(xq, (BM, NW, 2, 2)))  # positions (0, 2) and (1, 3) of each word
         x0, x2 = tl.split(even)
         x1, x3 = tl.split(odd)
@@ -163,9 +166,9 @@ def _tiles(M: int, N: int, K: int, groups: int, bn: int, bk: int, cfg: dict) -> 
     BN = cfg.get("BN") or _pow2_divisor(bn, (16 if N >= 16384 else 8) if few else 16)
     if groups > 1:  # a program's rows in one group
         BN = min(BN, _pow2_divisor(N // groups, BN))
-    BK = cfg.get("BK") or _pow2_divisor(bk, 128)
-    if bn % BN or bk % BK or BK < 4:
-        raise ValueError(f"fp8_gemv: tile {BN} x {BK} must divide the block {bn} x {bk} (K step >= 4)")
+    BK = cfg.get("BK") or 128
+    if bn % BN or BK < 4 or BK & (BK - 1):
+        raise ValueError(f"fp8_gemv: tile {BN} x {BK}: BN must divide the block's {bn} rows, BK be a power of two >= 4")
     stages = cfg.get("stages") or (1 if _INTERP else (4 if K <= 2048 else 6) if few else 3)
     return BN, BK, stages, cfg.get("num_warps") or (2 if few else 4)
 
