@@ -1,6 +1,6 @@
 """The fast runner: a FastModel over preallocated slot state, decode captured as CUDA graphs.
 
-    runner = Runner(make_fast(load_model(path)).cuda(), max_seqs=8, max_len=8192)
+    runner = Runner(make_fast(load_model(path).cuda()), max_seqs=8, max_len=8192)
     slot = runner.allocate()
     logits = runner.prefill(slot, prompt_ids)              # module path, any length, chunked by the caller
     logits = runner.decode([slot, ...], next_ids)          # one token per sequence: a graph replay
