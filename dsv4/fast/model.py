@@ -95,8 +95,8 @@ class FastLinear(Linear):
 class Fp8Copy:
     """A linear's block-scaled FP8 weight as the checkpoint stores it, kept beside the bf16 copy for the batch-1
     decode GEMV: the same values (`dsv4::fp8_gemv` is the bf16 GEMM's sum up to fp32 summation order) in half the
-    bytes. Batch 1 only: at two rows its margin over cuBLAS shrinks (`dev/fp8-gemv-tile-sweep-24b5691.json`), and
-    a choice by batch size would add a compile of every layer kind (the batch dimension is symbolic past 1)."""
+    bytes. Batch 1 only: at two rows it gains on wq_b alone and loses on wo_b (`bench/fp8_gemv.py`), and a choice
+    by batch size would add a compile of every layer kind (the batch dimension is symbolic past 1)."""
 
     weight: torch.Tensor  # [N, K] float8_e4m3fn
     scale: torch.Tensor  # [N / bn, K / bk] float8_e8m0fnu
@@ -717,11 +717,11 @@ def make_fast(model: Dsv4Model, packed_kv: bool = True, fp8_decode: bool | None 
     dtype = model.embed.weight.dtype
     if fp8_decode is None:
         fp8_decode = device.type == "cuda"
-    stored = {}  # FP8 linear -> its weight as stored; what share_inputs keeps outlives this function
+    # the attention's FP8 linears as stored, by linear; what share_inputs does not keep goes with this function
+    stored = {m: Fp8Copy(m.weight.detach(), m.scale.detach(), m.block) for block in model.layers
+              for m in block.attn.modules() if isinstance(m, Linear) and m.fmt == "fp8"} if fp8_decode else {}
     for m in model.modules():
         if isinstance(m, Linear) and m.fmt == "fp8":
-            if fp8_decode:
-                stored[m] = Fp8Copy(m.weight.detach(), m.scale.detach(), m.block)
             _dequantize_in_place(m, torch.float32 if m.fp32 else dtype)
         if isinstance(m, Linear) and m.fp32 and m.fmt == "dense":
             m.__class__ = FastLinear
