@@ -9,7 +9,7 @@ the indexer's wq_b concatenated (one weight, as the fast model reads the query l
 each its own 4096 columns of x) and wo_b. "fused" is the FP8 GEMV (its default tiles), "cublas" the fast model's
 bf16 path on the weight dequantized to bf16 (exactly): F.linear, or for wo_a its einsum (a batched GEMM). Bytes: the weight as each reads it (FP8 + scales, or bf16), the activations and the
 output. Timing: CUDA events, the median of --reps samples of R calls on R rotating weight sets (past L2), per call;
-"graph": replayed from a CUDA graph, as the decode step runs them; at M = 1 and 4 also a sweep of tiles
+"graph": replayed from a CUDA graph, as the decode step runs them; at M = 1 and 2 also a sweep of tiles
 (graph_sweep_us). Exactness: within the fp32 summation-order
 bound of the twin (tests/fast/test_fp8_gemv_kernel.py's). JSON to $OUT/fp8_gemv.json if OUT is set, else
 bench/results/fp8_gemv.json (fp8_gemv-smoke.json with --smoke). The table is printed last.
@@ -38,9 +38,11 @@ from dsv4.quant import dequantize_fp8, quantize_fp8
 BLOCK = (32, 32)  # V4.1-Flash's FP8 weight blocks (weight_block_size in dsv4.config)
 SHAPES = {"wq_b+idx": (36864, 1280, 1), "wo_a": (8192, 4096, 8), "wo_b": (5120, 8192, 1)}  # (N, K, groups)
 SMOKE_SHAPES = {"small": (96, 256, 1), "grouped": (64, 128, 2)}
+# tiles for tuning the defaults. At one row a program's bytes in flight are about BN x BK x (stages - 1): the
+# GEMVs with fewer weight rows (wo_b's 5120) streamed slower at 128-wide K steps, so wider steps are in the sweep
 SWEEP = [{"BN": bn, "BK": bk, "stages": st, "num_warps": nw}
-         for bn, bk, st, nw in [(8, 128, 6, 2), (16, 128, 4, 2), (8, 128, 6, 1), (16, 128, 3, 4), (32, 128, 3, 4),
-                                (16, 64, 6, 2)]]
+         for bn, bk, st, nw in [(8, 128, 6, 2), (16, 128, 4, 2), (8, 256, 6, 2), (8, 512, 4, 2), (8, 512, 6, 2),
+                                (16, 256, 4, 2), (16, 512, 4, 4), (32, 128, 3, 4)]]
 
 
 def make_set(N, K, block, device, seed):
@@ -89,7 +91,7 @@ def main():
             row = {"case": name, "N": M, "out_features": N, "in_features": K, "groups": G, "rotating_sets": nsets,
                    "fp8_bytes": fp8_bytes + io, "bf16_bytes": 2 * N * K + io}
             common.time_fused_vs_baseline(row, calls, reps, device, "cublas", fp8_bytes + io, 2 * N * K + io)
-            if device == "cuda" and M in (1, 4):  # tiles, for tuning the defaults (graph mode)
+            if device == "cuda" and M in (1, 2):  # tiles, for tuning the defaults (graph mode)
                 row["graph_sweep_us"] = {
                     "BN{BN}_st{stages}_w{num_warps}".format(**c): common.time_calls(
                         [lambda w=w, s=s, c=c, x=x: _fp8_gemv_triton(x, w, s, *block, torch.bfloat16, G, c)
