@@ -160,7 +160,7 @@ def fp8_gemv_reference(x, w, w_scale, bn: int, bk: int, out_dtype=torch.bfloat16
 
 def _tiles(M: int, N: int, K: int, groups: int, bn: int, bk: int, cfg: dict) -> tuple[int, int, int, int]:
     """(BN, BK, stages, num_warps). One or two rows (the tile sweep dev/fp8-gemv-tile-sweep-24b5691.json at the
-    decode step's shapes): 8 weight rows a program (16 for the 32K-row wq_b, whose programs are plenty), 2 warps,
+    decode step's shapes, in V4's 128 x 128 blocks; `bench/fp8_gemv.py` sweeps V4.1's): 8 weight rows a program (16 for the 32K-row wq_b, whose programs are plenty), 2 warps,
     more stages along a long K. More rows: an accumulator of BM x BN x BK/4 fp32 keeps BN at 16."""
     few = M <= 2 and not _INTERP
     BN = cfg.get("BN") or _pow2_divisor(bn, (16 if N >= 16384 else 8) if few else 16)
