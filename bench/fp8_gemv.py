@@ -3,6 +3,7 @@ V4.1's attention projections and decode batch sizes: does one byte a weight beat
 
     python bench/fp8_gemv.py          # H200: exactness, then timings; ~1-2 minutes
     python bench/fp8_gemv.py --smoke  # small shapes on the CPU under the Triton interpreter
+    python bench/fp8_gemv.py --replot bench/results/fp8_gemv.json   # the PNG again, from the JSON
 
 Cases: the decode step's FP8 GEMVs at V4.1 widths and blocks (32 x 32), M = 1, 2, 4, 8, 16 activation rows: wq_b and
 the indexer's wq_b concatenated (one weight, as the fast model reads the query latent's linears), wo_a (8 groups,
@@ -12,7 +13,7 @@ output. Timing: CUDA events, the median of --reps samples of R calls on R rotati
 "graph": replayed from a CUDA graph, as the decode step runs them; at M = 1 and 2 also a sweep of tiles
 (graph_sweep_us). Exactness: within the fp32 summation-order
 bound of the twin (tests/fast/test_fp8_gemv_kernel.py's). JSON to $OUT/fp8_gemv.json if OUT is set, else
-bench/results/fp8_gemv.json (fp8_gemv-smoke.json with --smoke). The table is printed last.
+bench/results/fp8_gemv.json (fp8_gemv-smoke.json with --smoke), and a PNG beside it. The table is printed last.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import common
 
 def add_arguments(p):
     p.add_argument("--reps", type=int, default=30, help="timed samples per case (median)")
+    p.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a result file")
 
 
 ARGS = common.parse_args(__doc__, add_arguments)
@@ -59,7 +61,18 @@ def bf16_path(x, wb, groups):
     return torch.einsum("mgk,gnk->mgn", x.view(M, groups, K), wb.view(groups, N // groups, K)).reshape(M, N)
 
 
+def plot(result: dict, path) -> None:
+    """us per call and speedup against the activation rows, per case (graph mode on the GPU)."""
+    device = "cpu" if result["gpu"].startswith("cpu") else "cuda"
+    cases = list(dict.fromkeys(r["case"] for r in result["results"]))
+    title = f"FP8 GEMV vs cuBLAS bf16, {result['gpu']}, {result['commit'][:7]}"
+    common.save_figure(path, lambda fig, axes: common.plot_fused_vs_baseline(
+        axes, result["results"], device, "cublas", cases, title, 1.0))
+
+
 def main():
+    if ARGS.replot:
+        return common.replot(ARGS.replot, plot)
     device = "cpu" if ARGS.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/fp8_gemv.py needs CUDA (or --smoke)")
@@ -102,6 +115,7 @@ def main():
 
     meta, path = common.write_timed_result("fp8_gemv", device, ARGS.smoke, t_start, reps, checks, results,
                                            block=list(block))
+    plot(meta, path.with_suffix(".png"))
     common.print_summary(meta["gpu"], checks, path, meta["wall_s"], key="")
     common.print_fused_vs_baseline(results, device, "cublas")
     common.exit_if_failed(checks)
