@@ -431,14 +431,14 @@ def random_ids(config: Dsv4Config, shape, generator: torch.Generator | None = No
 def decode_bytes(model: Dsv4Model, state, context: int) -> int:
     """Bytes one batch-1 decode step reads: every weight a token touches as the model holds it (routed
     experts: top-k of them; shared expert bf16 copy and attention weights dequantized at load, except those
-    the step reads as stored FP8: `fp8_bytes_saved`), plus the cache rows attended or scored at `context`, at
-    the sizes `state` (a fast SlotState) stores them."""
+    the step reads as stored FP8 in their place: `FastAttention.fp8_pairs`), plus the cache rows attended or
+    scored at `context`, at the sizes `state` (a fast SlotState) stores them."""
     c = model.config
     row = lambda rows: rows.data[0, 0].nbytes + (0 if rows.scale is None else rows.scale[0, 0].nbytes)
     total = model.head.weight.nbytes + model.embed.weight[0].nbytes
     for layer, weights in zip(model.layers, layer_bytes(model)):
         total += weights["total"] - weights["routed_experts"] + weights["routed_active"]
-        total -= fp8_bytes_saved(layer.attn)
+        total -= sum(w.nbytes - c.weight.nbytes - c.scale.nbytes for w, c in layer.attn.fp8_pairs())
         role = layer.role
         total += c.sliding_window * row(state.windows[role.layer_id])
         if role.compress_ratio:
@@ -449,15 +449,6 @@ def decode_bytes(model: Dsv4Model, state, context: int) -> int:
                 keys = state.index_keys[role.kv_source if c.is_v41 else role.layer_id]
                 total += entries * row(keys)
     return total
-
-
-def fp8_bytes_saved(attn) -> int:
-    """Bytes of the bf16 copies a batch-1 decode step of the fast attention does not read, less those of the FP8
-    copies it reads in their place (dsv4.fast.model.Fp8Copy)."""
-    pairs = [(weight, stored) for *_, weight, stored in attn.on_x.parts + attn.on_qr.parts]
-    if attn.wo_fp8 is not None:
-        pairs += zip((attn.wo_a.weight, attn.wo_b.weight), attn.wo_fp8)
-    return sum(w.nbytes - c.weight.nbytes - c.scale.nbytes for w, c in pairs if c is not None)
 
 
 def role_label(role) -> str:

@@ -271,6 +271,13 @@ class FastAttention(Attention):
         wo = fp8.get(self.wo_a), fp8.get(self.wo_b)
         self.wo_fp8 = None if None in wo else wo
 
+    def fp8_pairs(self) -> list[tuple[torch.Tensor, Fp8Copy]]:
+        """(bf16 copy, FP8 copy of the same rows) of each weight a batch-1 decode step reads as stored FP8."""
+        pairs = [(weight, stored) for *_, weight, stored in self.on_x.parts + self.on_qr.parts if stored is not None]
+        if self.wo_fp8 is not None:
+            pairs += zip((self.wo_a.weight, self.wo_b.weight), self.wo_fp8)
+        return pairs
+
     # -------------------------------------------------------------- module path (prefill, replay)
     def forward(self, x: torch.Tensor, positions: torch.Tensor, shared: SharedKV, cache) -> torch.Tensor:
         """As Attention.forward (batch 1): x [1, S, D] at positions [S] -> [1, S, D]."""

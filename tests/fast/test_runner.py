@@ -549,13 +549,7 @@ def test_the_attention_linears_reading_one_input_run_as_one_gemm_per_output_dtyp
 
 def fp8_copies(fast) -> list[tuple[torch.Tensor, Fp8Copy]]:
     """(bf16 copy, FP8 copy of the same rows) of every attention weight a batch-1 decode step reads as FP8."""
-    pairs = []
-    for block in fast.layers:
-        attn = block.attn
-        pairs += [(weight, stored) for *_, weight, stored in attn.on_x.parts + attn.on_qr.parts if stored is not None]
-        if attn.wo_fp8 is not None:
-            pairs += zip((attn.wo_a.weight, attn.wo_b.weight), attn.wo_fp8)
-    return pairs
+    return [pair for block in fast.layers for pair in block.attn.fp8_pairs()]
 
 
 def test_a_batch_1_decode_reads_the_attention_weights_as_stored(arch_dir, monkeypatch):

@@ -30,13 +30,14 @@ import torch.nn.functional as F
 
 from dsv4.fast.kernels import tl, triton, use_triton
 from dsv4.fast.kernels.attention import _to_bf16
+from dsv4.fast.kernels.engram import _e4m3_to_f32
 from dsv4.quant import dequantize_fp8
 
 __all__ = ["MAX_M", "fp8_gemv", "fp8_gemv_reference"]
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_M = 16  # decode batches; larger M belongs to a GEMM (tensor cores)
-_OUT_DTYPES = {torch.bfloat16: True, torch.float32: False}
+_OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 # acc + sum_j e4m3_j * x_j over the four codes of one int32 word (K positions 0..3, lowest byte first)
 _DOT4_PTX = tl.constexpr("\n".join([
@@ -54,23 +55,13 @@ _DOT4_PTX = tl.constexpr("\n".join([
 
 
 @triton.jit
-def _e4m3_values(code):
-    """e4m3 codes (int32, 0..255; no NaN codes) -> their exact values, fp32."""
-    e = (code >> 3) & 15
-    m = code & 7
-    normal = ((e + 120) << 23 | m << 20).to(tl.float32, bitcast=True)  # 2^(e - 7) * (1 + m / 8)
-    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
-    return tl.where((code & 128) != 0, -v, v)
-
-
-@triton.jit
 def _dot4(acc, w, x0, x1, x2, x3, INTERP: tl.constexpr):
     """acc + the four codes of the int32 words w times x0..x3 (fp32, same shape), in position order."""
     if INTERP:
-        acc += _e4m3_values(w & 255) * x0
-        acc += _e4m3_values((w >> 8) & 255) * x1
-        acc += _e4m3_values((w >> 16) & 255) * x2
-        return acc + _e4m3_values((w >> 24) & 255) * x3
+        acc += _e4m3_to_f32(w & 255) * x0
+        acc += _e4m3_to_f32((w >> 8) & 255) * x1
+        acc += _e4m3_to_f32((w >> 16) & 255) * x2
+        return acc + _e4m3_to_f32((w >> 24) & 255) * x3
     else:
         return tl.inline_asm_elementwise(_DOT4_PTX, "=f,f,r,f,f,f,f", [acc, w, x0, x1, x2, x3],
                                          dtype=tl.float32, is_pure=True, pack=1)
