@@ -3,7 +3,8 @@
 A kernel runs in Triton on CUDA tensors, and on CPU tensors when `TRITON_INTERPRET=1` (the tests run
 the kernels that way at small shapes); anywhere else the op computes with its reference twin.
 
-The kernel modules take `triton`, `tl` and `libdevice` from here. Where triton is not installed (a CPU-only torch
+The kernel modules take `triton`, `tl` and `libdevice` from here, and `pdl` / `wait_for_predecessor` for the
+decode step's kernels launched with programmatic dependent launch. Where triton is not installed (a CPU-only torch
 build brings none) they are stand-ins: the modules still import (`@triton.jit` returns the function,
 any `tl.<name>` is a placeholder), `use_triton` is False everywhere, and every op runs its twin, so
 `impl="fast"` works on such a machine.
@@ -45,3 +46,18 @@ def use_triton(t: torch.Tensor) -> bool:
     if not triton_importable():
         return False
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pdl(t: torch.Tensor) -> bool:
+    """Launch a kernel on `t`'s device with programmatic dependent launch (Hopper on): the GPU may start it while
+    the kernel before it in the stream finishes, its programs scheduled and waiting in `wait_for_predecessor`, so
+    the gap between two launches (in a CUDA graph too) overlaps the predecessor's tail. Not under the interpreter."""
+    return t.is_cuda and triton_importable() and torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+@triton.jit
+def wait_for_predecessor(PDL: tl.constexpr):
+    """A PDL-launched kernel's first step: wait until the kernel before it has finished and its writes are
+    visible (griddepcontrol.wait), before reading anything it may have written."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()

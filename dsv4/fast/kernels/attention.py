@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4.fast.kernels import tl, triton, use_triton
+from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.quant import dequantize_fp8, dequantize_nvfp4
 from dsv4.reference.attention import sparse_attention
 from dsv4.reference.rope import apply_rope
@@ -204,8 +204,9 @@ def _attn_kernel(
     part_o_ptr, part_ml_ptr,
     H, qk_scale, tiles_per_split,
     WIN_FMT: tl.constexpr, GLOB_FMT: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     s = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
@@ -248,10 +249,11 @@ def _attn_kernel(
 def _combine_kernel(
     part_o_ptr, part_ml_ptr, o_ptr, sink_ptr, cos_ptr, sin_ptr, H, n_splits,
     D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge the splits' partials for BLOCK_H heads x BLOCK_D dims of one query row, then finish. BLOCK_S splits
     a load: one split per loop step put an L2 round trip per split in series."""
+    wait_for_predecessor(PDL)
     s = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -367,14 +369,15 @@ def sparse_attn(
         part_o, part_ml,
         H, softmax_scale * LOG2E, per,
         WIN_FMT=win.fmt, GLOB_FMT=glob.fmt, D=D, R=R, BLOCK_H=block_h, BLOCK_N=config.block_n, SPLIT=split,
-        INTERP=_INTERP,
-        num_warps=config.warps(S, H, tiles), num_stages=config.num_stages,
+        INTERP=_INTERP, PDL=pdl(q),
+        num_warps=config.warps(S, H, tiles), num_stages=config.num_stages, launch_pdl=pdl(q),
     )
     if split:
         bh, bd = min(4, triton.next_power_of_2(H)), min(32, D)
         _combine_kernel[(S, triton.cdiv(H, bh), D // bd)](
             part_o, part_ml, o, sink, cos, sin, H, n_splits, D=D, R=R, BLOCK_H=bh, BLOCK_D=bd,
-            BLOCK_S=min(config.combine_splits, triton.next_power_of_2(n_splits)), INTERP=_INTERP, num_warps=1
+            BLOCK_S=min(config.combine_splits, triton.next_power_of_2(n_splits)), INTERP=_INTERP, PDL=pdl(q),
+            num_warps=1, launch_pdl=pdl(q),
         )
     return o
 

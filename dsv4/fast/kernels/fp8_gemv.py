@@ -28,7 +28,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from dsv4.fast.kernels import tl, triton, use_triton
+from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.attention import _to_bf16
 from dsv4.fast.kernels.engram import _e4m3_to_f32
 from dsv4.quant import dequantize_fp8
@@ -71,10 +71,11 @@ def _dot4(acc, w, x0, x1, x2, x3, INTERP: tl.constexpr):
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, KS, block_n, block_k, G,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, OUT_BF16: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program: weight rows pid * BN .. + BN for all BM <= M activation rows; of G groups of
     N / G rows (BN divides N / G when G > 1), each reading its own K columns of x's rows."""
+    wait_for_predecessor(PDL)
     pid = tl.program_id(0)
     n = pid * BN + tl.arange(0, BN)
     nmask = n < N
@@ -175,7 +176,7 @@ def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1
     _fp8_gemv_kernel[(triton.cdiv(N, BN),)](
         x.contiguous(), w.contiguous(), w_scale.view(torch.uint8).contiguous(), y, M, N, K, w_scale.shape[1], bn, bk,
         groups, BM=triton.next_power_of_2(M), BN=BN, BK=BK, STAGES=stages, OUT_BF16=out_dtype == torch.bfloat16,
-        INTERP=_INTERP, num_warps=warps)
+        INTERP=_INTERP, PDL=pdl(x), num_warps=warps, launch_pdl=pdl(x))
     return y
 
 

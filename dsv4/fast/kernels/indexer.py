@@ -45,7 +45,7 @@ import warnings
 
 import torch
 
-from dsv4.fast.kernels import tl, triton, use_triton
+from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.topk import topk_select, topk_select_pool
 from dsv4.quant import dequantize_mxfp4
 from dsv4.reference.indexer import candidate_block_scores, index_scores, picks_mask
@@ -153,12 +153,13 @@ def _head_reduce(ka, kb, qa, qb, w, BT: tl.constexpr, BS: tl.constexpr, HP: tl.c
 def _dense_kernel(q_ptr, kp_ptr, ks_ptr, w_ptr, vis_ptr, out_ptr,
                   S, T, H, stride_qs, stride_qh, stride_ws, stride_os, t_tiles_per_prog, s_tiles_per_prog,
                   BT: tl.constexpr, BS: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
-                  MODE: tl.constexpr, ONE_S: tl.constexpr):
+                  MODE: tl.constexpr, ONE_S: tl.constexpr, PDL: tl.constexpr):
     """Program (i, j): key tiles i*t_tiles_per_prog + [0, t_tiles_per_prog) against query tiles
     j*s_tiles_per_prog + [0, s_tiles_per_prog). Each key tile is dequantized once and scored against
     all the program's query tiles; with a single query tile (ONE_S, decode) the queries load once.
     Key tiles no query of the program can see only get -inf (no key reads); the main loop has no
     branches, so Triton's pipeliner may prefetch the next tile's keys."""
+    wait_for_predecessor(PDL)
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     first_s = pid_s * s_tiles_per_prog
@@ -208,7 +209,8 @@ def _dense_kernel(q_ptr, kp_ptr, ks_ptr, w_ptr, vis_ptr, out_ptr,
 @triton.jit
 def _pool_kernel(q_ptr, kp_ptr, ks_ptr, w_ptr, vis_ptr, blk_ptr, out_ptr,
                  S, T, H, E, block_size, stride_qs, stride_qh, stride_ws, stride_bs, stride_os, tiles_per_prog,
-                 BT: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr):
+                 BT: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_predecessor(PDL)
     s = tl.program_id(0)
     pid = tl.program_id(1)
     vis = tl.minimum(tl.load(vis_ptr + s), T)
@@ -322,8 +324,8 @@ def _launch_dense(q, kp, ks, w, vis, out, *, block_t: int, block_s: int, num_war
     _dense_kernel[(t_splits, s_splits)](
         q, kp, ks, w, vis, out,
         S, T, H, q.stride(0), q.stride(1), w.stride(0), out.stride(0), t_per, s_per,
-        BT=block_t, BS=block_s, HP=hp, D=d, MODE=_mode(q, mode), ONE_S=s_per == 1,
-        num_warps=num_warps, num_stages=num_stages,
+        BT=block_t, BS=block_s, HP=hp, D=d, MODE=_mode(q, mode), ONE_S=s_per == 1, PDL=pdl(q),
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl(q),
     )
     return out
 
@@ -346,8 +348,8 @@ def _launch_pool(q, kp, ks, w, vis, blocks, block_size, out, *, block_t: int, nu
     _pool_kernel[(S, splits)](
         q, kp, ks, w, vis, blocks, out,
         S, T, H, E, block_size, q.stride(0), q.stride(1), w.stride(0), blocks.stride(0), out.stride(0), per_prog,
-        BT=block_t, HP=hp, D=d, MODE=_mode(q, mode),
-        num_warps=num_warps, num_stages=num_stages,
+        BT=block_t, HP=hp, D=d, MODE=_mode(q, mode), PDL=pdl(q),
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl(q),
     )
     return out
 

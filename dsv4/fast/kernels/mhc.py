@@ -33,7 +33,7 @@ import functools
 
 import torch
 
-from dsv4.fast.kernels import tl, triton, use_triton
+from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.torch_math import exp
 from dsv4.reference.mhc import hc_collapse, hc_expand, hc_project, hc_split_sinkhorn
 
@@ -73,8 +73,9 @@ def _pre_partial_kernel(
     N, D, steps_per_prog,
     stride_hn, stride_hk, stride_wn, stride_xn,
     HC: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-    COLLAPSE: tl.constexpr, BF16_SPLIT: tl.constexpr, INTERP: tl.constexpr,
+    COLLAPSE: tl.constexpr, BF16_SPLIT: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -136,8 +137,9 @@ def _pre_finish_kernel(
     N, D, n_split, d_per_prog, norm_eps, hc_eps, iters,
     stride_hn, stride_hk, stride_xn,
     HC: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr,
-    COLLAPSE: tl.constexpr, ACCURATE: tl.constexpr,
+    COLLAPSE: tl.constexpr, ACCURATE: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     pid_n = tl.program_id(0)
     pid_d = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -209,8 +211,9 @@ def _post_kernel(
     f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr,
     N, D,
     stride_fn, stride_rn, stride_rk, stride_on, stride_ok,
-    HC: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    HC: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     pid_n = tl.program_id(0)
     pid_d = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -314,8 +317,8 @@ def mhc_pre_triton(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters, cf
         N, D, c["per"],
         h.stride(0), h.stride(1), w.stride(0), x.stride(0),
         HC=hc, M=M, MP=c["MP"], BN=c["BN"], BD=c["BD"],
-        COLLAPSE=collapse_now, BF16_SPLIT=h.dtype == torch.bfloat16, INTERP=interp,
-        num_warps=c["num_warps"],
+        COLLAPSE=collapse_now, BF16_SPLIT=h.dtype == torch.bfloat16, INTERP=interp, PDL=pdl(h),
+        num_warps=c["num_warps"], launch_pdl=pdl(h),
     )
     try:
         launch(num_stages=c["num_stages"])
@@ -336,8 +339,8 @@ def mhc_pre_triton(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters, cf
         N, D, split, d_per, norm_eps, hc_eps, iters,
         h.stride(0), h.stride(1), x.stride(0),
         HC=hc, M=M, BN=BN2, BD=BD2, SB=cfg.get("SB") or min(triton.next_power_of_2(split), 32 if small else 8),
-        COLLAPSE=not collapse_now, ACCURATE=not interp,
-        num_warps=cfg.get("finish_warps", 1 if small else 4),
+        COLLAPSE=not collapse_now, ACCURATE=not interp, PDL=pdl(h),
+        num_warps=cfg.get("finish_warps", 1 if small else 4), launch_pdl=pdl(h),
     )
     return x, pre, post, comb
 
@@ -357,7 +360,7 @@ def mhc_post_triton(f, residual, post, comb, cfg: dict | None = None):
         f, residual, post, comb, out,
         N, D,
         f.stride(0), residual.stride(0), residual.stride(1), out.stride(0), out.stride(1),
-        HC=hc, BN=BN, BD=BD, num_warps=cfg.get("num_warps", 4),
+        HC=hc, BN=BN, BD=BD, PDL=pdl(f), num_warps=cfg.get("num_warps", 4), launch_pdl=pdl(f),
     )
     return out
 

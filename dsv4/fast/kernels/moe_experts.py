@@ -78,7 +78,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from dsv4.fast.kernels import tl, triton, use_triton
+from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.attention import _to_bf16
 from dsv4.quant import dequantize_mxfp4
 
@@ -382,11 +382,12 @@ def _gather_up_kernel(
     x_ptr, xp_ptr, ids_ptr, wts_ptr, w13_ptr, s13_ptr, sh13_ptr, hp_ptr,
     D, I, S, K, E, limit,
     BI: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr,
-    SHARED: tl.constexpr,
+    SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (t, slot, i tile): h[t, slot, i] = swiglu(x[t] . w1[e, i], x[t] . w3[e, i]) * weight, rounded,
     written as activation planes (`activation_planes`) for the down kernel. x [N, D] as given (the shared
     expert's dense rows read it) and as planes xp [N, 8, D/8]; w13 as int32 words."""
+    wait_for_predecessor(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1)
     i = tl.program_id(2) * BI + tl.arange(0, BI)
@@ -434,10 +435,11 @@ def _gather_down_kernel(
     hp_ptr, ids_ptr, w2_ptr, s2_ptr, sh2_ptr, out_ptr,
     D, I, S, K, E,
     BD: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr,
-    SHARED: tl.constexpr,
+    SHARED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (t, d tile, slot): out[t, slot, d] = round(h[t, slot] . w2[e, d]) (the caller sums the slots);
     h as the up kernel's planes, w2 as int32 words."""
+    wait_for_predecessor(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     slot = tl.program_id(2)
@@ -726,12 +728,12 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
         _gather_up_kernel[(N, S, triton.cdiv(I, c["BI"]))](
             x, activation_planes(x), ids_r, wts_r, words13, s13, sh13, hp, D, I, S, ids.shape[1], E, lim,
             BI=c["BI"], BK=c["BK"], STAGES=c["gather_stages"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared,
-            num_warps=c["gather_warps"])
+            PDL=pdl(x), num_warps=c["gather_warps"], launch_pdl=pdl(x))
         out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
         _gather_down_kernel[(N, triton.cdiv(D, c["BD"]), S)](
             hp, ids_r, words2, s2, sh2, out, D, I, S, ids.shape[1], E,
             BD=c["BD"], BK=c["BK"], STAGES=c["gather_stages"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared,
-            num_warps=c["gather_warps"])
+            PDL=pdl(x), num_warps=c["gather_warps"], launch_pdl=pdl(x))
         return out.sum(dim=1)
     ids_s, wts_s = _slots(ids, weights, E, has_shared)
     R = N * S

@@ -25,7 +25,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from dsv4.fast.kernels import tl, triton, use_triton
+from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.torch_math import exp, log1p
 from dsv4.reference.moe import route, router_scores
 
@@ -55,7 +55,9 @@ def _route_kernel(
     N, E, n_split, stride_split, stride_ln, temp, scale,
     TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, BR: tl.constexpr, SB: tl.constexpr, SCORE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HASHED: tl.constexpr, NORMALIZE: tl.constexpr, ACCURATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     pid = tl.program_id(0)
     rows = pid * BR + tl.arange(0, BR)
     rmask = rows < N
@@ -120,8 +122,10 @@ def _gate_gemm_kernel(
     x_ptr, w_ptr, ws_ptr,
     N, E, D, steps_per_prog, stride_xn, stride_we,
     BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Partial logits ws[s, n, e] = sum over split s's K range of x[n, :] * w[e, :], fp32 accumulation."""
+    wait_for_predecessor(PDL)
     pid_m = tl.program_id(0)
     pid_e = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -186,7 +190,7 @@ def _route_launch(logits, n_split, stride_split, N, E, bias, hashed_ids, topk, t
         TOPK=topk, KP=triton.next_power_of_2(topk), EP=EP, BR=BR, SCORE=_SCORE_FUNCS[score_func],
         SB=cfg.get("SB") or max(1, min(triton.next_power_of_2(n_split), 8192 // (BR * EP))),
         HAS_BIAS=b is not None, HASHED=hashed is not None, NORMALIZE=bool(normalize), ACCURATE=logits.is_cuda,
-        num_warps=cfg.get("num_warps", 4 if EP <= 512 else 8),
+        PDL=pdl(logits), num_warps=cfg.get("num_warps", 4 if EP <= 512 else 8), launch_pdl=pdl(logits),
     )
     return weights, ids
 
@@ -226,8 +230,8 @@ def gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize,
     if N > 0:
         _gate_gemm_kernel[(triton.cdiv(N, BM), triton.cdiv(E, BE), split)](
             x, weight, ws, N, E, D, per, x.stride(0), weight.stride(0),
-            BM=BM, BE=BE, BK=BK, F32=x.dtype == torch.float32, INTERP=interp,
-            num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+            BM=BM, BE=BE, BK=BK, F32=x.dtype == torch.float32, INTERP=interp, PDL=pdl(x),
+            num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), launch_pdl=pdl(x),
         )
     return _route_launch(ws, split, N * E, N, E, bias, hashed_ids, topk, temp, scale, normalize, score_func,
                          cfg.get("route"))

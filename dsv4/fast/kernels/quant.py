@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from dsv4 import quant as ref
-from dsv4.fast.kernels import tl, triton, use_triton
+from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 
 __all__ = ["fp8_quant", "mxfp4_quant", "nvfp4_quant"]
 
@@ -78,9 +78,11 @@ def _ue8m0(amax, RECIP: tl.constexpr):
 def _quant_kernel(
     x_ptr, q_ptr, s_ptr, n_blocks,
     FMT: tl.constexpr, BLOCK: tl.constexpr, HALF_P2: tl.constexpr, ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Quantize ROWS consecutive blocks of BLOCK elements (padded to 2 * HALF_P2, a power of two); FP4 codes
     pack in pairs (even | odd << 4)."""
+    wait_for_predecessor(PDL)
     blk = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # [ROWS]
     col = tl.arange(0, 2 * HALF_P2)[None, :]
     mask = (blk[:, None] < n_blocks) & (col < BLOCK)
@@ -124,7 +126,8 @@ def _launch(x: torch.Tensor, block: int, fmt: int) -> tuple[torch.Tensor, torch.
         half_p2 = triton.next_power_of_2(-(-block // 2))
         rows = max(1, _TILE // (2 * half_p2))
         _quant_kernel[(triton.cdiv(n_blocks, rows),)](
-            x, q, s, n_blocks, FMT=fmt, BLOCK=block, HALF_P2=half_p2, ROWS=rows, num_warps=4
+            x, q, s, n_blocks, FMT=fmt, BLOCK=block, HALF_P2=half_p2, ROWS=rows, PDL=pdl(x), num_warps=4,
+            launch_pdl=pdl(x),
         )
     return q, s
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.fast.kernels import tl, triton, use_triton
+from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.reference.indexer import top_entries
 
 __all__ = ["topk_select", "topk_select_pool", "twin_topk_select_pool"]
@@ -168,12 +168,13 @@ def _radix_select(s_ptr, id_ptr, col0, width, n, block_size, k_rem, thr_key,
 @triton.jit
 def _topk_kernel(s_ptr, id_ptr, out_ptr, out_s_ptr, T, part, K, block_size, stride_s, stride_i, stride_o,
                  IDS: tl.constexpr, DENSE: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
-                 STAGE: tl.constexpr, RESIDENT: tl.constexpr):
+                 STAGE: tl.constexpr, RESIDENT: tl.constexpr, PDL: tl.constexpr):
     """Program (row, p) selects the top K of the row's columns [p * part, (p + 1) * part), those past T at
     -inf. DENSE: ids ascend with the column, so a cut tie goes to the first columns and the picks come out
     in order; else (a pool) a cut tie goes to the lowest entry ids and the picks are sorted. STAGE (a first
     stage): all K picks, -inf and NaN ones included, in column order, as ids (out_ptr) and scores (out_s_ptr)
     at [row, p * K]; else the row's answer: ids, -1 for -inf/NaN picks, ascending."""
+    wait_for_predecessor(PDL)
     row = tl.program_id(0)
     col0 = tl.program_id(1) * part
     s_row = s_ptr + row.to(tl.int64) * stride_s + col0
@@ -264,7 +265,7 @@ def _launch(scores: torch.Tensor, K: int, dense: bool, blocks: torch.Tensor | No
     _topk_kernel[(S, C)](
         s, idt, out, out_s, T, part, K, block_size, s.stride(0), idt.stride(0) if mode else 0, out.stride(0),
         IDS=mode, DENSE=dense, BLOCK=block, KP=16 if dense or stage else _pow2(K), STAGE=stage,
-        RESIDENT=resident, num_warps=num_warps,
+        RESIDENT=resident, PDL=pdl(s), num_warps=num_warps, launch_pdl=pdl(s),
     )
     return result
 
