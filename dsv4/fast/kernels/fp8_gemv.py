@@ -151,17 +151,19 @@ def fp8_gemv_reference(x, w, w_scale, bn: int, bk: int, out_dtype=torch.bfloat16
 
 
 def _tiles(M: int, N: int, K: int, groups: int, bn: int, bk: int, cfg: dict) -> tuple[int, int, int, int]:
-    """(BN, BK, stages, num_warps). One or two rows (the tile sweep dev/fp8-gemv-tile-sweep-24b5691.json at the
-    decode step's shapes, in V4's 128 x 128 blocks; `bench/fp8_gemv.py` sweeps V4.1's): 8 weight rows a program (16 for the 32K-row wq_b, whose programs are plenty), 2 warps,
-    more stages along a long K. More rows: an accumulator of BM x BN x BK/4 fp32 keeps BN at 16."""
+    """(BN, BK, stages, num_warps). One or two rows (`bench/fp8_gemv.py`'s tile sweep at the decode step's shapes in
+    V4.1's 32 x 32 blocks, bench/results/fp8_gemv.json): 8 weight rows a program (16 for the 32K-row wq_b, whose
+    programs are plenty), 2 warps, 4 stages; 256-wide K steps along a long K, where the fewer rows' programs need
+    more bytes in flight each (wo_a 14.6 -> 12.6 us, wo_b 20.7 -> 17.5 us at one row; 21.4 -> 14.3 and 32.4 -> 19.0
+    at two). More rows: an accumulator of BM x BN x BK/4 fp32 keeps BN at 16."""
     few = M <= 2 and not _INTERP
     BN = cfg.get("BN") or _pow2_divisor(bn, (16 if N >= 16384 else 8) if few else 16)
     if groups > 1:  # a program's rows in one group
         BN = min(BN, _pow2_divisor(N // groups, BN))
-    BK = cfg.get("BK") or 128
+    BK = cfg.get("BK") or (256 if few and K > 2048 else 128)
     if bn % BN or BK < 4 or BK & (BK - 1):
         raise ValueError(f"fp8_gemv: tile {BN} x {BK}: BN must divide the block's {bn} rows, BK be a power of two >= 4")
-    stages = cfg.get("stages") or (1 if _INTERP else (4 if K <= 2048 else 6) if few else 3)
+    stages = cfg.get("stages") or (1 if _INTERP else 4 if few else 3)
     return BN, BK, stages, cfg.get("num_warps") or (2 if few else 4)
 
 
