@@ -95,8 +95,9 @@ class FastLinear(Linear):
 class Fp8Copy:
     """A linear's block-scaled FP8 weight as the checkpoint stores it, kept beside the bf16 copy for the batch-1
     decode GEMV: the same values (`dsv4::fp8_gemv` is the bf16 GEMM's sum up to fp32 summation order) in half the
-    bytes. Batch 1 only: at two rows it gains on wq_b alone and loses on wo_b (`bench/fp8_gemv.py`), and a choice
-    by batch size would add a compile of every layer kind (the batch dimension is symbolic past 1)."""
+    bytes. Batch 1 only: at two rows it gains too (1.28-1.51x cuBLAS on the bf16 copies, `bench/fp8_gemv.py`;
+    from four rows on it loses), but a choice by batch size past 1 would add a compile of every layer kind (the
+    batch dimension is symbolic past 1) for a batch size the step has not been measured at."""
 
     weight: torch.Tensor  # [N, K] float8_e4m3fn
     scale: torch.Tensor  # [N / bn, K / bk] float8_e8m0fnu
