@@ -7,7 +7,8 @@ beside the CUDA-graph step time and the roofline's bytes, on full-width layers (
     python bench/profile_decode.py --smoke
 
 The kernel table is device time per kernel name summed over the step (the same kernels the graph replays,
-without the graph); `graph_step_ms - kernel_sum_ms` is what the graph still spends between kernels.
+without the graph); `graph_step_ms - kernel_sum_ms` is what the graph still spends between kernels. `launches`
+lists the step's kernels in order with the ops that launched them.
 With --prefill-chunk, a cold prefill's kernels too, and its device time by layer module and module-path method
 (`SPANS`: CUDA events around each call, so a span includes the spans inside it).
 """
@@ -54,6 +55,21 @@ def kernel_table(prof) -> list[dict]:
             calls[e.name] += 1
     rows = [{"kernel": k[:90], "calls": calls[k], "us": total[k]} for k in total]
     return sorted(rows, key=lambda r: -r["us"])
+
+
+def launches(prof) -> list[dict]:
+    """The step's kernels in launch order, each with the ops it was launched under (innermost first): what the
+    table's aten kernels (copies, reductions: glue the compiled step left) belong to."""
+    ops = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.kernels),
+                 key=lambda e: e.time_range.start)
+    rows = []
+    for op in ops:
+        chain, parent = [], op
+        while parent is not None and len(chain) < 4:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        rows += [{"kernel": k.name[:90], "us": k.duration, "ops": " < ".join(chain)} for k in op.kernels]
+    return rows
 
 
 # what the prefill's table by module times, per layer: (attribute path from the block, methods; "" = its forward)
@@ -158,13 +174,18 @@ def main():
     result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": ARGS.layers, "context": context, "batch": B, "compiled": ARGS.compile,
               "graph_step_ms": step_ms, "kernel_sum_ms": sum(r["us"] for r in rows) / 1e3, "kernels": len(rows),
               "kernel_launches": sum(r["calls"] for r in rows), "bytes_per_step_b1": nbytes,
-              "floor_ms_b1": nbytes / bw * 1e3, "table": rows[: ARGS.top], "prefill": prefill}
+              "floor_ms_b1": nbytes / bw * 1e3, "table": rows[: ARGS.top], "launches": launches(prof),
+              "prefill": prefill}
     path = common.write_result(f"profile-decode-{ARGS.arch}-b{B}{'-compiled' if ARGS.compile else ''}", ARGS.smoke, result)
     print(path)
     print(f"graph step {step_ms:.3f} ms; kernels {result['kernel_sum_ms']:.3f} ms in {result['kernel_launches']} launches; "
           f"floor (B=1 bytes) {result['floor_ms_b1']:.3f} ms")
     for r in rows[: ARGS.top]:
         print(f"{r['us']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
+    print("aten kernels in the step, by the ops that launched them:")
+    for r in result["launches"]:
+        if r["kernel"].startswith("void at::"):
+            print(f"{r['us']:9.1f} us  {r['kernel'][:50]}  <  {r['ops']}")
     if prefill:
         print(f"prefill {context} in chunks of {ARGS.prefill_chunk}: {prefill['ms']:.1f} ms "
               f"({prefill['tokens_per_s']:.0f} tok/s), kernels {prefill['kernel_sum_ms']:.1f} ms")
