@@ -83,10 +83,26 @@ dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
+def test_bf16_subnormals_quantize_as_their_fp32_values(fmt):
+    """Every bf16 subnormal magnitude, both signs, alone in its block or beside a normal one: the same bytes
+    as the codec, and as the kernel gives for the same values in fp32."""
+    op, reference, _, _ = FORMATS[fmt]
+    tiny = torch.arange(1, 129, dtype=torch.int16).view(torch.bfloat16)  # 2^-133 .. 2^-126, the least normal
+    alone = torch.stack([tiny, -tiny], dim=1)  # blocks of two subnormals
+    anchored = torch.stack([tiny, torch.full_like(tiny, 2.0**-120)], dim=1)
+    x = torch.cat([alone, anchored]).reshape(-1, 16).to(DEVICE)  # [..., 16]: blocks of 2 (fp4) / 16
+    block = 16 if fmt == "fp8" else 2
+    got, want, wide = op(x, block), reference(x, block), op(x.float(), block)
+    assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
+    assert same_bytes(got[0], wide[0]) and same_bytes(got[1], wide[1])
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
 @FAST
 @given(shape=shapes, block_pick=st.integers(0, 5), dtype=dtypes, seed=st.integers(0, 2**31 - 1))
 @example(shape=([], 1), block_pick=0, dtype=torch.float32, seed=0)
 @example(shape=([2, 3], 5), block_pick=1, dtype=torch.bfloat16, seed=1)
+@example(shape=([3], 4), block_pick=3, dtype=torch.bfloat16, seed=1)  # a bf16 subnormal (the interpreter's cast)
 def test_bytes_match_reference(fmt, shape, block_pick, dtype, seed):
     op, reference, blocks, _ = FORMATS[fmt]
     block = blocks[block_pick % len(blocks)]
