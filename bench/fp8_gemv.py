@@ -2,10 +2,12 @@
 V4.1's attention projections and decode batch sizes: does one byte a weight beat two?
 
     python bench/fp8_gemv.py          # H200: exactness, then timings; ~1-2 minutes
+    python bench/fp8_gemv.py --arch v4   # V4-Flash's widths and 128 x 128 blocks (fp8_gemv-v4.json)
     python bench/fp8_gemv.py --smoke  # small shapes on the CPU under the Triton interpreter
     python bench/fp8_gemv.py --replot bench/results/fp8_gemv.json   # the PNG again, from the JSON
 
-Cases: the decode step's FP8 GEMVs at V4.1 widths and blocks (32 x 32), M = 1, 2, 4, 8, 16 activation rows: wq_b and
+Cases: the decode step's FP8 GEMVs at V4.1 widths and blocks (32 x 32; --arch v4: V4's, 128 x 128), M = 1, 2, 4, 8,
+16 activation rows: wq_b and
 the indexer's wq_b concatenated (one weight, as the fast model reads the query latent's linears), wo_a (8 groups,
 each its own 4096 columns of x) and wo_b. "fused" is the FP8 GEMV (its default tiles), "cublas" the fast model's
 bf16 path on the weight dequantized to bf16 (exactly): F.linear, or for wo_a its einsum (a batched GEMM). Bytes: the weight as each reads it (FP8 + scales, or bf16), the activations and the
@@ -27,18 +29,18 @@ import common
 def add_arguments(p):
     p.add_argument("--reps", type=int, default=30, help="timed samples per case (median)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a result file")
+    p.add_argument("--arch", choices=("v41", "v4"), default="v41", help="whose widths and FP8 blocks")
 
 
 ARGS = common.parse_args(__doc__, add_arguments)
 
 import torch
 import torch.nn.functional as F
+from full_width import full_width_config
 
 from dsv4.fast.kernels.fp8_gemv import _fp8_gemv_triton, fp8_gemv, fp8_gemv_reference
 from dsv4.quant import dequantize_fp8, quantize_fp8
 
-BLOCK = (32, 32)  # V4.1-Flash's FP8 weight blocks (weight_block_size in dsv4.config)
-SHAPES = {"wq_b+idx": (36864, 1280, 1), "wo_a": (8192, 4096, 8), "wo_b": (5120, 8192, 1)}  # (N, K, groups)
 SMOKE_SHAPES = {"small": (96, 256, 1), "grouped": (64, 128, 2)}
 # tiles for tuning the defaults. At one row a program's bytes in flight are about BN x BK x (stages - 1): the
 # GEMVs with fewer weight rows (wo_b's 5120) streamed slower at 128-wide K steps, so wider steps are in the sweep
@@ -46,6 +48,15 @@ SWEEP = [{"BN": bn, "BK": bk, "stages": st, "num_warps": nw}
          for bn, bk, st, nw in [(8, 128, 4, 2), (8, 128, 6, 2), (8, 256, 4, 2), (8, 256, 6, 2), (8, 512, 4, 2),
                                 (8, 512, 6, 2), (16, 128, 4, 2), (16, 128, 4, 4), (16, 256, 4, 2), (16, 256, 4, 4),
                                 (16, 512, 4, 4), (32, 128, 3, 4), (32, 256, 3, 4)]]
+
+
+def decode_gemvs(arch: str) -> tuple[dict, tuple[int, int]]:
+    """The decode step's FP8 GEMVs at the full-width config's widths, (N, K, groups) by name, and its FP8 blocks."""
+    c = full_width_config(arch, 1)
+    heads = c.num_attention_heads * c.head_dim
+    return ({"wq_b+idx": (heads + c.index_n_heads * c.index_head_dim, c.q_lora_rank, 1),
+             "wo_a": (c.o_groups * c.o_lora_rank, heads // c.o_groups, c.o_groups),
+             "wo_b": (c.hidden_size, c.o_groups * c.o_lora_rank, 1)}, tuple(c.weight_block_size))
 
 
 def make_set(N, K, block, device, seed):
@@ -77,7 +88,7 @@ def main():
     device = "cpu" if ARGS.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/fp8_gemv.py needs CUDA (or --smoke)")
-    shapes, block = (SMOKE_SHAPES, (32, 32)) if ARGS.smoke else (SHAPES, BLOCK)
+    shapes, block = (SMOKE_SHAPES, (32, 32)) if ARGS.smoke else decode_gemvs(ARGS.arch)
     ms = (1, 2) if ARGS.smoke else (1, 2, 4, 8, 16)
     reps = 3 if ARGS.smoke else ARGS.reps
     t_start = time.time()
@@ -114,8 +125,9 @@ def main():
                     for c in SWEEP}
             results.append(row)
 
-    meta, path = common.write_timed_result("fp8_gemv", device, ARGS.smoke, t_start, reps, checks, results,
-                                           block=list(block))
+    name = "fp8_gemv" if ARGS.arch == "v41" else f"fp8_gemv-{ARGS.arch}"
+    meta, path = common.write_timed_result(name, device, ARGS.smoke, t_start, reps, checks, results,
+                                           arch=ARGS.arch, block=list(block))
     plot(meta, path.with_suffix(".png"))
     common.print_summary(meta["gpu"], checks, path, meta["wall_s"], key="")
     common.print_fused_vs_baseline(results, device, "cublas")
