@@ -25,9 +25,9 @@ from dsv4.fast import engram_prefetch
 from dsv4.fast.engram_prefetch import HostEngramEmbedding, keep_engram_on_host
 from dsv4.fast.model import FastIndexer, FastLinear, Fp8Copy, compile_options, make_fast
 from dsv4.fast.runner import OutOfSlots, Runner
+from dsv4.quant import dequantize_fp8
 from dsv4.reference.cache import DenseCache
 from dsv4.reference.engram import EngramEmbedding
-from dsv4.quant import dequantize_fp8
 from dsv4.reference.linear import Linear
 from dsv4.reference.model import bounded_replay_state, load_model
 from dsv4.tiny import make_tiny_checkpoint

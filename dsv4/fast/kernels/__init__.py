@@ -12,6 +12,7 @@ any `tl.<name>` is a placeholder), `use_triton` is False everywhere, and every o
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -52,7 +53,13 @@ def pdl(t: torch.Tensor) -> bool:
     """Launch a kernel on `t`'s device with programmatic dependent launch (Hopper on): the GPU may start it while
     the kernel before it in the stream finishes, its programs scheduled and waiting in `wait_for_predecessor`, so
     the gap between two launches (in a CUDA graph too) overlaps the predecessor's tail. Not under the interpreter."""
-    return t.is_cuda and triton_importable() and torch.cuda.get_device_capability(t.device)[0] >= 9
+    return t.is_cuda and triton_importable() and _hopper_or_later(t.device.index or 0)
+
+
+@functools.cache
+def _hopper_or_later(device_index: int) -> bool:
+    """Asked at every launch of an eager step; a device's capability does not change."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 @triton.jit

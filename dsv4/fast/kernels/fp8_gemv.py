@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.attention import _to_bf16
@@ -150,7 +149,7 @@ def fp8_gemv_reference(x, w, w_scale, bn: int, bk: int, out_dtype=torch.bfloat16
     return torch.einsum("mgk,gnk->mgn", x.float().view(M, groups, K), wf).reshape(M, N).to(out_dtype)
 
 
-def _tiles(M: int, N: int, K: int, groups: int, bn: int, bk: int, cfg: dict) -> tuple[int, int, int, int]:
+def _tiles(M: int, N: int, K: int, groups: int, bn: int, cfg: dict) -> tuple[int, int, int, int]:
     """(BN, BK, stages, num_warps). One or two rows (`bench/fp8_gemv.py`'s tile sweep at the decode step's shapes in
     V4.1's 32 x 32 blocks, bench/results/fp8_gemv.json): 8 weight rows a program (16 for the 32K-row wq_b, whose
     programs are plenty), 2 warps, 4 stages; 256-wide K steps along a long K, where the fewer rows' programs need
@@ -174,7 +173,7 @@ def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1
         return y
     if K == 0:
         return y.zero_()
-    BN, BK, stages, warps = _tiles(M, N, K, groups, bn, bk, cfg or {})
+    BN, BK, stages, warps = _tiles(M, N, K, groups, bn, cfg or {})
     _fp8_gemv_kernel[(triton.cdiv(N, BN),)](
         x.contiguous(), w.contiguous(), w_scale.view(torch.uint8).contiguous(), y, M, N, K, w_scale.shape[1], bn, bk,
         groups, BM=triton.next_power_of_2(M), BN=BN, BK=BK, STAGES=stages, OUT_BF16=out_dtype == torch.bfloat16,
