@@ -665,10 +665,14 @@ def compile_options(backend: str, deterministic: bool = False) -> dict | None:
     padding), so every process compiles the same kernels and computes the same logits. Two processes compiling the
     decode step from empty caches (H200, V4.1 layers 2-5, `bench/decode_compile.py`): without it batch-1 logits
     agreed bit for bit and batch-8 ones differed by up to 0.033; with it both agreed, at the same step times (1.52
-    / 3.46 ms)."""
+    / 3.46 ms). Inductor's kernels launch with programmatic dependent launch, as the Triton ops' do (`pdl`; inductor
+    emits it on Hopper and later only, and waits wherever a kernel reads what the one before it wrote)."""
     if backend != "inductor":
         return None
-    return {"emulate_precision_casts": True, "deterministic": deterministic}
+    options = {"emulate_precision_casts": True, "deterministic": deterministic}
+    if hasattr(torch._inductor.config.triton, "enable_pdl"):  # torch >= 2.10
+        options["triton.enable_pdl"] = True
+    return options
 
 
 def _compiled_piece(compiled: Callable, method: Callable, module: torch.nn.Module) -> Callable:

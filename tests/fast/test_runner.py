@@ -277,10 +277,12 @@ def test_a_state_dict_loads_into_the_host_engram_tables(tiny_v41_wide_engram_dir
 def test_the_decode_parts_ask_inductor_for_its_deterministic_mode(tiny_v41_dir, monkeypatch):
     """Inductor applies compile options as config patches when it compiles (on a GPU: never in this suite), so the
     options must be config keys of the installed torch; the decode step's parts ask for the deterministic mode (no
-    choice by timing: every process computes the same logits), the prefill's pieces do not."""
+    choice by timing: every process computes the same logits), the prefill's pieces do not; both ask for
+    programmatic dependent launch."""
     for deterministic in (False, True):
         with torch._inductor.config.patch(compile_options("inductor", deterministic)):
             assert torch._inductor.config.deterministic is deterministic
+            assert getattr(torch._inductor.config.triton, "enable_pdl", True)  # where this torch has the option
     _, fast = models(tiny_v41_dir, packed=True)
     asked = {}
     compile_ = torch.compile
