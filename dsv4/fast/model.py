@@ -50,7 +50,12 @@ from dsv4.fast.kernels.indexer import (
     select_candidate_block_ids,
 )
 from dsv4.fast.kernels.mhc import mhc_post, mhc_pre
-from dsv4.fast.kernels.moe_experts import moe_mxfp4_with_shared, stack_expert_weights
+from dsv4.fast.kernels.moe_experts import (
+    activation_planes,
+    moe_gather_slots,
+    moe_mxfp4_with_shared,
+    stack_expert_weights,
+)
 from dsv4.fast.kernels.moe_routing import gate_route
 from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant
 from dsv4.fast.kernels.topk import topk_select
@@ -188,8 +193,11 @@ class FastMoE(MoE):
         weights, ids = gate_route(flat, g.weight, getattr(g, "bias", None), hashed, g.topk, g.temp, g.scale,
                                   g.norm_topk_prob, g.scoring_func)
         s = self.stacked
-        y = moe_mxfp4_with_shared(flat, ids, weights, s["w13"], s["s13"], s["w2"], s["s2"], s["shared13"],
-                                  s["shared2"], self.limit)
+        experts = (ids, weights, s["w13"], s["s13"], s["w2"], s["s2"], s["shared13"], s["shared2"], self.limit)
+        if flat.shape[0] == 1:  # the decode step's token: the planes and the slots' sum fuse into compiled kernels
+            y = moe_gather_slots(flat, activation_planes(flat), *experts).sum(dim=1)
+        else:
+            y = moe_mxfp4_with_shared(flat, *experts)
         return y.to(x.dtype).view_as(x)
 
 

@@ -1,4 +1,5 @@
-"""dsv4::moe_experts_mxfp4 / dsv4::moe_mxfp4_with_shared against their twin and the reference MoE module.
+"""dsv4::moe_experts_mxfp4 / dsv4::moe_mxfp4_with_shared / dsv4::moe_gather_slots against their twin and the
+reference MoE module.
 
 Without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set before dsv4 imports by
 tests/conftest.py); the `gpu` tests run them compiled at V4.1 shapes (D 5120, I 2304, E 384, k 6).
@@ -214,6 +215,30 @@ def test_clamp_active_and_paths_agree():
         assert rel_err(ys[0], y) <= 1e-5
 
 
+@pytest.mark.parametrize("N", [1, 2])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_gather_slots_are_the_fused_ops_terms(N, bf16):
+    """moe_gather_slots (the planes made by the caller) gives each slot's output as the slot twin does, the
+    shared expert last, and their sum is the fused op's y on the gather path: the same kernels, the same sum."""
+    E, k, D, I = 6, 3, 64, 64
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    w13, s13, w2, s2, sh13, sh2 = rand_experts(E, D, I, 21)
+    sh13, sh2 = sh13.to(dtype), sh2.to(dtype)
+    g = torch.Generator().manual_seed(22)
+    x = (torch.randn(N, D, generator=g) * 4).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    weights = torch.rand(N, k, generator=g) + 0.1
+    args = (ids, weights, w13, s13, w2, s2, sh13, sh2, 1.0)
+    slots = M.moe_gather_slots(x, M.activation_planes(x), *args)
+    twin = M.moe_slots_twin(x, ids, weights, w13, s13.view(torch.uint8), w2, s2.view(torch.uint8), 1.0, sh13, sh2)
+    assert slots.shape == (N, k + 1, D)
+    for j in range(k + 1):
+        check_close(slots[:, j], twin[:, j], dtype)
+    assert torch.equal(slots.sum(dim=1), M.moe_mxfp4_with_shared(x, *args, "gather"))
+    with pytest.raises(ValueError, match="planes must be"):
+        M.moe_gather_slots(x, M.activation_planes(x).bfloat16(), *args)
+
+
 def test_tile_table():
     """Tiles cover each expert's sorted rows exactly once, never straddle experts; padding tiles are -1."""
     g = torch.Generator().manual_seed(0)
@@ -256,11 +281,14 @@ def test_fake_and_auto():
     y = M.moe_experts_mxfp4(x, ids, wts, w13, s13, w2, s2, 10.0)
     check_close(y, M.moe_experts_twin(x, ids, wts, w13, s13, w2, s2, 10.0), torch.bfloat16)
     real = (ids, wts, w13, s13, w2, s2, sh13.bfloat16(), sh2.bfloat16())
+    planes = M.activation_planes(x)
     with FakeTensorMode() as mode:
         fx = mode.from_tensor(x)
         fargs = [mode.from_tensor(t) for t in real]
         out = torch.ops.dsv4.moe_mxfp4_with_shared(fx, *fargs, 10.0)
         assert out.shape == (N, D) and out.dtype == torch.float32
+        slots = torch.ops.dsv4.moe_gather_slots(fx, mode.from_tensor(planes), *fargs, 10.0)
+        assert slots.shape == (N, k + 1, D) and slots.dtype == torch.float32
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -297,6 +325,17 @@ def test_gpu_v41_shapes(N, path):
     scale = ref.abs().max()
     err = (y - ref).abs() / scale
     assert err.max().item() <= 2**-7 and err.median().item() <= 1e-4
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("N", [1, 2])
+def test_gpu_gather_slots_sum_to_the_fused_op(N):
+    """The decode step's form at V4.1 shapes: the slots, summed, are the fused op's gather path bit for bit."""
+    x, ids, wts, w13, s13, w2, s2, sh13, sh2 = _v41_inputs(N, seed=3)
+    args = (ids, wts, w13, s13, w2, s2, sh13, sh2, 10.0)
+    slots = M.moe_gather_slots(x, M.activation_planes(x), *args)
+    assert torch.equal(slots.sum(dim=1), M.moe_mxfp4_with_shared(x, *args, "gather"))
 
 
 @gpu

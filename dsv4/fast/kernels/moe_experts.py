@@ -29,7 +29,8 @@ Paths (all free of host syncs, so they can be captured in a CUDA graph):
   slot's expert rows of w1 and w3 once, GEMV on the CUDA cores in fp32 (each 32-wide scale group summed
   unscaled, then scaled), SwiGLU epilogue, h (rounded) to an fp32 [N, S, I] workspace as activation planes
   (`activation_planes`, S = k, + 1 with the shared expert); kernel 2, one program per (token, D tile, slot),
-  streams w2 rows and writes the slot's rounded output to [N, S, D]; a torch sum over slots gives y. Both read
+  streams w2 rows and writes the slot's rounded output to [N, S, D]; a torch sum over slots gives y (the
+  caller's compiled sum with `moe_gather_slots`, which takes the planes from the caller too). Both read
   the router's ids and weights as they are (the shared expert is the slot past them). Summing the slots inside
   kernel 2 (one program per token and D tile) measured slower on the H200: 104.4 against 99.7 us at V4.1 batch
   1, 195 against 171 us at two tokens. At batch 1 every selected expert's weights are read exactly once.
@@ -85,9 +86,12 @@ from dsv4.quant import dequantize_mxfp4
 __all__ = [
     "GATHER_MAX_N",
     "GATHER_TC_MAX_N",
+    "activation_planes",
     "moe_experts_mxfp4",
     "moe_experts_twin",
+    "moe_gather_slots",
     "moe_mxfp4_with_shared",
+    "moe_slots_twin",
     "stack_expert_weights",
 ]
 
@@ -141,17 +145,24 @@ def _expert_math(x, w13, w2, route_w, limit):
     return F.linear(h.to(x.dtype).float(), w2.float()).to(x.dtype)
 
 
-def moe_experts_twin(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=None):
-    """Pure torch: y [N, D] fp32, the reference math (host syncs; not for graphs)."""
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+def moe_slots_twin(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=None):
+    """Pure torch: each slot's output [N, S, D] fp32, the reference math: slot j < k the routed expert ids[:, j]
+    (weighted), slot k the shared expert when there is one (host syncs; not for graphs)."""
+    N, k = ids.shape
+    out = torch.zeros(N, k + (shared13 is not None), x.shape[1], dtype=torch.float32, device=x.device)
     for e in ids.unique().tolist():
         tok, slot = torch.where(ids == e)
         w13e = dequantize_mxfp4(w13[e], s13[e].view(torch.float8_e8m0fnu))
         w2e = dequantize_mxfp4(w2[e], s2[e].view(torch.float8_e8m0fnu))
-        y.index_add_(0, tok, _expert_math(x[tok], w13e, w2e, weights[tok, slot, None], limit).float())
+        out[tok, slot] = _expert_math(x[tok], w13e, w2e, weights[tok, slot, None], limit).float()
     if shared13 is not None:
-        y = y + _expert_math(x, shared13, shared2, None, limit).float()
-    return y
+        out[:, k] = _expert_math(x, shared13, shared2, None, limit).float()
+    return out
+
+
+def moe_experts_twin(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=None):
+    """Pure torch: y [N, D] fp32, the slots' outputs summed in fp32 (host syncs; not for graphs)."""
+    return moe_slots_twin(x, ids, weights, w13, s13, w2, s2, limit, shared13, shared2).sum(dim=1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -699,11 +710,40 @@ def _cfg(x, N, path):
             "warps": 4, "stages": 3}
 
 
-def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=None, path="auto", cfg=None):
-    N, D, E, I = _check(x, ids, weights, w13, s13, w2, s2, shared13, shared2)
+def _operands(x, w13, s13, w2, s2, shared13, shared2):
+    """What the kernels read: x bf16 or fp32, contiguous; the experts' bytes as uint8; the shared expert (the
+    routed weights stand in for it where there is none: its branch is compiled out)."""
     if x.dtype not in (torch.bfloat16, torch.float32):
         x = x.float()
-    x = x.contiguous()
+    w13, s13, w2, s2 = (_u8(t).contiguous() for t in (w13, s13, w2, s2))
+    if shared13 is None:
+        return x.contiguous(), w13, s13, w2, s2, w13, w2
+    return x.contiguous(), w13, s13, w2, s2, shared13.contiguous(), shared2.contiguous()
+
+
+def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, has_shared: bool, c: dict):
+    """The gather path's kernels on prepared operands (x contiguous, planes = activation_planes(x), expert bytes
+    uint8): each slot's output [N, S, D] fp32. The router's ids and weights go in as they are."""
+    (N, D), (E, I2, _) = x.shape, w13.shape
+    I, S = I2 // 2, ids.shape[1] + has_shared
+    ids_r, wts_r = ids.contiguous(), weights.float().contiguous()
+    hp = torch.empty(N, S, I, dtype=torch.float32, device=x.device)  # h as planes, rounded to x's dtype
+    is_bf16 = x.dtype == torch.bfloat16
+    _gather_up_kernel[(N, S, triton.cdiv(I, c["BI"]))](
+        x, planes, ids_r, wts_r, w13.view(torch.int32), s13, sh13, hp, D, I, S, ids.shape[1], E, limit,
+        BI=c["BI"], BK=c["BK"], STAGES=c["gather_stages"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared,
+        PDL=pdl(x), num_warps=c["gather_warps"], launch_pdl=pdl(x))
+    out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
+    _gather_down_kernel[(N, triton.cdiv(D, c["BD"]), S)](
+        hp, ids_r, w2.view(torch.int32), s2, sh2, out, D, I, S, ids.shape[1], E,
+        BD=c["BD"], BK=c["BK"], STAGES=c["gather_stages"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared,
+        PDL=pdl(x), num_warps=c["gather_warps"], launch_pdl=pdl(x))
+    return out
+
+
+def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=None, path="auto", cfg=None):
+    N, D, E, I = _check(x, ids, weights, w13, s13, w2, s2, shared13, shared2)
+    x, w13, s13, w2, s2, sh13, sh2 = _operands(x, w13, s13, w2, s2, shared13, shared2)
     has_shared = shared13 is not None
     S = ids.shape[1] + has_shared
     if path == "auto":
@@ -711,9 +751,6 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
     if path not in ("gather", "grouped", "gather_tc"):
         raise ValueError(f"moe_experts: path must be 'auto', 'gather', 'grouped' or 'gather_tc', got {path!r}")
     c = {**_cfg(x, N, path), **(cfg or {})}
-    w13, s13, w2, s2 = (_u8(t).contiguous() for t in (w13, s13, w2, s2))
-    sh13 = shared13.contiguous() if has_shared else w13
-    sh2 = shared2.contiguous() if has_shared else w2
     is_bf16 = x.dtype == torch.bfloat16
     sh_low = has_shared and shared13.dtype == torch.bfloat16 and is_bf16 and not _INTERP
     if N == 0 or S == 0:
@@ -721,20 +758,9 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
     lim = float(limit)
     # SHARED (every path): without a shared expert the dense branch is not compiled (compiled in but dead, it made
     # routed-only gather_tc take 2.8 ms at 4 tokens on the H200, against 0.33 ms for the same call with one)
-    if path == "gather":  # the router's ids and weights as they are
-        ids_r, wts_r = ids.contiguous(), weights.float().contiguous()
-        hp = torch.empty(N, S, I, dtype=torch.float32, device=x.device)  # h as planes, rounded to x's dtype
-        words13, words2 = w13.view(torch.int32), w2.view(torch.int32)
-        _gather_up_kernel[(N, S, triton.cdiv(I, c["BI"]))](
-            x, activation_planes(x), ids_r, wts_r, words13, s13, sh13, hp, D, I, S, ids.shape[1], E, lim,
-            BI=c["BI"], BK=c["BK"], STAGES=c["gather_stages"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared,
-            PDL=pdl(x), num_warps=c["gather_warps"], launch_pdl=pdl(x))
-        out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
-        _gather_down_kernel[(N, triton.cdiv(D, c["BD"]), S)](
-            hp, ids_r, words2, s2, sh2, out, D, I, S, ids.shape[1], E,
-            BD=c["BD"], BK=c["BK"], STAGES=c["gather_stages"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared,
-            PDL=pdl(x), num_warps=c["gather_warps"], launch_pdl=pdl(x))
-        return out.sum(dim=1)
+    if path == "gather":
+        return _gather(x, activation_planes(x), ids, weights, w13, s13, w2, s2, sh13, sh2, lim, has_shared,
+                       c).sum(dim=1)
     ids_s, wts_s = _slots(ids, weights, E, has_shared)
     R = N * S
     if path == "grouped":
@@ -798,3 +824,32 @@ def moe_mxfp4_with_shared(
 @moe_mxfp4_with_shared.register_fake
 def _(x, ids, weights, w13, s13, w2, s2, shared13, shared2, limit, path="auto"):
     return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv4::moe_gather_slots", mutates_args=())
+def moe_gather_slots(
+    x: torch.Tensor, planes: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+    w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+    shared13: torch.Tensor, shared2: torch.Tensor, limit: float,
+) -> torch.Tensor:
+    """The gather path of moe_mxfp4_with_shared for a token or two (decode): x [N, D] and its activation planes
+    (`activation_planes(x)`) -> each slot's output [N, k + 1, D] fp32, the routed experts in the router's order
+    (weighted), then the shared expert; the op's y is their sum over slots. A compiled caller that makes the
+    planes and sums the slots fuses both into its own kernels, where the op spends a copy and a reduction launch
+    on them."""
+    N, D, _, _ = _check(x, ids, weights, w13, s13, w2, s2, shared13, shared2)
+    if tuple(planes.shape) != (N, 8, D // 8) or planes.dtype != torch.float32:
+        raise ValueError(f"moe_gather_slots: planes must be [{N}, 8, {D // 8}] float32 (activation_planes(x)), got "
+                         f"{tuple(planes.shape)} {planes.dtype}")
+    if not use_triton(x):
+        return moe_slots_twin(x, ids, weights, _u8(w13), _u8(s13), _u8(w2), _u8(s2), limit, shared13, shared2)
+    if N == 0:
+        return x.new_zeros((0, ids.shape[1] + 1, D), dtype=torch.float32)
+    x, w13, s13, w2, s2, sh13, sh2 = _operands(x, w13, s13, w2, s2, shared13, shared2)
+    return _gather(x, planes.contiguous(), ids, weights, w13, s13, w2, s2, sh13, sh2, float(limit), True,
+                   _cfg(x, N, "gather"))
+
+
+@moe_gather_slots.register_fake
+def _(x, planes, ids, weights, w13, s13, w2, s2, shared13, shared2, limit):
+    return x.new_empty((x.shape[0], ids.shape[1] + 1, x.shape[1]), dtype=torch.float32)
