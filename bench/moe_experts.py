@@ -8,6 +8,8 @@ N = 1, 8, 16, 64, 256 tokens. Weights random (uint8 codes, e8m0 scales 2^-9 .. 2
 - naive:   for each selected expert: dequantize its w1/w3/w2 (dsv4.quant) to bf16, bf16 matmuls, SwiGLU,
            index_add in fp32; plus the shared expert (what a straightforward implementation does; host syncs).
 - gather, gather_tc (N <= 16: every program scans the batch's ids), grouped: the kernel's paths (forced).
+- slots (N <= 2): dsv4::moe_gather_slots, the gather kernels as the batch-1 decode step calls them (the
+           activation planes made, and the slots summed, by the step's compiled code: not timed here).
 Bytes: the expert weights the call must touch at least: each distinct selected expert's w13 + w2 at 4.25
 bits/weight (e2m1 + one e8m0 per 32) and the shared expert's bf16 weights (3 * I * D * 2 bytes); GB/s is
 those bytes over the time, and `roofline` their fraction of 4.3 TB/s (the batch-1 memory ceiling).
@@ -72,7 +74,7 @@ def make_set(N, E, D, k, device, seed):
     ids = torch.rand(N, E, generator=g, device=device).topk(k, dim=-1).indices
     wts = torch.rand(N, k, generator=g, device=device)
     wts = wts / wts.sum(-1, keepdim=True) * 1.5
-    return {"x": x, "ids": ids, "wts": wts}
+    return {"x": x, "ids": ids, "wts": wts, "planes": M.activation_planes(x)}
 
 
 def naive(W, s, limit=LIMIT):
@@ -109,6 +111,12 @@ def kernel(W, s, path):
                                    W["sh13"], W["sh2"], LIMIT, path)
 
 
+def slots(W, s):
+    """The batch-1 decode step's call: the slots' outputs of moe_gather_slots on the set's activation planes."""
+    return M.moe_gather_slots(s["x"], s["planes"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"], W["s2"],
+                              W["sh13"], W["sh2"], LIMIT)
+
+
 def check(W, s) -> dict:
     ref = M.moe_experts_twin(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"], W["s2"], LIMIT,
                              W["sh13"], W["sh2"])
@@ -116,7 +124,10 @@ def check(W, s) -> dict:
     out = {}
     ok = True
     paths = [p for p in PATHS if applies(p, s["x"].shape[0])]
-    for name, y in [(p, kernel(W, s, p)) for p in paths] + [("naive", naive(W, s))]:
+    runs = [(p, kernel(W, s, p)) for p in paths]
+    if s["x"].shape[0] <= M.GATHER_MAX_N:
+        runs.append(("slots", slots(W, s).sum(dim=1)))
+    for name, y in runs + [("naive", naive(W, s))]:
         err = (y - ref).abs() / scale
         out[f"{name}_max_rel"] = err.max().item()
         out[f"{name}_median_rel"] = err.median().item()
@@ -160,6 +171,11 @@ def main():
                 row[f"{mode}_{path}_GBps"] = nbytes / t / 1e3
                 row[f"{mode}_{path}_roofline"] = nbytes / t / 1e-6 / PEAK_BPS
                 row[f"{mode}_{path}_speedup_vs_naive"] = row["eager_naive_us"] / t
+        for mode in common.modes(device) if N <= M.GATHER_MAX_N else ():
+            t = time_calls([lambda s=s: slots(W, s) for s in sets], reps, mode == "graph", device)
+            row[f"{mode}_slots_us"] = t
+            row[f"{mode}_slots_GBps"] = nbytes / t / 1e3
+            row[f"{mode}_slots_roofline"] = nbytes / t / 1e-6 / PEAK_BPS
         if device == "cuda" and N <= 16:  # tile sweep of the gather path (graph mode), for tuning
             row["gather_sweep"] = {}
             for BI, BD, BK in [(4, 16, 512), (8, 8, 256), (4, 4, 512), (16, 16, 256), (8, 16, 256)]:
@@ -190,7 +206,9 @@ def main():
     common.print_table([("N", "N", "d"), ("experts", "distinct_experts", ".1f"),
                         ("MB", lambda r: r["weight_bytes"] / 1e6, ".1f"), ("naive us", "eager_naive_us", ".1f"),
                         ("gather us", f"{mode}_gather_us", ".1f"), ("GB/s", f"{mode}_gather_GBps", ".0f"),
-                        ("roof", f"{mode}_gather_roofline", ".2f"), ("tc us", f"{mode}_gather_tc_us", ".1f"),
+                        ("roof", f"{mode}_gather_roofline", ".2f"), ("slots us", f"{mode}_slots_us", ".1f"),
+                        ("roof", f"{mode}_slots_roofline", ".2f"),
+                        ("tc us", f"{mode}_gather_tc_us", ".1f"),
                         ("roof", f"{mode}_gather_tc_roofline", ".2f"), ("grouped us", f"{mode}_grouped_us", ".1f"),
                         ("GB/s", f"{mode}_grouped_GBps", ".0f"), ("roof", f"{mode}_grouped_roofline", ".2f")],
                        results)
