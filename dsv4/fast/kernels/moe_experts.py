@@ -701,11 +701,11 @@ def _cfg(x, N, path):
     if path == "gather_tc":  # BM: the MMA's smallest N side; 32 rows in 2 warps (mma.sync) beat the 64-row
         # warpgroup tiles at every N measured (N = 4: 332 us against 365-428)
         return {"BM": 16, "BN": 32, "BKG": 128, "warps": 2, "stages": 3}
-    # gather tiles measured on the H200 at V4.1 widths (the whole op, shared expert included, graph): for one or
-    # two tokens 4 up rows and 16 down rows x 512 K in 2 warps, K pipelined two steps deep (89.8 / 144.3 us at
-    # one / two tokens; 92.2 / 145.0 for 8 x 256 both, 96.7-98.6 / 164.7-171.0 for 4 x 512 both), 16 x 256 in 4
-    # warps above
-    BI, BD, BK, warps = (4, 16, 512, 2) if N <= 2 else (16, 16, 256, 4)
+    # gather tiles measured on the H200 at V4.1 widths (the whole op, shared expert included, graph), K pipelined
+    # two steps deep: for one or two tokens 16 up rows and 16 down rows x 256 K in 2 warps (74.1 / 128.0 us at one
+    # / two tokens, against 81.7 / 140.0 for 4 up rows x 512 K and 83.0-89.1 / 141.7-157.1 for the other tiles
+    # tried; the batch-1 step 1.312 -> 1.275 ms), the same in 4 warps above
+    BI, BD, BK, warps = (16, 16, 256, 2 if N <= 2 else 4)
     return {"BI": BI, "BK": BK, "BD": BD, "BM": None, "BN": 64, "BKG": 64, "gather_warps": warps, "gather_stages": 2,
             "warps": 4, "stages": 3}
 
