@@ -1,6 +1,7 @@
 """Fused MoE routing (dsv4::route_topk, dsv4::gate_route) against the unfused torch sequence, V4.1 shapes.
 
     python bench/moe_routing.py          # H200: correctness on CUDA, then timings; < 2 minutes
+    python bench/moe_routing.py --sweep  # also times gate_route's split-K and the routing kernel's warps (N <= 16)
     python bench/moe_routing.py --smoke  # tiny sizes on the CPU under the Triton interpreter
 
 V4.1: E = 384 experts, top-6, sqrtsoftplus, bias, normalized, scale 1.5, D = 5120; N = 1, 16, 32, 64,
@@ -26,6 +27,7 @@ import common
 def add_arguments(p):
     p.add_argument("--sizes", type=int, nargs="*", default=None, help="token counts N")
     p.add_argument("--reps", type=int, default=60, help="timed samples per case (median)")
+    p.add_argument("--sweep", action="store_true", help="also time gate_route tile configs at N <= 16")
 
 
 ARGS = common.parse_args(__doc__, add_arguments)
@@ -76,6 +78,25 @@ def check(s) -> dict:
             "gate_bad_rows": g_bad, "gate_w_rel": g_err, "gate_tie_rows": g_tie}
 
 
+def gate_sweep(N, sets, reps, device) -> list[dict]:
+    """gate_route at one small N over the GEMM's K splits (each a partial the routing kernel sums), its expert
+    block, and the routing kernel's warps: what the decode step's 10 us of routing a layer is made of."""
+    rows = []
+    for split in (5, 10, 20, 40):
+        for BE in (16, 64):
+            for warps in (1, 2, 4):
+                cfg = {"split": split, "BE": BE, "route": {"num_warps": warps}}
+                calls = [lambda s=s, cfg=cfg: R.gate_route_triton(s["x"], s["W"], s["bias"], None, TOPK, TEMP, SCALE,
+                                                                    True, FUNC, cfg=cfg) for s in sets]
+                try:
+                    t = common.time_calls(calls, max(10, reps // 3), cuda=device == "cuda")
+                except Exception as e:  # noqa: BLE001 -- a config that does not compile or fit: record it, go on
+                    t = float("nan")
+                    print(f"sweep N={N} {cfg}: {type(e).__name__}", file=sys.stderr)
+                rows.append({"N": N, "split": split, "BE": BE, "route_warps": warps, "us": t})
+    return rows
+
+
 def main():
     device = "cpu" if ARGS.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -87,7 +108,7 @@ def main():
     reps = 3 if ARGS.smoke else ARGS.reps
     t_start = time.time()
 
-    results, checks = [], {}
+    results, checks, sweep = [], {}, []
     for N in sizes:
         w_bytes, x_bytes, l_bytes, o_bytes = E * D * 2, N * D * 2, N * E * 4, N * TOPK * 12
         per_set = w_bytes + x_bytes + l_bytes
@@ -108,13 +129,19 @@ def main():
             row = {"case": case, "N": N, "E": E, "D": D, "topk": TOPK, "rotating_sets": nsets, "bytes": nbytes}
             common.time_fused_vs_baseline(row, calls, reps, device, "torch", nbytes)
             results.append(row)
+        if ARGS.sweep and N <= 16:
+            sweep += gate_sweep(N, sets, reps, device)
 
     shape = {"E": E, "D": D, "topk": TOPK, "score_func": FUNC, "temp": TEMP, "scale": SCALE, "bias": True}
     meta, path = common.write_timed_result("moe_routing", device, ARGS.smoke, t_start, reps, checks, results,
-                                           shape=shape)
+                                           shape=shape, sweep=sweep)
     common.save_figure(path.with_suffix(".png"), lambda fig, axes: common.plot_fused_vs_baseline(
         axes, results, device, "torch", ("route", "gate"), f"MoE routing, E={E} k={TOPK}", 1.3))
 
+    if sweep:
+        print("\nsweep (gate_route at small N, us per call in a graph)")
+        common.print_table([("N", "N", "d"), ("split", "split", "d"), ("BE", "BE", "d"),
+                            ("route warps", "route_warps", "d"), ("us", "us", ".2f")], sweep)
     common.print_summary(meta["gpu"], checks, path, meta["wall_s"])
     common.print_fused_vs_baseline(results, device, "torch")
     common.exit_if_failed(checks)
