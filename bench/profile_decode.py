@@ -8,7 +8,8 @@ beside the CUDA-graph step time and the roofline's bytes, on full-width layers (
 
 The kernel table is device time per kernel name summed over the step (the same kernels the graph replays,
 without the graph); `graph_step_ms - kernel_sum_ms` is what the graph still spends between kernels. `launches`
-lists the step's kernels in order with the ops that launched them.
+lists the step's kernels in order with the ops that launched them, `by_op` sums them by op (each dsv4 op, cuBLAS,
+inductor's kernels, other aten ops).
 With --prefill-chunk, a cold prefill's kernels too, and its device time by layer module and module-path method
 (`SPANS`: CUDA events around each call, so a span includes the spans inside it).
 """
@@ -70,6 +71,25 @@ def launches(prof) -> list[dict]:
             parent = parent.cpu_parent
         rows += [{"kernel": k.name[:90], "us": k.duration, "ops": " < ".join(chain)} for k in op.kernels]
     return rows
+
+
+def by_op(rows: list[dict]) -> list[dict]:
+    """`launches` grouped by what launched them: each dsv4 op, cuBLAS (aten::mm / bmm), inductor's own kernels, and
+    other aten ops (copies, reductions): launches and microseconds, largest first."""
+    total, calls = defaultdict(float), defaultdict(int)
+    for r in rows:
+        op = r["ops"].split(" < ")[0]
+        if op.startswith("dsv4::"):
+            group = op
+        elif op in ("aten::mm", "aten::bmm", "aten::addmm"):
+            group = "cuBLAS (aten::mm / bmm)"
+        elif r["kernel"].startswith("triton_"):
+            group = "inductor's kernels"
+        else:
+            group = op
+        total[group] += r["us"]
+        calls[group] += 1
+    return sorted(({"op": g, "launches": calls[g], "us": total[g]} for g in total), key=lambda r: -r["us"])
 
 
 # what the prefill's table by module times, per layer: (attribute path from the block, methods; "" = its forward)
@@ -176,12 +196,16 @@ def main():
               "kernel_launches": sum(r["calls"] for r in rows), "bytes_per_step_b1": nbytes,
               "floor_ms_b1": nbytes / bw * 1e3, "table": rows[: ARGS.top], "launches": launches(prof),
               "prefill": prefill}
+    result["by_op"] = by_op(result["launches"])
     path = common.write_result(f"profile-decode-{ARGS.arch}-b{B}{'-compiled' if ARGS.compile else ''}", ARGS.smoke, result)
     print(path)
     print(f"graph step {step_ms:.3f} ms; kernels {result['kernel_sum_ms']:.3f} ms in {result['kernel_launches']} launches; "
           f"floor (B=1 bytes) {result['floor_ms_b1']:.3f} ms")
     for r in rows[: ARGS.top]:
         print(f"{r['us']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
+    print("the step by the ops that launched its kernels:")
+    for r in result["by_op"]:
+        print(f"{r['us']:9.1f} us {r['launches']:4d}x  {r['op']}")
     print("aten kernels in the step, by the ops that launched them:")
     for r in result["launches"]:
         if r["kernel"].startswith("void at::"):
