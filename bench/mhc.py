@@ -1,7 +1,7 @@
 """Fused mHC (dsv4::mhc_pre, dsv4::mhc_post) against the eager twin, at V4.1 width (D = 5120, hc = 4).
 
     python bench/mhc.py            # H200: correctness on CUDA, then timings; < 2 minutes
-    python bench/mhc.py --sweep    # also times a few tile configs of mhc_pre per size
+    python bench/mhc.py --sweep    # also times a few tile configs of mhc_pre per size (and its finish's at N <= 8)
     python bench/mhc.py --smoke    # tiny sizes on the CPU under the Triton interpreter (proves the script runs)
 
 Cases, for N = 1, 8, 64, 512, 4096 tokens (bf16 streams h [N, 4, 5120], fn [24, 20480] fp32):
@@ -140,6 +140,10 @@ def main():
                        for bn in (16, 64, 128) for bd in (64, 128) for tm in (0.25, 0.5, 1, 3)
                        for nw, ns in ((4, 3), (8, 3))
                        if not (bn == 16 and N > 1024) and not (bn == 128 and N < 256)]
+            if N <= 8:  # the finish kernel at decode sizes: splits it sums a step, its warps (the pre tile default)
+                configs += [{"BN": 16, "BD": 64, "target": max(1, int(target * tm)), "num_warps": 4, "num_stages": 4,
+                             "SB": sb, "finish_warps": fw}
+                            for tm in (0.25, 0.5, 1) for sb in (8, 32, 128) for fw in (1, 4)]
             for v41 in (True, False):
                 for cfg in configs:
                     calls = []
@@ -169,7 +173,8 @@ def main():
                 common.print_table([("", lambda r, best=best: "*" if r is best else "", ""), ("N", "N", "d"),
                                     ("case", "case", ""), ("BN", "BN", "d"), ("BD", "BD", "d"),
                                     ("target", "target", "d"), ("warps", "num_warps", "d"),
-                                    ("stages", "num_stages", "d"), ("us", "us", ".2f")], rows)
+                                    ("stages", "num_stages", "d"), ("SB", "SB", "d"),
+                                    ("finish warps", "finish_warps", "d"), ("us", "us", ".2f")], rows)
     common.print_summary(meta["gpu"], checks, path, meta["wall_s"])
     common.print_fused_vs_baseline(results, device, "twin")
     common.exit_if_failed(checks)
