@@ -16,7 +16,8 @@ bf16 window). Bytes = KV rows read x bytes per row (q, o, index lists and split 
 Each case is first checked against the twin (dequantize with dsv4.quant, gather, reference sparse_attention,
 inverse RoPE): |o - twin| <= 2e-2 max|twin| + 1e-2 |twin|. Timing: CUDA graph of --rotate calls, replayed, CUDA
 events; the median of --reps replays, per call. Before the cases, each format runs a few kernel configs on the
-largest all-C case at batch 1 and keeps the fastest (the sweep is in the JSON).
+largest all-C case at batch 1 and keeps the fastest (the sweep is in the JSON); the csa2 case at batch 1 also runs
+the head-block configs of DECODE_SWEEP (FP4; `decode_sweep` in the JSON).
 JSON goes to $OUT/attention.json if OUT is set, else bench/results/attention.json (attention-smoke.json with
 --smoke); a PNG beside it when matplotlib imports. The table is printed last.
 """
@@ -59,6 +60,9 @@ SWEEP = [  # (block_h, block_n, num_warps, num_stages); the first is the default
     A.Config(block_h=64, block_n=64, num_warps=8, num_stages=2),
     A.Config(block_h=32, block_n=32, num_warps=8, num_stages=3),
 ]
+# the batch-1 decode case (csa2, FP4) at 16 heads a program, by warps and stages: in 4 warps (the default) its tile
+# took 255 registers and a 64-byte stack for sm_90, in 8 warps 218 and none (Triton 3.8 offline)
+DECODE_SWEEP = [A.Config(block_h=16, num_warps=w, num_stages=st) for w, st in ((4, 3), (8, 3), (8, 2), (4, 2))]
 
 
 def ctx(c: int) -> str:
@@ -172,6 +176,15 @@ def main() -> int:
         shown = ", ".join(f"({c.block_h},{c.block_n},{c.num_warps},{c.num_stages}) {t:.0f}us" for c, t in times.items())
         print(f"sweep {fmt}: {shown}", flush=True)
     del p
+    decode_sweep = []
+    if not smoke:
+        p = Problem("csa2", 1, H, D, R, W, store, topk, rotate, device)
+        for cfg in DECODE_SWEEP:
+            decode_sweep.append({"config": vars(cfg), "us": time_call(p, "fp4", cfg, reps)})
+        print("decode sweep (csa2, batch 1, fp4; block_h, warps, stages): " + ", ".join(
+            f"({r['config']['block_h']},{r['config']['num_warps']},{r['config']['num_stages']}) {r['us']:.1f}us"
+            for r in decode_sweep), flush=True)
+        del p
 
     # ---- cases
     cases = []
@@ -208,7 +221,8 @@ def main() -> int:
     result = {
         **meta,
         "shape": {"H": H, "D": D, "rope": R, "window": W, "topk": topk, "csa_store": store, "ratio": ratio},
-        "peak_gbs": ARGS.peak_gbs, "sweep": sweep_rows, "cases": cases, "all_correct": all_ok,
+        "peak_gbs": ARGS.peak_gbs, "sweep": sweep_rows, "decode_sweep": decode_sweep, "cases": cases,
+        "all_correct": all_ok,
         "wall_s": time.time() - t_start,
         "goals": {"fp4_speedup_over_fp8": 1.45, "fp4_bytes_saved_vs_fp8": 0.44},
     }
