@@ -1,0 +1,163 @@
+"""Registers, local-memory stack (spills) and shared memory of the batch-1 decode step's Triton kernels, compiled
+for sm_90 at the tiles the ops choose for V4.1-Flash widths, offline: no GPU needed (Triton's own ptxas; the table
+is what `cuobjdump -res-usage` reads from each cubin).
+
+    python bench/registers.py            # the table; --json for one JSON object a kernel on stdout
+
+A kernel's registers bound how many of its programs an SM holds (65536 a multiprocessor, 255 a thread at most),
+and a stack means spills: a decode GEMV that spills runs fewer programs, each waiting on local memory. Found this
+way: the gather MoE's dense shared-expert tile took both gather kernels to 255 registers and a stack for every
+program. `tests/fast/test_registers.py` keeps the kernels marked `spills_ok=False` free of spills.
+
+The numbers are the installed Triton's (the device's may differ by a few registers); each kernel's tiles come from
+its op's own configuration code, so the table follows the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels (the interpreter's are not JIT functions)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from dsv4.fast.kernels import attention, fp8_gemv, mhc, moe_experts
+
+SM90 = GPUTarget("cuda", 90, 32)
+CUDA = SimpleNamespace(is_cuda=True)  # what the ops' tile choices ask of a tensor
+D, HC, I, H, DH, ROPE = 5120, 4, 2304, 64, 512, 64  # V4.1-Flash: width, mHC streams, expert width, heads, head dim
+
+
+@dataclass
+class Kernel:
+    """One kernel at one configuration: `types` names the argument types that are not the defaults (a `*_ptr`
+    argument points at fp32, any other is i32)."""
+
+    name: str
+    fn: triton.runtime.JITFunction
+    types: dict
+    constexprs: dict
+    num_warps: int
+    num_stages: int = 3
+    spills_ok: bool = False  # a known spill the tests tolerate (the reason in `note`)
+    note: str = ""
+
+
+def signature(k: Kernel) -> dict:
+    sig = {}
+    for p in k.fn.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        else:
+            sig[p.name] = k.types.get(p.name, "*fp32" if p.name.endswith("_ptr") else "i32")
+    return sig
+
+
+def resources(k: Kernel) -> dict:
+    """{registers, stack, shared} of k compiled for sm_90."""
+    compiled = triton.compile(ASTSource(k.fn, signature(k), constexprs=k.constexprs), target=SM90,
+                              options={"num_warps": k.num_warps, "num_stages": k.num_stages})
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    fields = dict(item.split(":") for item in next(line for line in usage.splitlines() if "REG:" in line).split())
+    return {"registers": int(fields["REG"]), "stack": int(fields["STACK"]), "shared": compiled.metadata.shared}
+
+
+def mhc_kernels() -> list[Kernel]:
+    """The pre pass at one token collapsing with the previous site's pre (V4.1), its finish, the post."""
+    c = mhc.pre_config(1, D, HC, 2, 2 * 132)
+    M = (2 + HC) * HC
+    partial = Kernel("mhc_pre partial", mhc._pre_partial_kernel, {"h_ptr": "*bf16", "x_ptr": "*bf16"},
+                     {"HC": HC, "M": M, "MP": c["MP"], "BN": c["BN"], "BD": c["BD"], "COLLAPSE": True,
+                      "BF16_SPLIT": True, "INTERP": False, "PDL": True}, c["num_warps"], c["num_stages"])
+    finish = Kernel("mhc_pre finish", mhc._pre_finish_kernel,
+                    {"h_ptr": "*bf16", "x_ptr": "*bf16", "norm_eps": "fp32", "hc_eps": "fp32"},
+                    {"HC": HC, "M": M, "BN": 1, "BD": 64, "SB": min(triton.next_power_of_2(c["split"]), 32),
+                     "COLLAPSE": False, "ACCURATE": True, "PDL": True}, 1)
+    post = Kernel("mhc_post", mhc._post_kernel, {"f_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16"},
+                  {"HC": HC, "BN": 1, "BD": 256, "PDL": True}, 4)
+    return [partial, finish, post]
+
+
+def moe_kernels() -> list[Kernel]:
+    """The gather path's up and down kernels at one token, the shared expert dense bf16."""
+    c = moe_experts._cfg(CUDA, 1, "gather")
+    common = {"STAGES": c["gather_stages"], "IS_BF16": True, "INTERP": False, "SHARED": True, "PDL": True}
+    up = Kernel("moe gather up", moe_experts._gather_up_kernel,
+                {"x_ptr": "*bf16", "ids_ptr": "*i64", "w13_ptr": "*i32", "s13_ptr": "*u8", "sh13_ptr": "*bf16",
+                 "limit": "fp32"}, {"BI": c["BI"], "BK": c["BK"], **common}, c["gather_warps"])
+    up.spills_ok, up.note = True, "the dense shared-expert tile (next-gpu splits it: 112 registers, no stack)"
+    down = Kernel("moe gather down", moe_experts._gather_down_kernel,
+                  {"ids_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "sh2_ptr": "*bf16"},
+                  {"BD": c["BD"], "BK": c["BK"], **common}, c["gather_warps"])
+    return [up, down]
+
+
+def fp8_gemv_kernels() -> list[Kernel]:
+    """The attention's FP8 GEMVs at one row, V4.1's 32 x 32 blocks: wq_b with the indexer's, wo_a, wo_b."""
+    out = []
+    for name, N, K, groups in (("wq_b + indexer wq_b", 32768 + 4096, 1280, 1), ("wo_a", 8192, 4096, 8),
+                               ("wo_b", D, 8192, 1)):
+        BN, BK, stages, warps = fp8_gemv._tiles(1, N, K, groups, 32, {})
+        out.append(Kernel(f"fp8_gemv {name}", fp8_gemv._fp8_gemv_kernel,
+                          {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16"},
+                          {"BM": 1, "BN": BN, "BK": BK, "STAGES": stages, "OUT_BF16": True, "INTERP": False,
+                           "PDL": True}, warps, stages))
+    return out
+
+
+def attention_kernels() -> list[Kernel]:
+    """Sparse attention of one query row over the FP8 window and FP4 entries (window 128 + top-512), split."""
+    cfg = attention.Config()
+    tiles = triton.cdiv(128, cfg.block_n) + triton.cdiv(512, cfg.block_n)
+    block_h = cfg.heads(1, H, tiles)
+    attn = Kernel("sparse_attn_fp4", attention._attn_kernel,
+                  {"q_ptr": "*bf16", "o_ptr": "*bf16", "wd_ptr": "*fp8e4nv", "ws_ptr": "*u8", "widx_ptr": "*i32",
+                   "gd_ptr": "*u8", "gs_ptr": "*fp8e4nv", "gidx_ptr": "*i32", "qk_scale": "fp32"},
+                  {"WIN_FMT": attention.FP8, "GLOB_FMT": attention.FP4, "D": DH, "R": ROPE, "BLOCK_H": block_h,
+                   "BLOCK_N": cfg.block_n, "SPLIT": True, "INTERP": False, "PDL": True},
+                  cfg.warps(1, H, tiles), cfg.num_stages, spills_ok=True,
+                  note="16 heads in 4 warps: the measured default (bench/attention.py's DECODE_SWEEP tries 8 warps)")
+    combine = Kernel("sparse_attn combine", attention._combine_kernel, {"o_ptr": "*bf16"},
+                     {"D": DH, "R": ROPE, "BLOCK_H": 4, "BLOCK_D": 32, "BLOCK_S": cfg.combine_splits, "INTERP": False,
+                      "PDL": True}, 4)
+    return [attn, combine]
+
+
+def kernels() -> list[Kernel]:
+    return mhc_kernels() + moe_kernels() + fp8_gemv_kernels() + attention_kernels()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="one JSON object a kernel, no table")
+    args = p.parse_args()
+    rows = []
+    for k in kernels():
+        row = {"kernel": k.name, "num_warps": k.num_warps, "spills_ok": k.spills_ok, "note": k.note, **resources(k)}
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row), flush=True)
+    if not args.json:
+        print(f"{'kernel':<28} {'warps':>5} {'regs':>5} {'stack':>6} {'shared':>7}")
+        for r in rows:
+            print(f"{r['kernel']:<28} {r['num_warps']:>5} {r['registers']:>5} {r['stack']:>6} {r['shared']:>7}  {r['note']}")
+
+
+if __name__ == "__main__":
+    main()

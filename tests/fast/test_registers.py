@@ -1,0 +1,33 @@
+"""The batch-1 decode step's kernels compile for sm_90 without register spills (bench/registers.py: offline, with
+the installed Triton's ptxas), except those the table marks with a reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+if platform.system() != "Linux" or platform.machine() != "x86_64":
+    pytest.skip("Triton's ptxas ships for Linux x86-64", allow_module_level=True)
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "registers.py"
+
+
+def test_the_decode_kernels_compile_for_sm90_without_spills():
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, str(BENCH), "--json"], check=False, capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    names = {r["kernel"] for r in rows}
+    assert {"mhc_pre partial", "moe gather up", "moe gather down", "fp8_gemv wo_b", "sparse_attn_fp4"} <= names
+    for r in rows:
+        assert 0 < r["registers"] <= 255, r
+        if not r["spills_ok"]:
+            assert r["stack"] == 0, f"{r['kernel']} spills: {r}"
