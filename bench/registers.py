@@ -32,7 +32,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsv4.fast.kernels import attention, fp8_gemv, mhc, moe_experts
+from dsv4.fast.kernels import attention, fp8_gemv, mhc, moe_experts, topk
 
 SM90 = GPUTarget("cuda", 90, 32)
 CUDA = SimpleNamespace(is_cuda=True)  # what the ops' tile choices ask of a tensor
@@ -139,8 +139,25 @@ def attention_kernels() -> list[Kernel]:
     return [attn, combine]
 
 
+def topk_kernels() -> list[Kernel]:
+    """The indexer's top-512 at one row: a row held in registers (up to RESIDENT_MAX columns), a first stage's
+    chunk of a longer row, and a candidate pool's row (ids through the block table, the picks sorted)."""
+    k = 512
+    out = []
+    for name, block, stage, dense in (("resident row", topk.RESIDENT_MAX, False, True),
+                                      ("first-stage chunk", topk.STAGE_MIN_CHUNK, True, True),
+                                      ("pool row", topk.RESIDENT_MAX, False, False)):
+        ids = 0 if dense else 1
+        out.append(Kernel(f"topk {name}", topk._topk_kernel,
+                          {"id_ptr": "*i32", "out_ptr": "*i32" if stage else "*i64"},
+                          {"IDS": ids, "DENSE": dense, "BLOCK": block, "KP": 16 if dense or stage else k,
+                           "STAGE": stage, "RESIDENT": True, "PDL": True},
+                          16 if block > 4096 else topk.GPU_WARPS))
+    return out
+
+
 def kernels() -> list[Kernel]:
-    return mhc_kernels() + moe_kernels() + fp8_gemv_kernels() + attention_kernels()
+    return mhc_kernels() + moe_kernels() + fp8_gemv_kernels() + attention_kernels() + topk_kernels()
 
 
 def main() -> None:
