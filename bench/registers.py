@@ -32,7 +32,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsv4.fast.kernels import attention, fp8_gemv, mhc, moe_experts, topk
+from dsv4.fast.kernels import attention, fp8_gemv, mhc, moe_experts, moe_routing, topk
 
 SM90 = GPUTarget("cuda", 90, 32)
 CUDA = SimpleNamespace(is_cuda=True)  # what the ops' tile choices ask of a tensor
@@ -92,6 +92,22 @@ def mhc_kernels() -> list[Kernel]:
     post = Kernel("mhc_post", mhc._post_kernel, {"f_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16"},
                   {"HC": HC, "BN": 1, "BD": 256, "PDL": True}, 4)
     return [partial, finish, post]
+
+
+def routing_kernels() -> list[Kernel]:
+    """The gate GEMM at one token (K split over the chip's programs) and the router over its partial logits."""
+    E, topk_e = 384, 6
+    BM, BE, BK, split, _ = moe_routing.gate_config(1, E, D, 2, 2 * 132)
+    gate = Kernel("moe gate GEMM", moe_routing._gate_gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16"},
+                  {"BM": BM, "BE": BE, "BK": BK, "F32": False, "INTERP": False, "PDL": True}, 4)
+    EP = triton.next_power_of_2(E)
+    route = Kernel("moe route", moe_routing._route_kernel,
+                   {"ids_ptr": "*i64", "hashed_ptr": "*i64", "temp": "fp32", "scale": "fp32"},
+                   {"TOPK": topk_e, "KP": triton.next_power_of_2(topk_e), "EP": EP, "BR": 1,
+                    "SB": max(1, min(triton.next_power_of_2(split), 8192 // EP)),
+                    "SCORE": moe_routing._SCORE_FUNCS["sqrtsoftplus"], "HAS_BIAS": True, "HASHED": False,
+                    "NORMALIZE": True, "ACCURATE": True, "PDL": True}, 4 if EP <= 512 else 8)
+    return [gate, route]
 
 
 def moe_kernels() -> list[Kernel]:
@@ -157,7 +173,7 @@ def topk_kernels() -> list[Kernel]:
 
 
 def kernels() -> list[Kernel]:
-    return mhc_kernels() + moe_kernels() + fp8_gemv_kernels() + attention_kernels() + topk_kernels()
+    return mhc_kernels() + routing_kernels() + moe_kernels() + fp8_gemv_kernels() + attention_kernels() + topk_kernels()
 
 
 def main() -> None:
