@@ -1,5 +1,5 @@
-"""Registers, local-memory stack (spills) and shared memory of the batch-1 decode step's Triton kernels, compiled
-for sm_90 at the tiles the ops choose for V4.1-Flash widths, offline: no GPU needed (Triton's own ptxas; the table
+"""Registers, local-memory stack (spills) and shared memory of the batch-1 decode step's Triton kernels (and the
+prefill's MoE), compiled for sm_90 at the tiles the ops choose for V4.1-Flash widths, offline: no GPU needed (Triton's own ptxas; the table
 is what `cuobjdump -res-usage` reads from each cubin).
 
     python bench/registers.py            # the table; --json for one JSON object a kernel on stdout
@@ -124,6 +124,23 @@ def moe_kernels() -> list[Kernel]:
     return [up, down]
 
 
+def prefill_moe_kernels() -> list[Kernel]:
+    """The grouped MoE kernels at an 8K-token prefill chunk (tiles of one expert's token-slots on the tensor cores):
+    52% of a V4.1 prefill's time in its by-module breakdown."""
+    c = moe_experts._cfg(CUDA, 8192, "grouped")
+    constexprs = {"BM": moe_experts.grouped_block_m(8192, 7, 384), "BN": c["BN"], "BK": c["BKG"], "IS_BF16": True,
+                  "INTERP": False, "SH_LOW": True, "FIND": 0, "SHARED": True}
+    tables = {"ids_ptr": "*i64", "order_ptr": "*i64", "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_r1_ptr": "*i32"}
+    note = "4 warps at 64 x 64 tiles (8 warps: 254 / 244 registers, no stack; bench/moe_experts.py's grouped sweep)"
+    up = Kernel("moe grouped up (prefill)", moe_experts._grouped_up_kernel,
+                {**tables, "x_ptr": "*bf16", "w13_ptr": "*u8", "s13_ptr": "*u8", "sh13_ptr": "*bf16", "h_ptr": "*bf16",
+                 "limit": "fp32"}, constexprs, c["warps"], c["stages"], spills_ok=True, note=note)
+    down = Kernel("moe grouped down (prefill)", moe_experts._grouped_down_kernel,
+                  {**tables, "h_ptr": "*bf16", "w2_ptr": "*u8", "s2_ptr": "*u8", "sh2_ptr": "*bf16", "out_ptr": "*bf16"},
+                  constexprs, c["warps"], c["stages"], spills_ok=True, note=note)
+    return [up, down]
+
+
 def fp8_gemv_kernels() -> list[Kernel]:
     """The attention's FP8 GEMVs at one row, V4.1's 32 x 32 blocks: wq_b with the indexer's, wo_a, wo_b."""
     out = []
@@ -173,7 +190,8 @@ def topk_kernels() -> list[Kernel]:
 
 
 def kernels() -> list[Kernel]:
-    return mhc_kernels() + routing_kernels() + moe_kernels() + fp8_gemv_kernels() + attention_kernels() + topk_kernels()
+    return (mhc_kernels() + routing_kernels() + moe_kernels() + fp8_gemv_kernels() + attention_kernels() + topk_kernels()
+            + prefill_moe_kernels())
 
 
 def main() -> None:
