@@ -166,10 +166,15 @@ def attention_kernels() -> list[Kernel]:
                    "BLOCK_N": cfg.block_n, "SPLIT": True, "INTERP": False, "PDL": True},
                   cfg.warps(1, H, tiles), cfg.num_stages, spills_ok=True,
                   note="16 heads in 4 warps: the measured default (bench/attention.py's DECODE_SWEEP tries 8 warps)")
+    long = cfg.heads(8192, H, tiles)  # a prefill chunk's rows (or a long list): 64 heads a program, no split
+    prefill = Kernel("sparse_attn_fp4 (prefill)", attention._attn_kernel, attn.types,
+                     {**attn.constexprs, "BLOCK_H": long, "SPLIT": False}, cfg.warps(8192, H, tiles), cfg.num_stages,
+                     spills_ok=True, note="64 heads in 8 warps (32 heads: 252 registers, no stack; each head block "
+                     "dequantizes the rows again)")
     combine = Kernel("sparse_attn combine", attention._combine_kernel, {"o_ptr": "*bf16"},
                      {"D": DH, "R": ROPE, "BLOCK_H": 4, "BLOCK_D": 32, "BLOCK_S": cfg.combine_splits, "INTERP": False,
                       "PDL": True}, 4)
-    return [attn, combine]
+    return [attn, prefill, combine]
 
 
 def topk_kernels() -> list[Kernel]:
