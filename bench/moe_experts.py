@@ -183,6 +183,13 @@ def main():
                 calls = [lambda s=s, c=cfg: M.moe_triton(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"],
                                                          W["s2"], LIMIT, W["sh13"], W["sh2"], "gather", c) for s in sets]
                 row["gather_sweep"][f"BI{BI}_BD{BD}_BK{BK}"] = time_calls(calls, reps, True, device)
+        if device == "cuda" and 2 < N <= 16:  # gather_tc's tiles: 2 warps spill registers (bench/registers.py)
+            row["gather_tc_sweep"] = {}
+            for BM, BN, BKG, warps in [(16, 32, 128, 2), (16, 32, 128, 4), (16, 64, 64, 4)]:
+                cfg = {"BM": BM, "BN": BN, "BKG": BKG, "warps": warps}
+                calls = [lambda s=s, c=cfg: M.moe_triton(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"],
+                                                         W["s2"], LIMIT, W["sh13"], W["sh2"], "gather_tc", c) for s in sets]
+                row["gather_tc_sweep"][f"BM{BM}_BN{BN}_BK{BKG}_w{warps}"] = time_calls(calls, reps, True, device)
         if device == "cuda" and N >= 64:  # tile sweep of the grouped path
             row["grouped_sweep"] = {}
             # 64 x 64 tiles (a prefill chunk's, grouped_block_m at 8K tokens) spill registers in 4 warps, not in 8

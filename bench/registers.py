@@ -124,21 +124,26 @@ def moe_kernels() -> list[Kernel]:
     return [up, down]
 
 
-def prefill_moe_kernels() -> list[Kernel]:
-    """The grouped MoE kernels at an 8K-token prefill chunk (tiles of one expert's token-slots on the tensor cores):
-    52% of a V4.1 prefill's time in its by-module breakdown."""
-    c = moe_experts._cfg(CUDA, 8192, "grouped")
-    constexprs = {"BM": moe_experts.grouped_block_m(8192, 7, 384), "BN": c["BN"], "BK": c["BKG"], "IS_BF16": True,
-                  "INTERP": False, "SH_LOW": True, "FIND": 0, "SHARED": True}
+def batched_moe_kernels() -> list[Kernel]:
+    """The MoE's tensor-core kernels: gather_tc at an 8-token decode batch (each program finds its expert's
+    token-slots) and grouped at an 8K-token prefill chunk (52% of a V4.1 prefill's time by module)."""
     tables = {"ids_ptr": "*i64", "order_ptr": "*i64", "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_r1_ptr": "*i32"}
-    note = "4 warps at 64 x 64 tiles (8 warps: 254 / 244 registers, no stack; bench/moe_experts.py's grouped sweep)"
-    up = Kernel("moe grouped up (prefill)", moe_experts._grouped_up_kernel,
-                {**tables, "x_ptr": "*bf16", "w13_ptr": "*u8", "s13_ptr": "*u8", "sh13_ptr": "*bf16", "h_ptr": "*bf16",
-                 "limit": "fp32"}, constexprs, c["warps"], c["stages"], spills_ok=True, note=note)
-    down = Kernel("moe grouped down (prefill)", moe_experts._grouped_down_kernel,
-                  {**tables, "h_ptr": "*bf16", "w2_ptr": "*u8", "s2_ptr": "*u8", "sh2_ptr": "*bf16", "out_ptr": "*bf16"},
-                  constexprs, c["warps"], c["stages"], spills_ok=True, note=note)
-    return [up, down]
+    up_types = {**tables, "x_ptr": "*bf16", "w13_ptr": "*u8", "s13_ptr": "*u8", "sh13_ptr": "*bf16", "h_ptr": "*bf16",
+                "limit": "fp32"}
+    down_types = {**tables, "h_ptr": "*bf16", "w2_ptr": "*u8", "s2_ptr": "*u8", "sh2_ptr": "*bf16", "out_ptr": "*bf16"}
+    out = []
+    for label, N, path, BM, find, note in (
+            ("gather_tc (8 tokens)", 8, "gather_tc", None, 128,
+             "2 warps, the measured best (4 warps: up 112 bytes, down none; bench/moe_experts.py's gather_tc sweep)"),
+            ("grouped (prefill)", 8192, "grouped", moe_experts.grouped_block_m(8192, 7, 384), 0,
+             "4 warps at 64 x 64 tiles (8 warps: 254 / 244 registers, no stack; bench/moe_experts.py's grouped sweep)")):
+        c = moe_experts._cfg(CUDA, N, path)
+        constexprs = {"BM": BM or c["BM"], "BN": c["BN"], "BK": c["BKG"], "IS_BF16": True, "INTERP": False,
+                      "SH_LOW": True, "FIND": find, "SHARED": True}
+        out += [Kernel(f"moe {label} {part}", fn, types, constexprs, c["warps"], c["stages"], spills_ok=True, note=note)
+                for part, fn, types in (("up", moe_experts._grouped_up_kernel, up_types),
+                                        ("down", moe_experts._grouped_down_kernel, down_types))]
+    return out
 
 
 def fp8_gemv_kernels() -> list[Kernel]:
@@ -196,7 +201,7 @@ def topk_kernels() -> list[Kernel]:
 
 def kernels() -> list[Kernel]:
     return (mhc_kernels() + routing_kernels() + moe_kernels() + fp8_gemv_kernels() + attention_kernels() + topk_kernels()
-            + prefill_moe_kernels())
+            + batched_moe_kernels())
 
 
 def main() -> None:
