@@ -117,6 +117,29 @@ def slots(W, s):
                               W["sh13"], W["sh2"], LIMIT)
 
 
+# the tile sweeps (graph mode, for tuning): the configs each path is timed at, keyed by their values
+GATHER_SWEEP = [{"BI": BI, "BD": BD, "BK": BK}
+                for BI, BD, BK in [(4, 16, 512), (8, 8, 256), (4, 4, 512), (16, 16, 256), (8, 16, 256)]]
+# gather_tc's 2 warps spill registers, 4 warps less (bench/registers.py)
+GATHER_TC_SWEEP = [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w}
+                   for BM, BN, BKG, w in [(16, 32, 128, 2), (16, 32, 128, 4), (16, 64, 64, 4)]]
+# 64 x 64 tiles (a prefill chunk's, grouped_block_m at 8K tokens) spill registers in 4 warps, not in 8
+GROUPED_SWEEP = [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w}
+                 for BM, BN, BKG, w in [(16, 64, 64, 4), (32, 64, 64, 4), (64, 64, 64, 4), (64, 64, 64, 8),
+                                        (64, 128, 64, 8), (16, 128, 128, 4)]]
+KEY_NAMES = {"BKG": "BK", "warps": "w"}
+
+
+def tile_sweep(W, sets, path: str, configs: list[dict], reps: int, device: str) -> dict[str, float]:
+    """Microseconds per call of `path` at each config (a CUDA graph over the sets), keyed like BI16_BD16_BK256."""
+    times = {}
+    for cfg in configs:
+        calls = [lambda s=s, c=cfg: M.moe_triton(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"], W["s2"],
+                                                 LIMIT, W["sh13"], W["sh2"], path, c) for s in sets]
+        times["_".join(f"{KEY_NAMES.get(k, k)}{v}" for k, v in cfg.items())] = time_calls(calls, reps, True, device)
+    return times
+
+
 def check(W, s) -> dict:
     ref = M.moe_experts_twin(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"], W["s2"], LIMIT,
                              W["sh13"], W["sh2"])
@@ -176,30 +199,12 @@ def main():
             row[f"{mode}_slots_us"] = t
             row[f"{mode}_slots_GBps"] = nbytes / t / 1e3
             row[f"{mode}_slots_roofline"] = nbytes / t / 1e-6 / PEAK_BPS
-        if device == "cuda" and N <= 16:  # tile sweep of the gather path (graph mode), for tuning
-            row["gather_sweep"] = {}
-            for BI, BD, BK in [(4, 16, 512), (8, 8, 256), (4, 4, 512), (16, 16, 256), (8, 16, 256)]:
-                cfg = {"BI": BI, "BD": BD, "BK": BK}
-                calls = [lambda s=s, c=cfg: M.moe_triton(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"],
-                                                         W["s2"], LIMIT, W["sh13"], W["sh2"], "gather", c) for s in sets]
-                row["gather_sweep"][f"BI{BI}_BD{BD}_BK{BK}"] = time_calls(calls, reps, True, device)
-        if device == "cuda" and 2 < N <= 16:  # gather_tc's tiles: 2 warps spill registers (bench/registers.py)
-            row["gather_tc_sweep"] = {}
-            for BM, BN, BKG, warps in [(16, 32, 128, 2), (16, 32, 128, 4), (16, 64, 64, 4)]:
-                cfg = {"BM": BM, "BN": BN, "BKG": BKG, "warps": warps}
-                calls = [lambda s=s, c=cfg: M.moe_triton(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"],
-                                                         W["s2"], LIMIT, W["sh13"], W["sh2"], "gather_tc", c) for s in sets]
-                row["gather_tc_sweep"][f"BM{BM}_BN{BN}_BK{BKG}_w{warps}"] = time_calls(calls, reps, True, device)
-        if device == "cuda" and N >= 64:  # tile sweep of the grouped path
-            row["grouped_sweep"] = {}
-            # 64 x 64 tiles (a prefill chunk's, grouped_block_m at 8K tokens) spill registers in 4 warps, not in 8
-            # (bench/registers.py)
-            for BM, BN, BKG, warps in [(16, 64, 64, 4), (32, 64, 64, 4), (64, 64, 64, 4), (64, 64, 64, 8),
-                                       (64, 128, 64, 8), (16, 128, 128, 4)]:
-                cfg = {"BM": BM, "BN": BN, "BKG": BKG, "warps": warps}
-                calls = [lambda s=s, c=cfg: M.moe_triton(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"],
-                                                         W["s2"], LIMIT, W["sh13"], W["sh2"], "grouped", c) for s in sets]
-                row["grouped_sweep"][f"BM{BM}_BN{BN}_BK{BKG}_w{warps}"] = time_calls(calls, reps, True, device)
+        if device == "cuda" and N <= 16:
+            row["gather_sweep"] = tile_sweep(W, sets, "gather", GATHER_SWEEP, reps, device)
+        if device == "cuda" and 2 < N <= 16:
+            row["gather_tc_sweep"] = tile_sweep(W, sets, "gather_tc", GATHER_TC_SWEEP, reps, device)
+        if device == "cuda" and N >= 64:
+            row["grouped_sweep"] = tile_sweep(W, sets, "grouped", GROUPED_SWEEP, reps, device)
         results.append(row)
         print(f"N={N}: " + ", ".join(f"{kk}={v:.4g}" if isinstance(v, float) else f"{kk}={v}"
                                      for kk, v in row.items() if kk.endswith(("_us", "roofline", "sweep"))),
