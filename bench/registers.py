@@ -1,8 +1,9 @@
 """Registers, local-memory stack (spills) and shared memory of the batch-1 decode step's Triton kernels (and the
-prefill's MoE), compiled for sm_90 at the tiles the ops choose for V4.1-Flash widths, offline: no GPU needed (Triton's own ptxas; the table
-is what `cuobjdump -res-usage` reads from each cubin).
+prefill's MoE and attention), compiled for sm_90 at the tiles the ops choose for V4.1-Flash widths, offline: no GPU
+needed (Triton's own ptxas; the numbers are what `cuobjdump -res-usage` reads from each cubin).
 
-    python bench/registers.py            # the table; --json for one JSON object a kernel on stdout
+    python bench/registers.py            # the table, and bench/results/registers.json ($OUT/registers.json)
+    python bench/registers.py --json     # one JSON object a kernel on stdout, nothing written (the test's form)
 
 A kernel's registers bound how many of its programs an SM holds (65536 a multiprocessor, 255 a thread at most),
 and a stack means spills: a decode GEMV that spills runs fewer programs, each waiting on local memory. Found this
@@ -28,6 +29,7 @@ from types import SimpleNamespace
 os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels (the interpreter's are not JIT functions)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import common
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -36,7 +38,10 @@ from dsv4.fast.kernels import attention, fp8_gemv, mhc, moe_experts, moe_routing
 
 SM90 = GPUTarget("cuda", 90, 32)
 CUDA = SimpleNamespace(is_cuda=True)  # what the ops' tile choices ask of a tensor
-D, HC, I, H, DH, ROPE = 5120, 4, 2304, 64, 512, 64  # V4.1-Flash: width, mHC streams, expert width, heads, head dim
+TARGET = 2 * 132  # the programs the ops' D and K splits aim at on the H200: two a multiprocessor
+# V4.1-Flash: width, mHC streams, expert width, routed experts and their top-k, heads, head dim, RoPE dims, the
+# attention's window and the indexer's top-k
+D, HC, I, EXPERTS, TOP_K, H, DH, ROPE, WINDOW, INDEX_TOPK = 5120, 4, 2304, 384, 6, 64, 512, 64, 128, 512
 
 
 @dataclass
@@ -80,33 +85,33 @@ def resources(k: Kernel) -> dict:
 
 def mhc_kernels() -> list[Kernel]:
     """The pre pass at one token collapsing with the previous site's pre (V4.1), its finish, the post."""
-    c = mhc.pre_config(1, D, HC, 2, 2 * 132)
+    c = mhc.pre_config(1, D, HC, 2, TARGET)
     M = (2 + HC) * HC
     partial = Kernel("mhc_pre partial", mhc._pre_partial_kernel, {"h_ptr": "*bf16", "x_ptr": "*bf16"},
                      {"HC": HC, "M": M, "MP": c["MP"], "BN": c["BN"], "BD": c["BD"], "COLLAPSE": True,
                       "BF16_SPLIT": True, "INTERP": False, "PDL": True}, c["num_warps"], c["num_stages"])
+    f = mhc.finish_config(1, D, c["split"], True, TARGET)
     finish = Kernel("mhc_pre finish", mhc._pre_finish_kernel,
                     {"h_ptr": "*bf16", "x_ptr": "*bf16", "norm_eps": "fp32", "hc_eps": "fp32"},
-                    {"HC": HC, "M": M, "BN": 1, "BD": 64, "SB": min(triton.next_power_of_2(c["split"]), 32),
-                     "COLLAPSE": False, "ACCURATE": True, "PDL": True}, 1)
+                    {"HC": HC, "M": M, "BN": f["BN"], "BD": f["BD"], "SB": f["SB"], "COLLAPSE": False,
+                     "ACCURATE": True, "PDL": True}, f["num_warps"])
+    p = mhc.post_config(1, D)
     post = Kernel("mhc_post", mhc._post_kernel, {"f_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16"},
-                  {"HC": HC, "BN": 1, "BD": 256, "PDL": True}, 4)
+                  {"HC": HC, "BN": p["BN"], "BD": p["BD"], "PDL": True}, p["num_warps"])
     return [partial, finish, post]
 
 
 def routing_kernels() -> list[Kernel]:
     """The gate GEMM at one token (K split over the chip's programs) and the router over its partial logits."""
-    E, topk_e = 384, 6
-    BM, BE, BK, split, _ = moe_routing.gate_config(1, E, D, 2, 2 * 132)
+    BM, BE, BK, split, _ = moe_routing.gate_config(1, EXPERTS, D, 2, TARGET)
     gate = Kernel("moe gate GEMM", moe_routing._gate_gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16"},
                   {"BM": BM, "BE": BE, "BK": BK, "F32": False, "INTERP": False, "PDL": True}, 4)
-    EP = triton.next_power_of_2(E)
+    c = moe_routing.route_config(1, EXPERTS, split, True)
     route = Kernel("moe route", moe_routing._route_kernel,
                    {"ids_ptr": "*i64", "hashed_ptr": "*i64", "temp": "fp32", "scale": "fp32"},
-                   {"TOPK": topk_e, "KP": triton.next_power_of_2(topk_e), "EP": EP, "BR": 1,
-                    "SB": max(1, min(triton.next_power_of_2(split), 8192 // EP)),
+                   {"TOPK": TOP_K, "KP": triton.next_power_of_2(TOP_K), "EP": c["EP"], "BR": c["BR"], "SB": c["SB"],
                     "SCORE": moe_routing._SCORE_FUNCS["sqrtsoftplus"], "HAS_BIAS": True, "HASHED": False,
-                    "NORMALIZE": True, "ACCURATE": True, "PDL": True}, 4 if EP <= 512 else 8)
+                    "NORMALIZE": True, "ACCURATE": True, "PDL": True}, c["num_warps"])
     return [gate, route]
 
 
@@ -116,8 +121,8 @@ def moe_kernels() -> list[Kernel]:
     common = {"STAGES": c["gather_stages"], "IS_BF16": True, "INTERP": False, "SHARED": True, "PDL": True}
     up = Kernel("moe gather up", moe_experts._gather_up_kernel,
                 {"x_ptr": "*bf16", "ids_ptr": "*i64", "w13_ptr": "*i32", "s13_ptr": "*u8", "sh13_ptr": "*bf16",
-                 "limit": "fp32"}, {"BI": c["BI"], "BK": c["BK"], **common}, c["gather_warps"])
-    up.spills_ok, up.note = True, "the dense shared-expert tile (next-gpu splits it: 112 registers, no stack)"
+                 "limit": "fp32"}, {"BI": c["BI"], "BK": c["BK"], **common}, c["gather_warps"], spills_ok=True,
+                note="the dense shared-expert tile (next-gpu splits it: 112 registers, no stack)")
     down = Kernel("moe gather down", moe_experts._gather_down_kernel,
                   {"ids_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "sh2_ptr": "*bf16"},
                   {"BD": c["BD"], "BK": c["BK"], **common}, c["gather_warps"])
@@ -135,7 +140,7 @@ def batched_moe_kernels() -> list[Kernel]:
     for label, N, path, BM, find, note in (
             ("gather_tc (8 tokens)", 8, "gather_tc", None, 128,
              "2 warps, the measured best (4 warps: up 112 bytes, down none; bench/moe_experts.py's gather_tc sweep)"),
-            ("grouped (prefill)", 8192, "grouped", moe_experts.grouped_block_m(8192, 7, 384), 0,
+            ("grouped (prefill)", 8192, "grouped", moe_experts.grouped_block_m(8192, TOP_K + 1, EXPERTS), 0,
              "4 warps at 64 x 64 tiles (8 warps: 254 / 244 registers, no stack; bench/moe_experts.py's grouped sweep)")):
         c = moe_experts._cfg(CUDA, N, path)
         constexprs = {"BM": BM or c["BM"], "BN": c["BN"], "BK": c["BKG"], "IS_BF16": True, "INTERP": False,
@@ -162,7 +167,7 @@ def fp8_gemv_kernels() -> list[Kernel]:
 def attention_kernels() -> list[Kernel]:
     """Sparse attention of one query row over the FP8 window and FP4 entries (window 128 + top-512), split."""
     cfg = attention.Config()
-    tiles = triton.cdiv(128, cfg.block_n) + triton.cdiv(512, cfg.block_n)
+    tiles = triton.cdiv(WINDOW, cfg.block_n) + triton.cdiv(INDEX_TOPK, cfg.block_n)
     block_h = cfg.heads(1, H, tiles)
     attn = Kernel("sparse_attn_fp4", attention._attn_kernel,
                   {"q_ptr": "*bf16", "o_ptr": "*bf16", "wd_ptr": "*fp8e4nv", "ws_ptr": "*u8", "widx_ptr": "*i32",
@@ -176,16 +181,16 @@ def attention_kernels() -> list[Kernel]:
                      {**attn.constexprs, "BLOCK_H": long, "SPLIT": False}, cfg.warps(8192, H, tiles), cfg.num_stages,
                      spills_ok=True, note="64 heads in 8 warps (32 heads: 252 registers, no stack; each head block "
                      "dequantizes the rows again)")
+    c = attention.combine_tiles(H, DH, tiles, cfg)  # batch 1 on the H200: a split a tile (plan_splits)
     combine = Kernel("sparse_attn combine", attention._combine_kernel, {"o_ptr": "*bf16"},
-                     {"D": DH, "R": ROPE, "BLOCK_H": 4, "BLOCK_D": 32, "BLOCK_S": cfg.combine_splits, "INTERP": False,
-                      "PDL": True}, 4)
+                     {"D": DH, "R": ROPE, "BLOCK_H": c["BLOCK_H"], "BLOCK_D": c["BLOCK_D"], "BLOCK_S": c["BLOCK_S"],
+                      "INTERP": False, "PDL": True}, c["num_warps"])
     return [attn, prefill, combine]
 
 
 def topk_kernels() -> list[Kernel]:
-    """The indexer's top-512 at one row: a row held in registers (up to RESIDENT_MAX columns), a first stage's
+    """The indexer's top-k at one row: a row held in registers (up to RESIDENT_MAX columns), a first stage's
     chunk of a longer row, and a candidate pool's row (ids through the block table, the picks sorted)."""
-    k = 512
     out = []
     for name, block, stage, dense in (("resident row", topk.RESIDENT_MAX, False, True),
                                       ("first-stage chunk", topk.STAGE_MIN_CHUNK, True, True),
@@ -193,9 +198,9 @@ def topk_kernels() -> list[Kernel]:
         ids = 0 if dense else 1
         out.append(Kernel(f"topk {name}", topk._topk_kernel,
                           {"id_ptr": "*i32", "out_ptr": "*i32" if stage else "*i64"},
-                          {"IDS": ids, "DENSE": dense, "BLOCK": block, "KP": 16 if dense or stage else k,
+                          {"IDS": ids, "DENSE": dense, "BLOCK": block, "KP": 16 if dense or stage else INDEX_TOPK,
                            "STAGE": stage, "RESIDENT": True, "PDL": True},
-                          16 if block > 4096 else topk.GPU_WARPS))
+                          topk.block_warps(block)))
     return out
 
 
@@ -215,9 +220,12 @@ def main() -> None:
         if args.json:
             print(json.dumps(row), flush=True)
     if not args.json:
-        print(f"{'kernel':<28} {'warps':>5} {'regs':>5} {'stack':>6} {'shared':>7}")
-        for r in rows:
-            print(f"{r['kernel']:<28} {r['num_warps']:>5} {r['registers']:>5} {r['stack']:>6} {r['shared']:>7}  {r['note']}")
+        result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "commit": common.git_commit(),
+                  "triton": triton.__version__, "target": "sm_90, compiled offline (no GPU)", "kernels": rows}
+        path = common.write_result("registers", False, result)
+        common.print_table([("kernel", "kernel", ""), ("warps", "num_warps", "d"), ("regs", "registers", "d"),
+                            ("stack", "stack", "d"), ("shared", "shared", "d"), ("note", "note", "")], rows)
+        print(f"json: {path}")
 
 
 if __name__ == "__main__":

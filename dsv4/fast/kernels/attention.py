@@ -373,13 +373,18 @@ def sparse_attn(
         num_warps=config.warps(S, H, tiles), num_stages=config.num_stages, launch_pdl=pdl(q),
     )
     if split:
-        bh, bd = min(4, triton.next_power_of_2(H)), min(32, D)
-        _combine_kernel[(S, triton.cdiv(H, bh), D // bd)](
-            part_o, part_ml, o, sink, cos, sin, H, n_splits, D=D, R=R, BLOCK_H=bh, BLOCK_D=bd,
-            BLOCK_S=min(config.combine_splits, triton.next_power_of_2(n_splits)), INTERP=_INTERP, PDL=pdl(q),
-            num_warps=1, launch_pdl=pdl(q),
+        c = combine_tiles(H, D, n_splits, config)
+        _combine_kernel[(S, triton.cdiv(H, c["BLOCK_H"]), D // c["BLOCK_D"])](
+            part_o, part_ml, o, sink, cos, sin, H, n_splits, D=D, R=R, BLOCK_H=c["BLOCK_H"], BLOCK_D=c["BLOCK_D"],
+            BLOCK_S=c["BLOCK_S"], INTERP=_INTERP, PDL=pdl(q), num_warps=c["num_warps"], launch_pdl=pdl(q),
         )
     return o
+
+
+def combine_tiles(H: int, D: int, n_splits: int, config: Config) -> dict:
+    """The combine kernel's tiles: heads and dims a program, split partials merged a load, warps."""
+    return {"BLOCK_H": min(4, triton.next_power_of_2(H)), "BLOCK_D": min(32, D),
+            "BLOCK_S": min(config.combine_splits, triton.next_power_of_2(n_splits)), "num_warps": 1}
 
 
 def sparse_attn_reference(

@@ -282,6 +282,31 @@ def pre_config(N: int, D: int, hc: int, elt: int, target: int, cfg: dict | None 
     }
 
 
+def finish_config(N: int, D: int, split: int, collapse_now: bool, target: int, cfg: dict | None = None) -> dict:
+    """Tiles of mhc_pre's second kernel: BN tokens a program, BD columns a collapse step, `chunks` programs along D
+    of `d_per` columns each (one when the first kernel collapsed), SB of the `split` partials summed a step, and
+    warps. `cfg` (BN2, SB, finish_warps) overrides."""
+    cfg = cfg or {}
+    # the Sinkhorn loop is a chain of tiny reductions: at decode sizes one warp per token keeps them in warp
+    # shuffles (H200, N = 1..64: 20 us against 30-38 us for 16 tokens on 4 warps)
+    small = N <= 256
+    BN = cfg.get("BN2", 1 if small else 16)
+    BD = _pow2_block(D, 64)  # wider tiles cost registers (255 at 128 columns) without fewer bytes
+    chunks = 1 if collapse_now else max(1, min(D // BD, triton.cdiv(target, triton.cdiv(N, BN))))
+    d_per = triton.cdiv(D // BD, chunks) * BD
+    return {"BN": BN, "BD": BD, "chunks": triton.cdiv(D, d_per), "d_per": d_per,
+            "SB": cfg.get("SB") or min(triton.next_power_of_2(split), 32 if small else 8),
+            "num_warps": cfg.get("finish_warps", 1 if small else 4)}
+
+
+def post_config(N: int, D: int, cfg: dict | None = None) -> dict:
+    """Tiles of mhc_post's kernel: BN tokens and BD columns a program, warps. `cfg` overrides any."""
+    cfg = cfg or {}
+    # 1024 bf16 columns: 16-byte accesses with 4 warps; fewer columns for few tokens, so more programs run
+    return {"BN": cfg.get("BN", 1), "BD": cfg.get("BD", min(1024 if N >= 64 else 256, triton.next_power_of_2(D))),
+            "num_warps": cfg.get("num_warps", 4)}
+
+
 def _hc_supported(hc: int, D: int) -> bool:
     return hc >= 2 and hc & (hc - 1) == 0 and D % 16 == 0
 
@@ -325,22 +350,14 @@ def mhc_pre_triton(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters, cf
     except triton.runtime.errors.OutOfResources:  # a tile the shared-memory estimate let through
         launch(num_stages=1)
     split = c["split"]
-    # the finish kernel's Sinkhorn loop is a chain of tiny reductions: at decode sizes one warp per token
-    # keeps them in warp shuffles (H200, N = 1..64: 20 us against 30-38 us for 16 tokens on 4 warps)
-    small = N <= 256
-    BN2 = cfg.get("BN2", 1 if small else 16)
-    nb2 = triton.cdiv(N, BN2)
-    BD2 = _pow2_block(D, 64)  # wider tiles cost registers (255 at 128 columns) without fewer bytes
-    chunks = 1 if collapse_now else max(1, min(D // BD2, triton.cdiv(target, nb2)))
-    d_per = triton.cdiv(D // BD2, chunks) * BD2
-    chunks = triton.cdiv(D, d_per)
-    _pre_finish_kernel[(nb2, chunks)](
+    f = finish_config(N, D, split, collapse_now, target, cfg)
+    _pre_finish_kernel[(triton.cdiv(N, f["BN"]), f["chunks"])](
         ws, scale, base, h, x, pre, post, comb,
-        N, D, split, d_per, norm_eps, hc_eps, iters,
+        N, D, split, f["d_per"], norm_eps, hc_eps, iters,
         h.stride(0), h.stride(1), x.stride(0),
-        HC=hc, M=M, BN=BN2, BD=BD2, SB=cfg.get("SB") or min(triton.next_power_of_2(split), 32 if small else 8),
+        HC=hc, M=M, BN=f["BN"], BD=f["BD"], SB=f["SB"],
         COLLAPSE=not collapse_now, ACCURATE=not interp, PDL=pdl(h),
-        num_warps=cfg.get("finish_warps", 1 if small else 4), launch_pdl=pdl(h),
+        num_warps=f["num_warps"], launch_pdl=pdl(h),
     )
     return x, pre, post, comb
 
@@ -353,14 +370,12 @@ def mhc_post_triton(f, residual, post, comb, cfg: dict | None = None):
     out = torch.empty(N, hc, D, dtype=f.dtype, device=f.device)
     if N == 0:
         return out
-    BN = cfg.get("BN", 1)
-    # 1024 bf16 columns: 16-byte accesses with 4 warps; fewer columns for few tokens, so more programs run
-    BD = cfg.get("BD", min(1024 if N >= 64 else 256, triton.next_power_of_2(D)))
-    _post_kernel[(triton.cdiv(N, BN), triton.cdiv(D, BD))](
+    c = post_config(N, D, cfg)
+    _post_kernel[(triton.cdiv(N, c["BN"]), triton.cdiv(D, c["BD"]))](
         f, residual, post, comb, out,
         N, D,
         f.stride(0), residual.stride(0), residual.stride(1), out.stride(0), out.stride(1),
-        HC=hc, BN=BN, BD=BD, PDL=pdl(f), num_warps=cfg.get("num_warps", 4), launch_pdl=pdl(f),
+        HC=hc, BN=c["BN"], BD=c["BD"], PDL=pdl(f), num_warps=c["num_warps"], launch_pdl=pdl(f),
     )
     return out
 

@@ -175,24 +175,32 @@ def _route_launch(logits, n_split, stride_split, N, E, bias, hashed_ids, topk, t
     ids = torch.empty(N, topk, dtype=torch.int64, device=dev)
     if N == 0:
         return weights, ids
+    c = route_config(N, E, n_split, logits.is_cuda, cfg)
+    hashed = hashed_ids.contiguous() if hashed_ids is not None else None
+    b = bias.float().contiguous() if bias is not None else None
+    _route_kernel[(triton.cdiv(N, c["BR"]),)](
+        logits, b if b is not None else logits, hashed if hashed is not None else ids, weights, ids,
+        N, E, n_split, stride_split, logits.stride(-2), float(temp), float(scale),
+        TOPK=topk, KP=triton.next_power_of_2(topk), EP=c["EP"], BR=c["BR"], SCORE=_SCORE_FUNCS[score_func],
+        SB=c["SB"], HAS_BIAS=b is not None, HASHED=hashed is not None, NORMALIZE=bool(normalize),
+        ACCURATE=logits.is_cuda, PDL=pdl(logits), num_warps=c["num_warps"], launch_pdl=pdl(logits),
+    )
+    return weights, ids
+
+
+def route_config(N: int, E: int, n_split: int, cuda: bool, cfg: dict | None = None) -> dict:
+    """The routing kernel's tiles for N rows of E logits in n_split partials: EP (E padded), BR rows a program,
+    SB partials summed a step, warps. `cfg` (BR, SB, num_warps) overrides."""
+    cfg = cfg or {}
     EP = triton.next_power_of_2(E)
     # rows a program: on the GPU enough programs to spread over the chip, few rows so the [BR, EP] row
     # block stays in registers; the interpreter pays per program, so it takes many rows at once
-    if not logits.is_cuda:
+    if not cuda:
         BR = cfg.get("BR") or min(32, triton.next_power_of_2(N))
     else:
         BR = cfg.get("BR") or max(1, min(8, 4096 // EP, triton.next_power_of_2(triton.cdiv(N, 128))))
-    hashed = hashed_ids.contiguous() if hashed_ids is not None else None
-    b = bias.float().contiguous() if bias is not None else None
-    _route_kernel[(triton.cdiv(N, BR),)](
-        logits, b if b is not None else logits, hashed if hashed is not None else ids, weights, ids,
-        N, E, n_split, stride_split, logits.stride(-2), float(temp), float(scale),
-        TOPK=topk, KP=triton.next_power_of_2(topk), EP=EP, BR=BR, SCORE=_SCORE_FUNCS[score_func],
-        SB=cfg.get("SB") or max(1, min(triton.next_power_of_2(n_split), 8192 // (BR * EP))),
-        HAS_BIAS=b is not None, HASHED=hashed is not None, NORMALIZE=bool(normalize), ACCURATE=logits.is_cuda,
-        PDL=pdl(logits), num_warps=cfg.get("num_warps", 4 if EP <= 512 else 8), launch_pdl=pdl(logits),
-    )
-    return weights, ids
+    return {"EP": EP, "BR": BR, "SB": cfg.get("SB") or max(1, min(triton.next_power_of_2(n_split), 8192 // (BR * EP))),
+            "num_warps": cfg.get("num_warps", 4 if EP <= 512 else 8)}
 
 
 def route_topk_triton(logits, bias, hashed_ids, topk, temp, scale, normalize, score_func, cfg=None):

@@ -232,6 +232,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def block_warps(block: int) -> int:
+    """Warps of a program holding `block` columns a chunk."""
+    return 16 if block > 4096 else GPU_WARPS if block >= 2048 else 4
+
+
 def _launch(scores: torch.Tensor, K: int, dense: bool, blocks: torch.Tensor | None = None, block_size: int = 1,
             ids: torch.Tensor | None = None, part: int | None = None, block: int | None = None,
             num_warps: int | None = None, resident: bool | None = None):
@@ -258,7 +263,7 @@ def _launch(scores: torch.Tensor, K: int, dense: bool, blocks: torch.Tensor | No
     block = min(block, max(16, _pow2(part)))
     resident = part <= block if resident is None else resident and part <= block
     if num_warps is None:
-        num_warps = 16 if block > 4096 else GPU_WARPS if block >= 2048 else 4
+        num_warps = block_warps(block)
     table = blocks if blocks is not None else ids
     mode = 1 if blocks is not None else 2 if ids is not None else 0
     idt = table.to(torch.int32).contiguous() if mode else out  # out: a dummy pointer when dense
