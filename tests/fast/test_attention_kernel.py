@@ -196,6 +196,22 @@ def test_split_k_long_list(fmt):
     cfg = Config(block_n=32, num_warps=4, num_stages=1) if DEVICE == "cuda" else INTERPRETER_CONFIG
     for split_size in (16, 48, 100_000):
         assert_close_to_twin(sparse_attn(*args, split_size=split_size, config=cfg), want)
+    # the 64-row tiles a lone row over a long list takes on the GPU
+    assert_close_to_twin(sparse_attn(*args, split_size=128, config=Config(block_n=64, num_stages=2)), want)
+
+
+def test_config_resolve():
+    """What the launcher picks: 16 heads for a lone row over a short list, 64 heads with 64-row tiles in 2 stages
+    over a long one, 64 heads with 32-row tiles for a prefill chunk, 8 warps; a field that is set is kept."""
+    decode = Config().resolve(1, 64, 128, 512)
+    assert (decode.block_h, decode.block_n, decode.num_warps, decode.num_stages) == (16, 32, 8, 3)
+    long_list = Config().resolve(1, 64, 128, 1 << 18)
+    assert (long_list.block_h, long_list.block_n, long_list.num_stages) == (64, 64, 2)
+    chunk = Config().resolve(4096, 64, 128, 512)
+    assert (chunk.block_h, chunk.block_n, chunk.num_stages) == (64, 32, 3)
+    assert Config().resolve(4, 64, 128, 512).block_h == 32  # 80 tiles: short, more programs
+    assert Config(block_n=32, num_stages=1, num_warps=4).resolve(1, 64, 128, 1 << 18) == Config(
+        block_n=32, block_h=64, num_warps=4, num_stages=1)
 
 
 def test_plan_splits():

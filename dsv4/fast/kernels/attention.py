@@ -31,7 +31,7 @@ kernel writes the output itself.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -84,30 +84,34 @@ SHORT_LIST_TILES = 128
 
 @dataclass(frozen=True)
 class Config:
-    """Kernel launch choices. block_n: KV rows per tile (>= 32 on the GPU: with 16, Triton 3.6 on the H200
-    computed wrong outputs at block_h <= 32). block_h: heads per program (>= 16, a power of two; 0 = `heads`:
-    for short lists 16 at one query row, 32 up to 16 rows, else 64, capped at H rounded up). num_warps: 0 = 4
-    at block_h 16, else 8. Decode choices measured on the H200 (H 64, D 512, window 128 + top-512): batch 1
+    """Kernel launch choices; 0 = chosen by `resolve` from the rows and list lengths. block_n: KV rows per tile
+    (>= 32 on the GPU: with 16, Triton 3.6 on the H200 computed wrong outputs at block_h <= 32). block_h: heads per
+    program (>= 16, a power of two). Decode choices measured on the H200 (H 64, D 512, window 128 + top-512): batch 1
     went from 26 to 14 us with 16 heads per program and one tile per split, batch 8 from 28 to 26 us."""
 
-    block_n: int = 32
+    block_n: int = 0
     block_h: int = 0
     num_warps: int = 0
-    num_stages: int = 3
+    num_stages: int = 0
     combine_splits: int = 16  # split partials the combine kernel merges per load
 
-    def heads(self, S: int, H: int, tiles: int) -> int:
-        """Heads per program for S query rows of H heads over index lists of `tiles` tiles. Fewer heads per
-        program only pay while the lists are short: every head block dequantizes the rows again (a 512K-entry
-        list at batch 1 took 1412 us with 16 heads per program, 450 us with 64)."""
-        if self.block_h:
-            return self.block_h
+    def resolve(self, S: int, H: int, kw: int, kg: int) -> Config:
+        """The choices for S query rows of H heads over kw window and kg global entries a row.
+
+        Heads: fewer per program only pay while the lists are short, as every head block dequantizes the rows
+        again (a 512K-entry list at batch 1 took 1412 us with 16 heads per program, 450 us with 64): 16 at one
+        query row, 32 up to 16 rows, else 64, capped at H rounded up. A lone row over a long list takes 64-row
+        tiles in 2 stages (512K entries, FP4: 306 against 441 us at 32 rows; FP8 267 / 415, bf16 168 / 214;
+        `dev/attention-decode-sweep-s30.json`); prefill chunks keep 32 rows (not timed at 64). 8 warps: at 16 heads
+        4 warps took 255 registers and a 64-byte stack for sm_90, 8 warps 218 and none, 11.8 against 12.4 us."""
+        rows = self.block_n or 32
+        tiles = triton.cdiv(kw, rows) + triton.cdiv(kg, rows)
         short = S * tiles < SHORT_LIST_TILES
-        return min(16 if short and S == 1 else 32 if short and S <= 16 else 64, max(16, triton.next_power_of_2(H)))
-
-    def warps(self, S: int, H: int, tiles: int) -> int:
-        return self.num_warps or (4 if self.heads(S, H, tiles) == 16 else 8)
-
+        block_h = self.block_h or min(16 if short and S == 1 else 32 if short and S <= 16 else 64,
+                                      max(16, triton.next_power_of_2(H)))
+        block_n = self.block_n or (64 if S == 1 and block_h == 64 else 32)
+        return replace(self, block_n=block_n, block_h=block_h, num_warps=self.num_warps or 8,
+                       num_stages=self.num_stages or (2 if block_n == 64 else 3))
 
 
 INTERPRETER_CONFIG = Config(block_n=16, num_warps=4, num_stages=1, combine_splits=4)  # several combine steps
@@ -318,13 +322,14 @@ def _bytes(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def plan_splits(S: int, H: int, kw: int, kg: int, device: torch.device, config: Config, split_size: int = 0) -> tuple[int, int]:
     """(number of splits, tiles per split) of each row's index list (window tiles, then global tiles)."""
+    config = config.resolve(S, H, kw, kg)
     tiles = triton.cdiv(kw, config.block_n) + triton.cdiv(kg, config.block_n)
     if tiles == 0:
         return 1, 1
     if split_size > 0:
         per = triton.cdiv(split_size, config.block_n)
     else:
-        programs = S * triton.cdiv(H, config.heads(S, H, tiles))
+        programs = S * triton.cdiv(H, config.block_h)
         sms = _sm_count(device)
         want = 1 if programs >= sms else min(triton.cdiv(sms, programs), tiles)
         per = triton.cdiv(tiles, max(want, 1))
@@ -345,11 +350,10 @@ def sparse_attn(
     o = torch.empty_like(q)
     if S == 0 or H == 0:
         return o
+    kw, kg = win_idx.shape[1], glob_idx.shape[1]
+    config = config.resolve(S, H, kw, kg)
     if q.is_cuda and config.block_n < 32:
         raise ValueError(f"sparse_attn: block_n {config.block_n} < 32 is not supported on the GPU (see Config)")
-    kw, kg = win_idx.shape[1], glob_idx.shape[1]
-    tiles = triton.cdiv(kw, config.block_n) + triton.cdiv(kg, config.block_n)
-    block_h = config.heads(S, H, tiles)
     n_splits, per = plan_splits(S, H, kw, kg, q.device, config, split_size)
     split = n_splits > 1
     if split:
@@ -362,15 +366,15 @@ def sparse_attn(
     win_idx, glob_idx = win_idx.to(torch.int32).contiguous(), glob_idx.to(torch.int32).contiguous()
     ws = _bytes(win.scale) if win.scale is not None else win.data
     gs = _bytes(glob.scale) if glob.scale is not None else glob.data
-    _attn_kernel[(S, n_splits, triton.cdiv(H, block_h))](
+    _attn_kernel[(S, n_splits, triton.cdiv(H, config.block_h))](
         q, o, sink, cos, sin,
         win.data.contiguous(), ws, win_idx, kw,
         glob.data.contiguous(), gs, glob_idx, kg,
         part_o, part_ml,
         H, softmax_scale * LOG2E, per,
-        WIN_FMT=win.fmt, GLOB_FMT=glob.fmt, D=D, R=R, BLOCK_H=block_h, BLOCK_N=config.block_n, SPLIT=split,
+        WIN_FMT=win.fmt, GLOB_FMT=glob.fmt, D=D, R=R, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLIT=split,
         INTERP=_INTERP, PDL=pdl(q),
-        num_warps=config.warps(S, H, tiles), num_stages=config.num_stages, launch_pdl=pdl(q),
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl(q),
     )
     if split:
         c = combine_tiles(H, D, n_splits, config)
