@@ -34,14 +34,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsv4.fast.kernels import attention, fp8_gemv, mhc, moe_experts, moe_routing, topk
+from dsv4.fast.kernels import attention, fp8_gemv, mhc, moe_experts, moe_routing, quant, topk
 
 SM90 = GPUTarget("cuda", 90, 32)
 CUDA = SimpleNamespace(is_cuda=True)  # what the ops' tile choices ask of a tensor
 TARGET = 2 * 132  # the programs the ops' D and K splits aim at on the H200: two a multiprocessor
 # V4.1-Flash: width, mHC streams, expert width, routed experts and their top-k, heads, head dim, RoPE dims, the
-# attention's window and the indexer's top-k
-D, HC, I, EXPERTS, TOP_K, H, DH, ROPE, WINDOW, INDEX_TOPK = 5120, 4, 2304, 384, 6, 64, 512, 64, 128, 512
+# attention's window, the indexer's top-k and head dim
+D, HC, I, EXPERTS, TOP_K, H, DH, ROPE, WINDOW, INDEX_TOPK, INDEX_DH = 5120, 4, 2304, 384, 6, 64, 512, 64, 128, 512, 128
 
 
 @dataclass
@@ -207,9 +207,22 @@ def topk_kernels() -> list[Kernel]:
     return out
 
 
+def quant_kernels() -> list[Kernel]:
+    """The cache writes' quantization of one token's bf16 rows: a window entry (FP8), a compressed entry (NVFP4),
+    an index key (MXFP4)."""
+    out = []
+    for name, fmt, cols, block in (("fp8 window entry", quant._FP8, DH, 32), ("nvfp4 entry", quant._NVFP4, DH, 16),
+                                   ("mxfp4 index key", quant._MXFP4, INDEX_DH, 32)):
+        c = quant.quant_config(1, cols, block)
+        out.append(Kernel(f"quant {name}", quant._quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8"},
+                          {"FMT": fmt, "BLOCK": block, "HALF_P2": c["HALF_P2"], "ROWS": c["ROWS"], "PDL": True},
+                          c["num_warps"]))
+    return out
+
+
 def kernels() -> list[Kernel]:
     return (mhc_kernels() + routing_kernels() + moe_kernels() + fp8_gemv_kernels() + attention_kernels() + topk_kernels()
-            + batched_moe_kernels())
+            + quant_kernels() + batched_moe_kernels())
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from dsv4 import quant as ref
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (else the ops only call dsv4.quant)", allow_module_level=True)
 
+from dsv4.fast.kernels import quant
 from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -111,6 +112,30 @@ def test_bytes_match_reference(fmt, shape, block_pick, dtype, seed):
     got, want = op(x, block), reference(x, block)
     assert same_bytes(got[0], want[0])
     assert same_bytes(got[1], want[1])
+
+
+FMT_CODES = {"fp8": quant._FP8, "mxfp4": quant._MXFP4, "nvfp4": quant._NVFP4}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@FAST
+@given(rows=st.integers(1, 24), nblocks=st.integers(1, 4), block_pick=st.integers(0, 5), dtype=dtypes,
+       seed=st.integers(0, 2**31 - 1))
+@example(rows=1, nblocks=4, block_pick=1, dtype=torch.bfloat16, seed=2)  # 32 NVFP4 blocks: one small program
+@example(rows=5, nblocks=4, block_pick=0, dtype=torch.float32, seed=3)  # 20 blocks: a partial second program
+def test_decode_and_prefill_tiles_give_the_same_bytes(fmt, rows, nblocks, block_pick, dtype, seed):
+    """The same rows through the tiles quant_config picks for them (decode sizes: 1 warp, at most 256 values a
+    program) and through the prefill tiles (4096 values, 4 warps): the reference's bytes both times."""
+    _, reference, blocks, _ = FORMATS[fmt]
+    block = blocks[block_pick % len(blocks)]
+    x = make_values(seed, (rows, nblocks * block), block, fmt, dtype)  # [rows, nblocks * block]
+    small = quant.quant_config(rows, nblocks * block, block)
+    prefill = quant.quant_config(4096, 4096, block)
+    assert small["num_warps"] == 1 and prefill["num_warps"] == 4
+    want = [t.view(torch.uint8) for t in reference(x, block)]
+    for cfg in (small, prefill):
+        got = quant._launch(x, block, FMT_CODES[fmt], cfg)
+        assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1]), cfg
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

@@ -26,10 +26,12 @@ import torch
 from dsv4 import quant as ref
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 
-__all__ = ["fp8_quant", "mxfp4_quant", "nvfp4_quant"]
+__all__ = ["fp8_quant", "mxfp4_quant", "nvfp4_quant", "quant_config"]
 
 _FP8, _MXFP4, _NVFP4 = 0, 1, 2
-_TILE = 4096  # elements per program
+_TILE, _WARPS = 4096, 4  # padded elements a program and its warps for prefill-size inputs
+_SMALL_TILE = 256  # a decode-size input's: 8 values a lane of 1 warp
+_SMALL_MAX = 16384  # padded elements up to which the small tiles serve (64 programs)
 
 
 @triton.jit
@@ -123,8 +125,27 @@ def _quant_kernel(
     tl.store(s_ptr + blk, scale.to(tl.uint8), mask=blk < n_blocks)
 
 
-def _launch(x: torch.Tensor, block: int, fmt: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the kernel; returns raw bytes: q (uint8 [..., K] or [..., K/2]) and scales (uint8 [..., K/block])."""
+def quant_config(rows: int, cols: int, block: int, cfg: dict | None = None) -> dict:
+    """The kernel's tiles for x [rows, cols] in 1 x block blocks: ROWS blocks a program, each padded to 2 * HALF_P2
+    columns (a power of two), and num_warps. `cfg` (ROWS, num_warps) overrides.
+
+    A decode step quantizes single cache entries: 512 values (16 FP8 or 32 NVFP4 blocks) or a 128-value index
+    key (4 MXFP4 blocks). In the prefill tile (4096 values, 4 warps) such an entry's one program computes 8-32x
+    as many padding values as real ones (NVFP4: 32 IEEE divisions a lane, 6.4 us a launch). Small inputs get
+    tiles of at most 256 values in 1 warp instead, as many programs as the blocks fill."""
+    cfg = cfg or {}
+    half_p2 = triton.next_power_of_2(-(-block // 2))
+    width = 2 * half_p2  # a block's padded columns
+    n_blocks = rows * cols // block
+    small = n_blocks * width <= _SMALL_MAX
+    fit = min((_SMALL_TILE if small else _TILE) // width, triton.next_power_of_2(n_blocks))
+    return {"ROWS": cfg.get("ROWS") or max(1, fit), "HALF_P2": half_p2,
+            "num_warps": cfg.get("num_warps") or (1 if small else _WARPS)}
+
+
+def _launch(x: torch.Tensor, block: int, fmt: int, cfg: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel (tiles from `quant_config`, `cfg` overriding); returns raw bytes: q (uint8 [..., K] or
+    [..., K/2]) and scales (uint8 [..., K/block])."""
     k = x.shape[-1]
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.float()
@@ -134,11 +155,10 @@ def _launch(x: torch.Tensor, block: int, fmt: int) -> tuple[torch.Tensor, torch.
     s = torch.empty((*x.shape[:-1], k // block), dtype=torch.uint8, device=x.device)
     n_blocks = x.numel() // block
     if n_blocks:
-        half_p2 = triton.next_power_of_2(-(-block // 2))
-        rows = max(1, _TILE // (2 * half_p2))
-        _quant_kernel[(triton.cdiv(n_blocks, rows),)](
-            x, q, s, n_blocks, FMT=fmt, BLOCK=block, HALF_P2=half_p2, ROWS=rows, PDL=pdl(x), num_warps=4,
-            launch_pdl=pdl(x),
+        c = quant_config(x.numel() // k, k, block, cfg)
+        _quant_kernel[(triton.cdiv(n_blocks, c["ROWS"]),)](
+            x, q, s, n_blocks, FMT=fmt, BLOCK=block, HALF_P2=c["HALF_P2"], ROWS=c["ROWS"], PDL=pdl(x),
+            num_warps=c["num_warps"], launch_pdl=pdl(x),
         )
     return q, s
 
