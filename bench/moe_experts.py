@@ -8,7 +8,7 @@ N = 1, 8, 16, 64, 256 tokens. Weights random (uint8 codes, e8m0 scales 2^-9 .. 2
 - naive:   for each selected expert: dequantize its w1/w3/w2 (dsv4.quant) to bf16, bf16 matmuls, SwiGLU,
            index_add in fp32; plus the shared expert (what a straightforward implementation does; host syncs).
 - gather, gather_tc (N <= 16: every program scans the batch's ids), grouped: the kernel's paths (forced).
-- slots (N <= 2): dsv4::moe_gather_slots, the gather kernels as the batch-1 decode step calls them (the
+- slots (N <= GATHER_MAX_N): dsv4::moe_gather_slots, the gather kernels as the batch-1 decode step calls them (the
            activation planes made, and the slots summed, by the step's compiled code: not timed here).
 Bytes: the expert weights the call must touch at least: each distinct selected expert's w13 + w2 at 4.25
 bits/weight (e2m1 + one e8m0 per 32) and the shared expert's bf16 weights (3 * I * D * 2 bytes); GB/s is

@@ -46,16 +46,16 @@ Paths (all free of host syncs, so they can be captured in a CUDA graph):
   tiles never straddle experts. Kernel 1 is a grouped GEMM (tensor cores, bf16 operands: dequantized e2m1 is
   exact in bf16) writing h in sorted order; kernel 2 the grouped down GEMM writing each slot's rounded
   output to [N*S, D]; a torch sum over slots gives y.
-- gather_tc (decode on the tensor cores, N <= GATHER_TC_MAX_N under "auto"): the grouped kernels without the sort and the tile table. A program
-  (row tile, token-slot q) scans the N*S expert ids itself: q leads the chunk of up to BM = 16 token-slots
-  of its expert (in token-slot order) that starts at q, other programs exit at once; so every token of the
-  batch that selected an expert is served from one read of that expert's rows (up to 16 per read). The MMA
-  is swapped: the weight rows are its M side (A [BN, BK/4] per K phase) and the chunk's activations its N side
-  (B [BK/4, 16], zero columns past the chunk), so one token needs no 64-row M tile. Each program streams its
-  BN rows over all of K once (h rows are the token-slots, [N*S, I] and [N*S, D] as above); the grid is
-  cdiv(rows, BN) x N*S, 7 slots x 2304/BN up-programs and 7 x 5120/BN down-programs at V4.1 batch 1. Each
-  token's slots are visited last first, so the dense shared expert (4x the bytes per row of an MXFP4 one)
-  starts first. Meant for decode sizes: every program scans all N*S ids.
+- gather_tc (decode on the tensor cores; not chosen by "auto", see GATHER_MAX_N): the grouped kernels without the
+  sort and the tile table. A program (row tile, token-slot q) scans the N*S expert ids itself: q leads the chunk of
+  up to BM = 16 token-slots of its expert (in token-slot order) that starts at q, other programs exit at once; so
+  every token of the batch that selected an expert is served from one read of that expert's rows (up to 16 per
+  read). The MMA is swapped: the weight rows are its M side (A [BN, BK/4] per K phase) and the chunk's activations
+  its N side (B [BK/4, 16], zero columns past the chunk), so one token needs no 64-row M tile. Each program streams
+  its BN rows over all of K once (h rows are the token-slots, [N*S, I] and [N*S, D] as above); the grid is
+  cdiv(rows, BN) x N*S, 7 slots x 2304/BN up-programs and 7 x 5120/BN down-programs at V4.1 batch 1. Each token's
+  slots are visited last first, so the dense shared expert (4x the bytes per row of an MXFP4 one) starts first.
+  Meant for decode sizes: every program scans all N*S ids.
 The shared expert is one more slot (expert id E) in every path, so the layer's expert part is one op.
 FP4 decoding. gather: the codes are read as int32 words (eight K positions); each code's sign and magnitude
 bits placed as an FP8 e4m3 byte are its value times 2^-6, which one cvt per two codes widens to fp16x2
@@ -85,7 +85,6 @@ from dsv4.quant import dequantize_mxfp4
 
 __all__ = [
     "GATHER_MAX_N",
-    "GATHER_TC_MAX_N",
     "activation_planes",
     "moe_experts_mxfp4",
     "moe_experts_twin",
@@ -96,11 +95,11 @@ __all__ = [
 ]
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-# "auto", from the H200 sweep at V4.1 widths (graph replay; exp run of this commit's kernels): gather up to 2
-# tokens (N = 1: 114.7 us, gather_tc 118.0, grouped 197.4), gather_tc up to 8 (N = 4: 332 us against 373
-# gather, 380 grouped; N = 8: 587 against 594 grouped), grouped above (N = 16: 1008 against 1065 gather_tc)
-GATHER_MAX_N = 2
-GATHER_TC_MAX_N = 8
+# "auto", from the H200 at V4.1 widths (graph replay, shared expert fused; `dev/moe-experts-sweeps-s30.json`,
+# `dev/moe-experts-crossover-s30.json`): gather up to 16 tokens, grouped above. Since the gather's 16 x 256 tiles it
+# beats gather_tc at every N measured (N = 4: 262.5 against 329.5 us, 8: 494.6 / 586.4, 16: 956.5 / 1057.1) and
+# grouped up to 16 (N = 12: 725.1 against 803.1 us, 16: 956.5 / 1002.1); gather_tc is an explicit path only
+GATHER_MAX_N = 16
 MAX_SCALE_EXP = 123  # largest MXFP4 scale exponent the tensor-core decode (`_E2M1_BF16_PTX`) keeps exact
 
 
@@ -747,7 +746,7 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
     has_shared = shared13 is not None
     S = ids.shape[1] + has_shared
     if path == "auto":
-        path = "gather" if N <= GATHER_MAX_N else "gather_tc" if N <= GATHER_TC_MAX_N else "grouped"
+        path = "gather" if N <= GATHER_MAX_N else "grouped"
     if path not in ("gather", "grouped", "gather_tc"):
         raise ValueError(f"moe_experts: path must be 'auto', 'gather', 'grouped' or 'gather_tc', got {path!r}")
     c = {**_cfg(x, N, path), **(cfg or {})}
