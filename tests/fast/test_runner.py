@@ -668,12 +668,19 @@ def test_a_decode_step_is_queued_while_the_device_is_busy(tiny_v41_dir):
     spin[0].record()
     torch.cuda._sleep(10**9)  # ~0.5 s of clock cycles
     spin[1].record()
-    start = time.perf_counter()
-    logits = runner.decode(slots, torch.tensor([3, 4]))
-    runner.decode(slots, logits.argmax(-1))
-    host_ms = (time.perf_counter() - start) * 1e3
+    # a synchronizing call through torch raises here, naming itself; one below torch (the driver) shows in the times
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        start = time.perf_counter()
+        logits = runner.decode(slots, torch.tensor([3, 4]))
+        host_ids_ms = (time.perf_counter() - start) * 1e3
+        runner.decode(slots, logits.argmax(-1))
+        host_ms = (time.perf_counter() - start) * 1e3
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    assert host_ms < spin[0].elapsed_time(spin[1]) / 4, f"{host_ms:.1f} ms on the host"
+    assert host_ms < spin[0].elapsed_time(spin[1]) / 4, (
+        f"{host_ms:.1f} ms on the host ({host_ids_ms:.1f} for the step with host ids)")
 
 
 @pytest.mark.gpu
