@@ -116,39 +116,39 @@ def routing_kernels() -> list[Kernel]:
 
 
 def moe_kernels() -> list[Kernel]:
-    """The gather path's up and down kernels at one token, the shared expert dense bf16."""
-    c = moe_experts._cfg(CUDA, 1, "gather")
-    common = {"STAGES": c["gather_stages"], "IS_BF16": True, "INTERP": False, "SHARED": True, "PDL": True}
-    up = Kernel("moe gather up", moe_experts._gather_up_kernel,
-                {"x_ptr": "*bf16", "ids_ptr": "*i64", "w13_ptr": "*i32", "s13_ptr": "*u8", "sh13_ptr": "*bf16",
-                 "limit": "fp32"}, {"BI": c["BI"], "BK": c["BK"], **common}, c["gather_warps"], spills_ok=True,
-                note="the dense shared-expert tile (next-gpu splits it: 112 registers, no stack)")
-    down = Kernel("moe gather down", moe_experts._gather_down_kernel,
-                  {"ids_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "sh2_ptr": "*bf16"},
-                  {"BD": c["BD"], "BK": c["BK"], **common}, c["gather_warps"])
-    return [up, down]
+    """The gather path's up and down kernels, the shared expert dense bf16: at one token (2 warps) and at the most
+    tokens "auto" gives it (4 warps)."""
+    out = []
+    for N, label in ((1, ""), (moe_experts.GATHER_MAX_N, f" ({moe_experts.GATHER_MAX_N} tokens)")):
+        c = moe_experts._cfg(CUDA, N, "gather")
+        common = {"STAGES": c["gather_stages"], "IS_BF16": True, "INTERP": False, "SHARED": True, "PDL": True}
+        spill = c["gather_warps"] == 2
+        out.append(Kernel(f"moe gather up{label}", moe_experts._gather_up_kernel,
+                          {"x_ptr": "*bf16", "ids_ptr": "*i64", "w13_ptr": "*i32", "s13_ptr": "*u8",
+                           "sh13_ptr": "*bf16", "limit": "fp32"}, {"BI": c["BI"], "BK": c["BK"], **common},
+                          c["gather_warps"], spills_ok=spill,
+                          note="the dense shared-expert tile; split over 4 programs (111 registers, no stack) the "
+                          "step's up and down kernels took 64 us more over 4 layers (session 30)" if spill else ""))
+        out.append(Kernel(f"moe gather down{label}", moe_experts._gather_down_kernel,
+                          {"ids_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "sh2_ptr": "*bf16"},
+                          {"BD": c["BD"], "BK": c["BK"], **common}, c["gather_warps"]))
+    return out
 
 
 def batched_moe_kernels() -> list[Kernel]:
-    """The MoE's tensor-core kernels: gather_tc at an 8-token decode batch (each program finds its expert's
-    token-slots) and grouped at an 8K-token prefill chunk (52% of a V4.1 prefill's time by module)."""
+    """The MoE's grouped tensor-core kernels at an 8K-token prefill chunk (52% of a V4.1 prefill's time by module)."""
     tables = {"ids_ptr": "*i64", "order_ptr": "*i64", "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_r1_ptr": "*i32"}
     up_types = {**tables, "x_ptr": "*bf16", "w13_ptr": "*u8", "s13_ptr": "*u8", "sh13_ptr": "*bf16", "h_ptr": "*bf16",
                 "limit": "fp32"}
     down_types = {**tables, "h_ptr": "*bf16", "w2_ptr": "*u8", "s2_ptr": "*u8", "sh2_ptr": "*bf16", "out_ptr": "*bf16"}
-    out = []
-    for label, N, path, BM, find, note in (
-            ("gather_tc (8 tokens)", 8, "gather_tc", None, 128,
-             "2 warps, the measured best (4 warps: up 112 bytes, down none; bench/moe_experts.py's gather_tc sweep)"),
-            ("grouped (prefill)", 8192, "grouped", moe_experts.grouped_block_m(8192, TOP_K + 1, EXPERTS), 0,
-             "4 warps at 64 x 64 tiles (8 warps: 254 / 244 registers, no stack; bench/moe_experts.py's grouped sweep)")):
-        c = moe_experts._cfg(CUDA, N, path)
-        constexprs = {"BM": BM or c["BM"], "BN": c["BN"], "BK": c["BKG"], "IS_BF16": True, "INTERP": False,
-                      "SH_LOW": True, "FIND": find, "SHARED": True}
-        out += [Kernel(f"moe {label} {part}", fn, types, constexprs, c["warps"], c["stages"], spills_ok=True, note=note)
-                for part, fn, types in (("up", moe_experts._grouped_up_kernel, up_types),
-                                        ("down", moe_experts._grouped_down_kernel, down_types))]
-    return out
+    c = moe_experts._cfg(CUDA, 8192, "grouped")
+    constexprs = {"BM": moe_experts.grouped_block_m(8192, TOP_K + 1, EXPERTS), "BN": c["BN"], "BK": c["BKG"],
+                  "IS_BF16": True, "INTERP": False, "SH_LOW": True, "FIND": 0, "SHARED": True}
+    note = "4 warps at 64 x 64 tiles: 22.4 ms at 8192 tokens, 8 warps 73.5 ms without a stack (254 / 244 registers)"
+    return [Kernel(f"moe grouped (prefill) {part}", fn, types, constexprs, c["warps"], c["stages"], spills_ok=True,
+                   note=note)
+            for part, fn, types in (("up", moe_experts._grouped_up_kernel, up_types),
+                                    ("down", moe_experts._grouped_down_kernel, down_types))]
 
 
 def fp8_gemv_kernels() -> list[Kernel]:
