@@ -131,6 +131,8 @@ def main():
                    "bytes_fused": fused_bytes, "bytes_eager": eager_bytes}
             common.time_fused_vs_baseline(row, calls, reps, device, "twin", fused_bytes, eager_bytes)
             results.append(row)
+            # as it goes, so a run cut short by a time limit still shows what it timed
+            print(f"N={N} {case}: " + ", ".join(f"{k}={v:.4g}" for k, v in row.items() if k.endswith("_us")), flush=True)
 
         if ARGS.sweep:
             target = 2 * (torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 1)
@@ -157,6 +159,7 @@ def main():
                         t = float("nan")
                         print(f"sweep N={N} {cfg}: {type(e).__name__}", file=sys.stderr)
                     sweep.append({"N": N, "case": "pre_v41" if v41 else "pre_v4", **cfg, "us": t})
+                    print(f"sweep N={N} {sweep[-1]['case']} {cfg}: {t:.2f} us", flush=True)
 
     meta, path = common.write_timed_result("mhc", device, ARGS.smoke, t_start, reps, checks, results, sweep=sweep,
                                            shape={"D": D, "hc": hc, "M": M, "dtype": "bfloat16", "sinkhorn_iters": 20})
