@@ -1,12 +1,13 @@
-"""Registers, local-memory stack (spills) and shared memory of the batch-1 decode step's Triton kernels (and the
+"""Registers, local-memory stack, spills and shared memory of the batch-1 decode step's Triton kernels (and the
 prefill's MoE and attention), compiled for sm_90 at the tiles the ops choose for V4.1-Flash widths, offline: no GPU
-needed (Triton's own ptxas; the numbers are what `cuobjdump -res-usage` reads from each cubin).
+needed (Triton's own ptxas; registers and stack are what `cuobjdump -res-usage` reads from each cubin, spills the
+bytes ptxas's log reports spilled; a stack without spills is a local array).
 
     python bench/registers.py            # the table, and bench/results/registers.json ($OUT/registers.json)
     python bench/registers.py --json     # one JSON object a kernel on stdout, nothing written (the test's form)
 
 A kernel's registers bound how many of its programs an SM holds (65536 a multiprocessor, 255 a thread at most),
-and a stack means spills: a decode GEMV that spills runs fewer programs, each waiting on local memory. Found this
+and spills cost: a decode GEMV that spills runs fewer programs, each waiting on local memory. Found this
 way: the gather MoE's dense shared-expert tile took both gather kernels to 255 registers and a stack for every
 program. `tests/fast/test_registers.py` keeps the kernels marked `spills_ok=False` free of spills.
 
@@ -17,8 +18,11 @@ its op's own configuration code, so the table follows the defaults.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -31,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -70,9 +75,15 @@ def signature(k: Kernel) -> dict:
 
 
 def resources(k: Kernel) -> dict:
-    """{registers, stack, shared} of k compiled for sm_90."""
-    compiled = triton.compile(ASTSource(k.fn, signature(k), constexprs=k.constexprs), target=SM90,
-                              options={"num_warps": k.num_warps, "num_stages": k.num_stages})
+    """{registers, stack, spills, shared} of k compiled for sm_90: registers and stack (spills and local arrays)
+    from the cubin, the bytes spilled from the log of the ptxas run that made it (Triton's own options)."""
+    log = io.StringIO()
+    with knobs.compilation.scope(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.compilation.always_compile = True  # ptxas runs (and logs) even where Triton's cache has the kernel
+        knobs.nvidia.dump_ptxas_log = True
+        compiled = triton.compile(ASTSource(k.fn, signature(k), constexprs=k.constexprs), target=SM90,
+                                  options={"num_warps": k.num_warps, "num_stages": k.num_stages})
+    spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -80,7 +91,8 @@ def resources(k: Kernel) -> dict:
         usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True,
                                check=True).stdout
     fields = dict(item.split(":") for item in next(line for line in usage.splitlines() if "REG:" in line).split())
-    return {"registers": int(fields["REG"]), "stack": int(fields["STACK"]), "shared": compiled.metadata.shared}
+    return {"registers": int(fields["REG"]), "stack": int(fields["STACK"]), "spills": int(spills.group(1)),
+            "shared": compiled.metadata.shared}
 
 
 def mhc_kernels() -> list[Kernel]:
@@ -240,7 +252,8 @@ def main() -> None:
                   "triton": triton.__version__, "target": "sm_90, compiled offline (no GPU)", "kernels": rows}
         path = common.write_result("registers", False, result)
         common.print_table([("kernel", "kernel", ""), ("warps", "num_warps", "d"), ("regs", "registers", "d"),
-                            ("stack", "stack", "d"), ("shared", "shared", "d"), ("note", "note", "")], rows)
+                            ("stack", "stack", "d"), ("spills", "spills", "d"), ("shared", "shared", "d"),
+                            ("note", "note", "")], rows)
         print(f"json: {path}")
 
 

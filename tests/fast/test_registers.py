@@ -30,5 +30,5 @@ def test_the_decode_kernels_compile_for_sm90_without_spills():
     assert {"mhc_pre partial", "moe gather up", "moe gather down", "fp8_gemv wo_b", "sparse_attn_fp4"} <= names
     for r in rows:
         assert 0 < r["registers"] <= 255, r
-        if not r["spills_ok"]:
-            assert r["stack"] == 0, f"{r['kernel']} spills: {r}"
+        if not r["spills_ok"]:  # a stack without spills is a local array (Triton 3.9 gives the NVFP4 quant 8 bytes)
+            assert r["spills"] == 0, f"{r['kernel']} spills: {r}"
