@@ -120,10 +120,11 @@ def slots(W, s):
 # the tile sweeps (graph mode, for tuning): the configs each path is timed at, keyed by their values
 GATHER_SWEEP = [{"BI": BI, "BD": BD, "BK": BK}
                 for BI, BD, BK in [(4, 16, 512), (8, 8, 256), (4, 4, 512), (16, 16, 256), (8, 16, 256)]]
-# gather_tc's 2 warps spill registers, 4 warps less (bench/registers.py)
+# gather_tc's 2 warps spill registers, 4 warps less, yet 4 warps ran 1.7x slower at 8 tokens (session 30)
 GATHER_TC_SWEEP = [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w}
                    for BM, BN, BKG, w in [(16, 32, 128, 2), (16, 32, 128, 4), (16, 64, 64, 4)]]
-# 64 x 64 tiles (a prefill chunk's, grouped_block_m at 8K tokens) spill registers in 4 warps, not in 8
+# 64 x 64 tiles (a prefill chunk's, grouped_block_m at 8K tokens) spill registers in 4 warps, not in 8, yet 8 warps
+# ran 3.3x slower at 8192 tokens (session 30)
 GROUPED_SWEEP = [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w}
                  for BM, BN, BKG, w in [(16, 64, 64, 4), (32, 64, 64, 4), (64, 64, 64, 4), (64, 64, 64, 8),
                                         (64, 128, 64, 8), (16, 128, 128, 4)]]

@@ -32,10 +32,9 @@ import torch
 from dsv4 import quant as ref
 from dsv4.fast.kernels import quant, triton
 
-# format: (kernel switch, reference codec, block)
-FORMATS = {"fp8": (quant._FP8, lambda x, b: ref.quantize_fp8(x, (b,)), 32),
-           "nvfp4": (quant._NVFP4, ref.quantize_nvfp4, 16),
-           "mxfp4": (quant._MXFP4, ref.quantize_mxfp4, 32)}
+# format: (reference codec, block)
+FORMATS = {"fp8": (lambda x, b: ref.quantize_fp8(x, (b,)), 32), "nvfp4": (ref.quantize_nvfp4, 16),
+           "mxfp4": (ref.quantize_mxfp4, 32)}
 # (format, rows, width): each format at one token, at 32 tokens and at a prefill chunk
 CASES = [(f, rows, 128 if f == "mxfp4" else 512) for rows in (1, 32, 4096) for f in FORMATS]
 SMOKE_CASES = [("fp8", 1, 64), ("nvfp4", 1, 64), ("mxfp4", 3, 64)]
@@ -63,7 +62,7 @@ def main():
     t_start = time.time()
     results, checks = [], {}
     for fmt, rows, cols in SMOKE_CASES if ARGS.smoke else CASES:
-        code, reference, block = FORMATS[fmt]
+        (reference, block), code = FORMATS[fmt], quant.FORMAT_CODES[fmt]
         name = f"{fmt} {rows}x{cols}"
         nbytes = rows * cols * 2 + rows * cols * (1 if fmt == "fp8" else 0.5) + rows * cols // block
         nsets = 2 if ARGS.smoke else max(2, min(32, int(64 * 2**20 // nbytes)))

@@ -130,17 +130,16 @@ def routing_kernels() -> list[Kernel]:
 def moe_kernels() -> list[Kernel]:
     """The gather path's up and down kernels, the shared expert dense bf16: at one token (2 warps) and at the most
     tokens "auto" gives it (4 warps)."""
+    spill_note = ("the dense shared-expert tile; split over 4 programs (111 registers, no stack) the step's up and "
+                  "down kernels took 64 us more over 4 layers (session 30)")
     out = []
-    for N, label in ((1, ""), (moe_experts.GATHER_MAX_N, f" ({moe_experts.GATHER_MAX_N} tokens)")):
+    for N, label, spill in ((1, "", True), (moe_experts.GATHER_MAX_N, f" ({moe_experts.GATHER_MAX_N} tokens)", False)):
         c = moe_experts._cfg(CUDA, N, "gather")
         common = {"STAGES": c["gather_stages"], "IS_BF16": True, "INTERP": False, "SHARED": True, "PDL": True}
-        spill = c["gather_warps"] == 2
         out.append(Kernel(f"moe gather up{label}", moe_experts._gather_up_kernel,
                           {"x_ptr": "*bf16", "ids_ptr": "*i64", "w13_ptr": "*i32", "s13_ptr": "*u8",
                            "sh13_ptr": "*bf16", "limit": "fp32"}, {"BI": c["BI"], "BK": c["BK"], **common},
-                          c["gather_warps"], spills_ok=spill,
-                          note="the dense shared-expert tile; split over 4 programs (111 registers, no stack) the "
-                          "step's up and down kernels took 64 us more over 4 layers (session 30)" if spill else ""))
+                          c["gather_warps"], spills_ok=spill, note=spill_note if spill else ""))
         out.append(Kernel(f"moe gather down{label}", moe_experts._gather_down_kernel,
                           {"ids_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "sh2_ptr": "*bf16"},
                           {"BD": c["BD"], "BK": c["BK"], **common}, c["gather_warps"]))
@@ -223,11 +222,11 @@ def quant_kernels() -> list[Kernel]:
     """The cache writes' quantization of one token's bf16 rows: a window entry (FP8), a compressed entry (NVFP4),
     an index key (MXFP4)."""
     out = []
-    for name, fmt, cols, block in (("fp8 window entry", quant._FP8, DH, 32), ("nvfp4 entry", quant._NVFP4, DH, 16),
-                                   ("mxfp4 index key", quant._MXFP4, INDEX_DH, 32)):
+    for name, fmt, cols, block in (("fp8 window entry", "fp8", DH, 32), ("nvfp4 entry", "nvfp4", DH, 16),
+                                   ("mxfp4 index key", "mxfp4", INDEX_DH, 32)):
         c = quant.quant_config(1, cols, block)
         out.append(Kernel(f"quant {name}", quant._quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8"},
-                          {"FMT": fmt, "BLOCK": block, "HALF_P2": c["HALF_P2"], "ROWS": c["ROWS"], "PDL": True},
+                          {"FMT": quant.FORMAT_CODES[fmt], "BLOCK": block, "HALF_P2": c["HALF_P2"], "ROWS": c["ROWS"], "PDL": True},
                           c["num_warps"]))
     return out
 

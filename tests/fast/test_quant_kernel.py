@@ -114,9 +114,6 @@ def test_bytes_match_reference(fmt, shape, block_pick, dtype, seed):
     assert same_bytes(got[1], want[1])
 
 
-FMT_CODES = {"fp8": quant._FP8, "mxfp4": quant._MXFP4, "nvfp4": quant._NVFP4}
-
-
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @FAST
 @given(rows=st.integers(1, 24), nblocks=st.integers(1, 4), block_pick=st.integers(0, 5), dtype=dtypes,
@@ -134,7 +131,7 @@ def test_decode_and_prefill_tiles_give_the_same_bytes(fmt, rows, nblocks, block_
     assert small["num_warps"] == 1 and prefill["num_warps"] == 4
     want = [t.view(torch.uint8) for t in reference(x, block)]
     for cfg in (small, prefill):
-        got = quant._launch(x, block, FMT_CODES[fmt], cfg)
+        got = quant._launch(x, block, quant.FORMAT_CODES[fmt], cfg)
         assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1]), cfg
 
 

@@ -29,6 +29,7 @@ from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 __all__ = ["fp8_quant", "mxfp4_quant", "nvfp4_quant", "quant_config"]
 
 _FP8, _MXFP4, _NVFP4 = 0, 1, 2
+FORMAT_CODES = {"fp8": _FP8, "mxfp4": _MXFP4, "nvfp4": _NVFP4}  # the kernel's FMT switch by format
 _TILE, _WARPS = 4096, 4  # padded elements a program and its warps for prefill-size inputs
 _SMALL_TILE = 256  # a decode-size input's: 8 values a lane of 1 warp
 _SMALL_MAX = 16384  # padded elements up to which the small tiles serve (64 programs)
