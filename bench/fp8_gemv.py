@@ -107,7 +107,7 @@ def main():
             checks[case] = {"ok": bool(((y - twin).abs() <= bound + 1e-30).all()),
                             "max_abs_diff": float((y - twin).abs().max())}
 
-            def calls(fast, x=x, sets=sets):
+            def calls(fast, x=x, sets=sets, G=G):
                 if fast:
                     return [lambda w=w, s=s: fp8_gemv(x, w, s, *block, torch.bfloat16, G) for w, s, _ in sets]
                 return [lambda wb=wb: bf16_path(x, wb, G) for _, _, wb in sets]
@@ -119,7 +119,7 @@ def main():
             if device == "cuda" and M in (1, 2):  # tiles, for tuning the defaults (graph mode)
                 row["graph_sweep_us"] = {
                     "BN{BN}_BK{BK}_st{stages}_w{num_warps}".format(**c): common.time_calls(
-                        [lambda w=w, s=s, c=c, x=x: _fp8_gemv_triton(x, w, s, *block, torch.bfloat16, G, c)
+                        [lambda w=w, s=s, c=c, x=x, G=G: _fp8_gemv_triton(x, w, s, *block, torch.bfloat16, G, c)
                          for w, s, _ in sets],
                         reps)
                     for c in SWEEP}
