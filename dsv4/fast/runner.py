@@ -16,6 +16,7 @@ memory, so a decode step needs no host synchronization: the host only tracks len
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -72,6 +73,7 @@ class Runner:
             model.compile_prefill(backend)
         self.batch_sizes = sorted({b for b in batch_sizes if b < max_seqs} | {max_seqs})
         self._free = list(range(max_seqs))
+        self._in_use = [False] * max_seqs  # allocated: what every call naming a slot checks first
         # host mirrors of state.lengths and state.window_start: bounds checks, and what a prefill's
         # SlotCache starts from without reading the device
         self._length = [0] * max_seqs
@@ -106,14 +108,23 @@ class Runner:
         if not self._free:
             raise OutOfSlots(f"all {self.state.max_seqs} sequence slots are in use")
         slot = self._free.pop(0)
+        self._in_use[slot] = True
         self.state.clear(slot)
         self._start_over(slot, 0)
         return slot
 
     def release(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.state.max_seqs:
-            raise ValueError(f"slot {slot} is not allocated")
+        slot = self._allocated(slot)
+        self._in_use[slot] = False
         self._free.append(slot)
+
+    def _allocated(self, slot) -> int:
+        """`slot` as the index of an allocated sequence slot; a ValueError names any other (out of range, free,
+        or released: a call on it would read or write a slot no sequence owns)."""
+        index = operator.index(slot)
+        if not 0 <= index < self.state.max_seqs or not self._in_use[index]:
+            raise ValueError(f"slot {slot} is not allocated (slots are 0..{self.state.max_seqs - 1}, from allocate())")
+        return index
 
     def length(self, slot: int) -> int:
         return self._length[slot]
@@ -121,6 +132,7 @@ class Runner:
     # ------------------------------------------------------------------ prefill and replay
     def prefill(self, slot: int, ids: Sequence[int] | torch.Tensor, start_pos: int | None = None) -> torch.Tensor:
         """Run ids (the tokens at start_pos.., default: the slot's end) -> logits [vocab] of the last one."""
+        slot = self._allocated(slot)
         return self._forward(slot, self._upload(ids), self._length[slot] if start_pos is None else start_pos)
 
     @torch.inference_mode()
@@ -167,7 +179,7 @@ class Runner:
         return self._resume_problem(source, length) is None
 
     def _resume_problem(self, source: int, length: int) -> str | None:
-        W, end = self.config.sliding_window, self._length[source]
+        W, end = self.config.sliding_window, self._length[self._allocated(source)]
         if length < W or length > end:
             return f"a bounded replay resumes {W}..{end} tokens, not {length}"
         ratios = self.config.compression_ratios
@@ -189,6 +201,7 @@ class Runner:
         (`dsv4.reference.model.bounded_replay_state`): the compressed KV, index keys and carries, and empty
         windows; `prefill` the last `sliding_window` of those tokens at `length - sliding_window` next to
         rebuild the windows. `slot` may be `source` (taken over in place)."""
+        slot = self._allocated(slot)
         problem = self._resume_problem(source, length)
         if problem is not None:
             raise ValueError(problem)
@@ -219,6 +232,7 @@ class Runner:
     def replay(self, slot: int) -> None:
         """Rebuild the windows of a slot just `restore`d (at its length): the decode step over the W positions
         before the length, every row the slot's (`FastModel.decode_step`'s replay), one graph replay."""
+        slot = self._allocated(slot)
         W, length = self.config.sliding_window, self._length[slot]
         if self._window_start[slot] != length or length < W:
             raise ValueError(f"slot {slot} holds no restored prefix to replay (restore one first)")
@@ -243,7 +257,10 @@ class Runner:
         B = len(slots)
         if ids.shape != (B,):
             raise ValueError(f"decode takes one token id per slot: {B} slots, ids of shape {tuple(ids.shape)}")
+        if len(set(slots)) != B:
+            raise ValueError(f"decode takes each slot once, got slots {list(slots)}")
         for slot in slots:
+            self._allocated(slot)
             if self._length[slot] >= self.state.max_len:
                 raise ValueError(f"slot {slot} is full: max_len is {self.state.max_len}")
             if self._length[slot] == 0:
@@ -270,6 +287,7 @@ class Runner:
         index keys are read up to the slot's length, and the rows it overwrote in rings of raw projections (2
         ratios or more back) and in the window (a window back) are older than any later step reads. One decode
         step only: after two, the second's window write would have replaced a row the first position reads."""
+        slot = self._allocated(slot)
         end, span = self._length[slot], self.state.resume_span
         if not self._stepped[slot]:
             raise ValueError(f"slot {slot}'s last position is not a decode step's (or one was dropped already)")

@@ -363,11 +363,22 @@ def test_runner_rejects_what_it_cannot_serve(tiny_v41_dir):
     runner.prefill(a, list(range(16)))
     with pytest.raises(ValueError, match="full"):
         runner.decode([a], torch.tensor([1]))
-    runner.allocate()
+    b = runner.allocate()
     with pytest.raises(OutOfSlots):
         runner.allocate()
     with pytest.raises(ValueError, match="one token id per slot"):
         runner.decode([a], torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="each slot once"):  # two rows would write one slot's positions
+        runner.decode([b, b], torch.tensor([1, 2]))
+    runner.release(b)
+    # a call naming a slot no sequence owns (released, free, out of range) would read or write it unnoticed
+    for call in (lambda: runner.decode([b], torch.tensor([1])), lambda: runner.decode([2], torch.tensor([1])),
+                 lambda: runner.prefill(b, [1]), lambda: runner.prefill(-1, [1]), lambda: runner.restore(b, a, 8),
+                 lambda: runner.restore(a, b, 8), lambda: runner.replay(b), lambda: runner.drop_last(b),
+                 lambda: runner.release(b)):
+        with pytest.raises(ValueError, match=r"slot -?\d is not allocated"):
+            call()
+    assert runner.length(a) == 16
     with pytest.raises(TypeError, match="FastModel"):
         Runner(load_model(str(tiny_v41_dir), progress=False))
 
