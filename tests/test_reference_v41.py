@@ -12,7 +12,6 @@ seeded random weights, so the whole file runs in seconds on a CPU.
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 
 import pytest
@@ -34,8 +33,8 @@ from dsv4.reference.attention import Attention, SharedKV
 from dsv4.reference.compressor import Compressor
 from dsv4.reference.indexer import Indexer, index_scores, select_candidate_blocks, top_entries
 from dsv4.reference.linear import RMSNorm
-from dsv4.reference.model import Block, Dsv4Model
 from dsv4.reference.mhc import one_hot_pre
+from dsv4.reference.model import Block, Dsv4Model
 from dsv4.reference.rope import Rotary, apply_rope
 
 NEG = float("-inf")
@@ -1196,3 +1195,15 @@ def test_image_tokens_are_rejected():
         model(ids)
     ids[1, 3] = 62
     assert model.hidden_states(ids).shape == (2, 6, 64)
+
+
+@pytest.mark.parametrize("bad, message", [(-1, "token id -1 is outside the vocabulary"),
+                                          (64, "token id 64 is outside the vocabulary of 64")])
+def test_ids_outside_the_vocabulary_are_named(bad, message):
+    model = build(tiny_config(image_token_id=63), seed=0)
+    ids = prompt(6, vocab=60)
+    ids[0, 2] = bad
+    with pytest.raises(ValueError, match=message):
+        model.hidden_states(ids)
+    with pytest.raises(ValueError, match="must be integers"):
+        model.hidden_states(ids.float())

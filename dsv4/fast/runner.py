@@ -149,11 +149,13 @@ class Runner:
         return self.model.logits(hidden[0, -1])
 
     def _upload(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """Prompt ids -> [1, S] on the device, checked for image tokens. Host ids are checked on the host
+        """Prompt ids -> [1, S] on the device, checked (`check_token_ids`). Host ids are checked on the host
         and copied from pinned memory, so the host does not wait for the device to drain (a check of
         device ids has to)."""
         ids = (ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids, dtype=torch.int64)).reshape(1, -1)
-        self.model.reject_image_tokens(ids)
+        if not ids.numel():
+            raise ValueError("an empty prompt: a forward needs at least one token")
+        self.model.check_token_ids(ids)
         return self.to_device(ids)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -259,6 +261,10 @@ class Runner:
             raise ValueError(f"decode takes one token id per slot: {B} slots, ids of shape {tuple(ids.shape)}")
         if len(set(slots)) != B:
             raise ValueError(f"decode takes each slot once, got slots {list(slots)}")
+        if ids.device.type == "cpu":  # device ids (a sampled step's) are checked for their dtype only: no wait
+            self.model.check_token_ids(ids)
+        elif ids.is_floating_point() or ids.dtype == torch.bool:
+            raise ValueError(f"token ids must be integers, got {ids.dtype}")
         for slot in slots:
             self._allocated(slot)
             if self._length[slot] >= self.state.max_len:

@@ -145,7 +145,7 @@ class Dsv4Model(nn.Module):
         if replay and start_pos:
             raise ValueError("decoder_replay applies to a prefill from position 0")
         cache = DenseCache(c.sliding_window) if cache is None else cache
-        B, S = input_ids.shape
+        S = input_ids.shape[1]
         positions = torch.arange(start_pos, start_pos + S, device=input_ids.device)
         history = cache.write_tokens(start_pos, input_ids)
         hash_ids = self.engram_hash_ids(history, start_pos) if c.is_v41 and c.engram_layer_ids else None
@@ -219,12 +219,19 @@ class Dsv4Model(nn.Module):
         return torch.stack(tokens, dim=1), logits, confidence
 
     def _check_prompt(self, input_ids: torch.Tensor) -> None:
-        self.reject_image_tokens(input_ids)
+        self.check_token_ids(input_ids)
 
-    def reject_image_tokens(self, input_ids: torch.Tensor) -> None:
+    def check_token_ids(self, input_ids: torch.Tensor) -> None:
+        """A ValueError for ids the model cannot embed: not integers, outside the vocabulary, or V4.1's image
+        token (image input is not supported yet). Reads the values: on the GPU it waits for them."""
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise ValueError(f"token ids must be integers, got {input_ids.dtype}")
         image = self.config.image_token_id if self.config.is_v41 else None
         if image is not None and bool((input_ids == image).any()):
             raise ValueError(f"the prompt contains image tokens (id {image}); image input is not supported yet")
+        outside = input_ids[(input_ids < 0) | (input_ids >= self.config.vocab_size)]
+        if outside.numel():
+            raise ValueError(f"token id {int(outside[0])} is outside the vocabulary of {self.config.vocab_size}")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the final norm's output, as the official head computes them."""

@@ -359,7 +359,20 @@ def test_runner_rejects_what_it_cannot_serve(tiny_v41_dir):
         runner.prefill(a, list(range(17)))
     with pytest.raises(ValueError, match="image tokens"):  # checked on the host ids, before anything is written
         runner.prefill(a, [1, 2, fast.config.image_token_id])
+    V = fast.config.vocab_size
+    for ids, message in (([1, -1], "token id -1 is outside the vocabulary"), ([], "empty prompt"),
+                         (torch.tensor([1.0, 2.0]), "must be integers")):
+        with pytest.raises(ValueError, match=message):
+            runner.prefill(a, ids)
     assert runner.length(a) == 0
+    runner.prefill(a, [1, 2])
+    for ids, message in ((torch.tensor([V + 1]), f"outside the vocabulary of {V}"),
+                         (torch.tensor([1.5]), "must be integers")):
+        with pytest.raises(ValueError, match=message):  # before the slot's length moves on
+            runner.decode([a], ids)
+    assert runner.length(a) == 2
+    runner.release(a)
+    a = runner.allocate()
     runner.prefill(a, list(range(16)))
     with pytest.raises(ValueError, match="full"):
         runner.decode([a], torch.tensor([1]))
