@@ -261,10 +261,7 @@ class Runner:
             raise ValueError(f"decode takes one token id per slot: {B} slots, ids of shape {tuple(ids.shape)}")
         if len(set(slots)) != B:
             raise ValueError(f"decode takes each slot once, got slots {list(slots)}")
-        if ids.device.type == "cpu":  # device ids (a sampled step's) are checked for their dtype only: no wait
-            self.model.check_token_ids(ids)
-        elif ids.is_floating_point() or ids.dtype == torch.bool:
-            raise ValueError(f"token ids must be integers, got {ids.dtype}")
+        self.model.check_token_ids(ids, values=ids.device.type == "cpu")  # device ids (sampled): no wait
         for slot in slots:
             self._allocated(slot)
             if self._length[slot] >= self.state.max_len:

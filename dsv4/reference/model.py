@@ -221,14 +221,17 @@ class Dsv4Model(nn.Module):
     def _check_prompt(self, input_ids: torch.Tensor) -> None:
         self.check_token_ids(input_ids)
 
-    def check_token_ids(self, input_ids: torch.Tensor) -> None:
-        """A ValueError for ids the model cannot embed: not integers, outside the vocabulary, or V4.1's image
-        token (image input is not supported yet). Reads the values: on the GPU it waits for them."""
+    def check_token_ids(self, input_ids: torch.Tensor, values: bool = True) -> None:
+        """A ValueError for ids the model cannot embed: not integers, and with `values`, outside the vocabulary
+        or V4.1's image token (image input is not supported yet). The values are read: on the GPU that waits
+        for them, so a caller that must not wait checks the dtype alone."""
         if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
             raise ValueError(f"token ids must be integers, got {input_ids.dtype}")
+        if not values:
+            return
         image = self.config.image_token_id if self.config.is_v41 else None
         if image is not None and bool((input_ids == image).any()):
-            raise ValueError(f"the prompt contains image tokens (id {image}); image input is not supported yet")
+            raise ValueError(f"the token ids contain image tokens (id {image}); image input is not supported yet")
         outside = input_ids[(input_ids < 0) | (input_ids >= self.config.vocab_size)]
         if outside.numel():
             raise ValueError(f"token id {int(outside[0])} is outside the vocabulary of {self.config.vocab_size}")
