@@ -152,6 +152,15 @@ def test_fast_impl_logits_match_the_reference(arch_dir):
         assert (a - b).abs().max() <= 5e-2 * b.abs().max()
 
 
+@pytest.mark.usefixtures("kernel_twins")
+@pytest.mark.parametrize("impl", ["reference", "fast"])
+def test_ids_outside_the_vocabulary_are_named(tiny_v41_dir, impl):
+    model = Dsv4ForCausalLM.from_pretrained(tiny_v41_dir, torch_dtype=torch.float32, progress=False, impl=impl)
+    V = model.config.vocab_size
+    with pytest.raises(ValueError, match=f"token id {V + 1} is outside the vocabulary of {V}"):
+        model(torch.tensor([[1, 2, V + 1]]))
+
+
 def test_fast_impl_needs_loaded_weights(hf_dir):
     config = Dsv4ForCausalLM.from_pretrained(hf_dir, progress=False).config
     with pytest.raises(ValueError, match="from_pretrained"):
