@@ -631,7 +631,13 @@ class FastModel(Dsv4Model):
 
     def _check_prompt(self, input_ids: torch.Tensor) -> None:
         """The runner checks prompts where they arrive (on the host, before the upload: `Runner._upload`);
-        a check of device ids here would stall the host every forward."""
+        a check of device ids here would stall the host every forward. `forward` checks its own."""
+
+    def forward(self, input_ids: torch.Tensor, cache=None, start_pos: int = 0) -> torch.Tensor:
+        """The reference's forward (the module path without a runner, as `Dsv4ForCausalLM` runs it), its ids
+        checked as the reference checks them."""
+        self.check_token_ids(input_ids)
+        return super().forward(input_ids, cache=cache, start_pos=start_pos)
 
     def _engram_rows(self, layer: FastBlock, hash_ids: torch.Tensor) -> torch.Tensor:
         """The decode step's rows of an Engram layer [B, C, head_dim]: from the prefetch (the current stream
