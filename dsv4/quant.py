@@ -23,6 +23,7 @@ from torch import Tensor
 __all__ = [
     "E2M1_VALUES",
     "ue8m0_scale",
+    "scale_values",
     "quantize_fp8",
     "dequantize_fp8",
     "fake_quant_fp8",
@@ -110,6 +111,17 @@ def ue8m0_scale(amax: Tensor, qmax: float) -> Tensor:
     return ((log2_ceil + 127) << 23).view(torch.float32)
 
 
+def scale_values(scale: Tensor) -> Tensor:
+    """Block scales -> fp32. A ue8m0 scale (float8_e8m0fnu) is decoded from its bits as torch's cast does:
+    byte b is 2^(b - 127), b = 0 the subnormal 2^-127, b = 255 NaN. Integer arithmetic, so torch.compile fuses
+    it into the dequantization; inductor has no e8m0 cast and gives `.float()` of one a copy kernel of its own."""
+    if scale.dtype != torch.float8_e8m0fnu:
+        return scale.float()
+    b = scale.view(torch.uint8).to(torch.int32)
+    v = torch.where(b == 0, 2.0**-127, (b << 23).view(torch.float32))
+    return torch.where(b == 255, float("nan"), v)
+
+
 # --------------------------------------------------------------------------
 # FP8 e4m3 with ue8m0 block scales
 # --------------------------------------------------------------------------
@@ -164,7 +176,7 @@ def quantize_fp8(x: Tensor, block: tuple[int, ...]) -> tuple[Tensor, Tensor]:
 def dequantize_fp8(q: Tensor, scale: Tensor, block: tuple[int, ...]) -> Tensor:
     """Inverse of quantize_fp8: q * scale in fp32, same layout rules."""
     _check_fp8_block(q, block)
-    qf, sf = q.float(), scale.float()
+    qf, sf = q.float(), scale_values(scale)
     if len(block) == 1:
         qb = _split_last(qf, block[0], "dequantize_fp8")  # [..., K/N, N]
         return (qb * sf.unsqueeze(-1)).flatten(-2)  # [..., K]
@@ -265,7 +277,7 @@ def quantize_mxfp4(x: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
 
 def dequantize_mxfp4(packed: Tensor, scale: Tensor, block: int = 32) -> Tensor:
     """Inverse of quantize_mxfp4 -> fp32 [..., K]."""
-    return _dequant_fp4(packed, scale.float(), block, "dequantize_mxfp4")
+    return _dequant_fp4(packed, scale_values(scale), block, "dequantize_mxfp4")
 
 
 def fake_quant_mxfp4(x: Tensor, block: int = 32) -> Tensor:

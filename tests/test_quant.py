@@ -28,6 +28,7 @@ from dsv4.quant import (
     quantize_fp8,
     quantize_mxfp4,
     quantize_nvfp4,
+    scale_values,
     ue8m0_scale,
     unpack_fp4,
 )
@@ -208,6 +209,20 @@ def test_ue8m0_power_of_two_and_bounds(amaxes, qmax):
 def test_ue8m0_leading_dims():
     amax = torch.full((2, 3, 4), 449.0)
     assert torch.equal(ue8m0_scale(amax, 448.0), torch.full((2, 3, 4), 2.0))
+
+
+def test_scale_values_decode_every_e8m0_byte_as_torch_casts_it():
+    """The bit decoding that torch.compile can fuse: byte b is 2^(b - 127) (the format: 0 is 2^-127, a subnormal
+    fp32, and 255 NaN), bit for bit what torch's own e8m0 cast gives."""
+    scales = torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    got = scale_values(scales)
+    assert got.dtype == torch.float32
+    powers = torch.tensor([2.0 ** (b - 127) for b in range(255)], dtype=torch.float64).float()
+    assert torch.equal(got[:255].view(torch.int32), powers.view(torch.int32))
+    assert torch.equal(got[:255].view(torch.int32), scales.float()[:255].view(torch.int32))
+    assert torch.isnan(got[255]) and torch.isnan(scales.float()[255])
+    other = torch.tensor([0.5, 3.0], dtype=torch.bfloat16)  # any other scale dtype: a plain cast
+    assert torch.equal(scale_values(other), other.float())
 
 
 # ----------------------------------------------------------------- FP8
