@@ -335,9 +335,10 @@ class FastAttention(Attention):
         qr = self.q_norm(on_x["wq_a"])
         on_qr = self.on_qr(qr)
         q = self._query_heads(on_qr["wq_b"][:, None], cos[:, None], sin[:, None])[:, 0]  # [B, H, Dh]
-        kv = self._window_rows(on_x["wkv"][:, None], cos[:, None], sin[:, None])[:, 0]  # [B, Dh]
+        kv = apply_rope(self.kv_norm(on_x["wkv"][:, None]), cos[:, None], sin[:, None])  # [B, 1, Dh]
         W = self.window
-        view.window.write(slots, pos % W, kv)
+        # V4.1's FP8 rounding (blocks of 32 over the whole row) is the window store's own encoding
+        view.window.write(slots, pos % W, (kv if self.is_v41 else self._window_quant(kv))[:, 0])
         back = pos[:, None] - torch.arange(W, device=x.device)  # [B, W]
         # index lists in the kernel's int32, cast here where the compiled step fuses the cast into the index
         # arithmetic (a cast inside the op would be a copy kernel of its own, per list and layer)
