@@ -219,15 +219,16 @@ def topk_kernels() -> list[Kernel]:
 
 
 def quant_kernels() -> list[Kernel]:
-    """The cache writes' quantization of one token's bf16 rows: a window entry (FP8), a compressed entry (NVFP4),
-    an index key (MXFP4)."""
+    """The cache writes (quantization and store, `quant_write`) of one token's bf16 rows: a window entry (FP8), a
+    compressed entry (NVFP4), an index key (MXFP4)."""
     out = []
     for name, fmt, cols, block in (("fp8 window entry", "fp8", DH, 32), ("nvfp4 entry", "nvfp4", DH, 16),
                                    ("mxfp4 index key", "mxfp4", INDEX_DH, 32)):
         c = quant.quant_config(1, cols, block)
-        out.append(Kernel(f"quant {name}", quant._quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8"},
-                          {"FMT": quant.FORMAT_CODES[fmt], "BLOCK": block, "HALF_P2": c["HALF_P2"], "ROWS": c["ROWS"], "PDL": True},
-                          c["num_warps"]))
+        out.append(Kernel(f"quant {name}", quant._quant_kernel,
+                          {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "slot_ptr": "*i64", "row_ptr": "*i64"},
+                          {"FMT": quant.FORMAT_CODES[fmt], "BLOCK": block, "HALF_P2": c["HALF_P2"], "ROWS": c["ROWS"],
+                           "SCATTER": True, "PDL": True}, c["num_warps"]))
     return out
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4.config import Dsv4Config, LayerRole
-from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant
+from dsv4.fast.kernels.quant import quant_write
 from dsv4.quant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
 from dsv4.reference.compressor import overlaps
 
@@ -70,33 +70,28 @@ class Rows:
             return cls(fmt, empty(dim // 2), empty(dim // 32), (torch.uint8, torch.float8_e8m0fnu))
         return cls(fmt, empty(dim, dtype), None, (dtype, None))
 
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows [..., dim] -> stored (data, scale); bit-identical to dsv4.quant's codecs."""
-        if self.fmt == "fp8":
-            return fp8_quant(x, 32)
-        if self.fmt == "nvfp4":
-            return nvfp4_quant(x, 16)
-        if self.fmt == "mxfp4":
-            return mxfp4_quant(x, 32)
-        return x.to(self.data.dtype), None
-
     def decode(self, data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """Stored rows (as held) -> values [..., dim] in dtype, exactly."""
         data, scale = self._typed(data, scale)
         if self.fmt == "fp8":
-            return dequantize_fp8(data, scale, (32,)).to(dtype)
+            return dequantize_fp8(data, scale, (self.block,)).to(dtype)
         if self.fmt == "nvfp4":
-            return dequantize_nvfp4(data, scale, 16).to(dtype)
+            return dequantize_nvfp4(data, scale, self.block).to(dtype)
         if self.fmt == "mxfp4":
-            return dequantize_mxfp4(data, scale, 32).to(dtype)
+            return dequantize_mxfp4(data, scale, self.block).to(dtype)
         return data.to(dtype)
 
+    @property
+    def block(self) -> int:
+        """Values one scale covers (the packed formats)."""
+        return 16 if self.fmt == "nvfp4" else 32
+
     def write(self, slots: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
-        """Store x [N, dim] at (slots [N], rows [N])."""
-        data, scale = self.encode(x)
-        self.data[slots, rows] = data.view(self.data.dtype)
-        if scale is not None:
-            self.scale[slots, rows] = scale.view(torch.uint8)
+        """Store x [N, dim] at (slots [N], rows [N]), packed bit-identically to dsv4.quant's codecs."""
+        if self.scale is None:
+            self.data[slots, rows] = x.to(self.data.dtype)
+        else:
+            quant_write(x, self.data, self.scale, slots, rows, self.fmt, self.block)
 
     def read(self, slot: int, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows [start, end) of one slot, decoded: [end - start, dim]."""

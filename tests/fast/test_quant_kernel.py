@@ -19,7 +19,7 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (else the ops only call dsv4.quant)", allow_module_level=True)
 
 from dsv4.fast.kernels import quant
-from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant  # noqa: E402
+from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant, quant_write  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FAST = settings(max_examples=60, deadline=None)
@@ -158,6 +158,64 @@ def test_strided_and_empty_inputs(fmt):
     empty = torch.zeros(0, 64, device=DEVICE)
     got, want = op(empty, 32), reference(empty, 32)
     assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
+
+
+def row_stores(fmt: str, slots: int, rows: int, k: int, block: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache's (data, scale) uint8 row stores [slots, rows, width] full of random bytes, as an earlier step left."""
+    gen = torch.Generator().manual_seed(seed)
+    width = k if fmt == "fp8" else k // 2
+    data, scale = (torch.randint(0, 256, (slots, rows, w), generator=gen, dtype=torch.uint8) for w in (width, k // block))
+    return data.to(DEVICE), scale.to(DEVICE)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@FAST
+@given(n=st.integers(1, 12), nblocks=st.integers(1, 4), dtype=dtypes, int32_ids=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+@example(n=1, nblocks=4, dtype=torch.bfloat16, int32_ids=False, seed=0)  # a decode step's one row
+def test_quant_write_stores_the_reference_bytes_at_the_rows(fmt, n, nblocks, dtype, int32_ids, seed):
+    """quant_write(x, data, scale, slots, rows) against the codec and an index write: row i's bytes land at
+    (slots[i], rows[i]) and every other row keeps its bytes."""
+    _, reference, blocks, _ = FORMATS[fmt]
+    block = blocks[0] if fmt != "fp8" else 32
+    k = nblocks * block
+    x = make_values(seed, (n, k), block, fmt, dtype)
+    data, scale = row_stores(fmt, 3, 8, k, block, seed)
+    places = torch.randperm(3 * 8, generator=torch.Generator().manual_seed(seed))[:n].to(DEVICE)  # distinct rows
+    slots, rows = places // 8, places % 8
+    if int32_ids:
+        slots, rows = slots.int(), rows.int()
+    want_data, want_scale = data.clone(), scale.clone()
+    q, sc = reference(x, block)
+    want_data[slots.long(), rows.long()] = q.view(torch.uint8)
+    want_scale[slots.long(), rows.long()] = sc.view(torch.uint8)
+    quant_write(x, data, scale, slots, rows, fmt, block)
+    assert torch.equal(data, want_data) and torch.equal(scale, want_scale)
+
+
+def test_quant_write_names_what_is_wrong():
+    x = torch.zeros(2, 64, device=DEVICE)
+    data, scale = row_stores("fp8", 2, 4, 64, 32, 0)
+    ids = torch.tensor([0, 1], device=DEVICE)
+    with pytest.raises(ValueError, match="unknown format"):
+        quant_write(x, data, scale, ids, ids, "int8", 32)
+    with pytest.raises(ValueError, match=r"slots \[N\] and rows \[N\]"):
+        quant_write(x, data, scale, ids[:1], ids, "fp8", 32)
+    with pytest.raises(ValueError, match="data must be contiguous uint8"):
+        quant_write(x, data[..., :32], scale, ids, ids, "fp8", 32)
+    with pytest.raises(ValueError, match="scale must be contiguous uint8"):
+        quant_write(x, data, scale.float(), ids, ids, "fp8", 32)
+    with pytest.raises(ValueError, match="divisible"):
+        quant_write(x, data, scale, ids, ids, "fp8", 48)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_quant_write_opcheck(fmt):
+    """The mutating op's schema and fake implementation (torch.compile traces the decode step's writes)."""
+    x = make_values(5, (2, 64), 32, fmt, torch.bfloat16)
+    data, scale = row_stores(fmt, 2, 4, 64, 32, 1)
+    ids = torch.tensor([1, 0], device=DEVICE)
+    torch.library.opcheck(quant_write, (x, data, scale, ids, ids + 2, fmt, 32), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_bad_block_raises():

@@ -26,7 +26,7 @@ import torch
 from dsv4 import quant as ref
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 
-__all__ = ["fp8_quant", "mxfp4_quant", "nvfp4_quant", "quant_config"]
+__all__ = ["fp8_quant", "mxfp4_quant", "nvfp4_quant", "quant_config", "quant_write"]
 
 _FP8, _MXFP4, _NVFP4 = 0, 1, 2
 FORMAT_CODES = {"fp8": _FP8, "mxfp4": _MXFP4, "nvfp4": _NVFP4}  # the kernel's FMT switch by format
@@ -90,23 +90,30 @@ def _widen(x):
 
 @triton.jit
 def _quant_kernel(
-    x_ptr, q_ptr, s_ptr, n_blocks,
-    FMT: tl.constexpr, BLOCK: tl.constexpr, HALF_P2: tl.constexpr, ROWS: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, slot_ptr, row_ptr, n_blocks, row_blocks, slot_rows,
+    FMT: tl.constexpr, BLOCK: tl.constexpr, HALF_P2: tl.constexpr, ROWS: tl.constexpr, SCATTER: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Quantize ROWS consecutive blocks of BLOCK elements (padded to 2 * HALF_P2, a power of two); FP4 codes
-    pack in pairs (even | odd << 4)."""
+    pack in pairs (even | odd << 4). With SCATTER, x's row t (row_blocks blocks) is stored as row (slot[t], row[t])
+    of q and s [slots, slot_rows, ...], else as row t."""
     wait_for_predecessor(PDL)
     blk = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # [ROWS]
+    live = blk < n_blocks
     col = tl.arange(0, 2 * HALF_P2)[None, :]
-    mask = (blk[:, None] < n_blocks) & (col < BLOCK)
+    mask = live[:, None] & (col < BLOCK)
     x = _widen(tl.load(x_ptr + blk[:, None] * BLOCK + col, mask=mask, other=0.0))  # [ROWS, 2 * HALF_P2]
+    out = blk  # the block's place in q and s
+    if SCATTER:
+        t = blk // row_blocks
+        dst = tl.load(slot_ptr + t, mask=live, other=0).to(tl.int64) * slot_rows + tl.load(row_ptr + t, mask=live, other=0)
+        out = dst * row_blocks + blk % row_blocks
     amax = tl.max(tl.abs(x), axis=1)  # [ROWS]
 
     if FMT == 0:  # FP8 e4m3, ue8m0 scale
         log2s, inv = _ue8m0(tl.maximum(amax, 1e-4), 1.0 / 448.0)
         y = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
-        tl.store(q_ptr + blk[:, None] * BLOCK + col, _e4m3_code(y).to(tl.uint8), mask=mask)
+        tl.store(q_ptr + out[:, None] * BLOCK + col, _e4m3_code(y).to(tl.uint8), mask=mask)
         scale = log2s + 127
     else:
         if FMT == 1:  # MXFP4: ue8m0 scale
@@ -121,9 +128,9 @@ def _quant_kernel(
         codes = _e2m1_code(tl.minimum(tl.maximum(y, -6.0), 6.0))
         even, odd = tl.split(tl.reshape(codes, [ROWS, HALF_P2, 2]))  # [ROWS, HALF_P2]
         pair = tl.arange(0, HALF_P2)
-        pmask = (blk[:, None] < n_blocks) & (pair[None, :] < BLOCK // 2)
-        tl.store(q_ptr + blk[:, None] * (BLOCK // 2) + pair[None, :], (even | (odd << 4)).to(tl.uint8), mask=pmask)
-    tl.store(s_ptr + blk, scale.to(tl.uint8), mask=blk < n_blocks)
+        pmask = live[:, None] & (pair[None, :] < BLOCK // 2)
+        tl.store(q_ptr + out[:, None] * (BLOCK // 2) + pair[None, :], (even | (odd << 4)).to(tl.uint8), mask=pmask)
+    tl.store(s_ptr + out, scale.to(tl.uint8), mask=live)
 
 
 def quant_config(rows: int, cols: int, block: int, cfg: dict | None = None) -> dict:
@@ -145,22 +152,29 @@ def quant_config(rows: int, cols: int, block: int, cfg: dict | None = None) -> d
             "num_warps": cfg.get("num_warps") or (1 if small else _WARPS)}
 
 
-def _launch(x: torch.Tensor, block: int, fmt: int, cfg: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(x: torch.Tensor, block: int, fmt: int, cfg: dict | None = None,
+            into: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the kernel (tiles from `quant_config`, `cfg` overriding); returns raw bytes: q (uint8 [..., K] or
-    [..., K/2]) and scales (uint8 [..., K/block])."""
+    [..., K/2]) and scales (uint8 [..., K/block]). `into` (q, s, slots, rows): x [N, K]'s row i goes to
+    q[slots[i], rows[i]] and s[slots[i], rows[i]] (uint8 [S, R, ...], contiguous) instead, and they are returned."""
     k = x.shape[-1]
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.float()
     x = x.contiguous()
-    q_cols = k if fmt == _FP8 else k // 2
-    q = torch.empty((*x.shape[:-1], q_cols), dtype=torch.uint8, device=x.device)
-    s = torch.empty((*x.shape[:-1], k // block), dtype=torch.uint8, device=x.device)
+    if into is None:
+        q_cols = k if fmt == _FP8 else k // 2
+        q = torch.empty((*x.shape[:-1], q_cols), dtype=torch.uint8, device=x.device)
+        s = torch.empty((*x.shape[:-1], k // block), dtype=torch.uint8, device=x.device)
+        slots = rows = s  # unread
+    else:
+        q, s, slots, rows = into
+    slot_rows = 0 if into is None else q.shape[1]
     n_blocks = x.numel() // block
     if n_blocks:
         c = quant_config(x.numel() // k, k, block, cfg)
         _quant_kernel[(triton.cdiv(n_blocks, c["ROWS"]),)](
-            x, q, s, n_blocks, FMT=fmt, BLOCK=block, HALF_P2=c["HALF_P2"], ROWS=c["ROWS"], PDL=pdl(x),
-            num_warps=c["num_warps"], launch_pdl=pdl(x),
+            x, q, s, slots, rows, n_blocks, k // block, slot_rows, FMT=fmt, BLOCK=block, HALF_P2=c["HALF_P2"],
+            ROWS=c["ROWS"], SCATTER=into is not None, PDL=pdl(x), num_warps=c["num_warps"], launch_pdl=pdl(x),
         )
     return q, s
 
@@ -229,3 +243,47 @@ def _(x, block=16):
     _check(x, block, "nvfp4_quant", even=True)
     packed = x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8)
     return packed, x.new_empty(_scale_shape(x, block), dtype=torch.float8_e4m3fn)
+
+
+# the formats of the cache's row stores (dsv4.fast.cache.Rows): (kernel format, reference encoder)
+_STORED = {
+    "fp8": (_FP8, lambda x, block: ref.quantize_fp8(x, (block,))),
+    "mxfp4": (_MXFP4, ref.quantize_mxfp4),
+    "nvfp4": (_NVFP4, ref.quantize_nvfp4),
+}
+
+
+def _check_write(x, data, scale, slots, rows, fmt: str, block: int) -> None:
+    what = f"quant_write({fmt})"
+    if fmt not in _STORED:
+        raise ValueError(f"{what}: unknown format, expected one of {sorted(_STORED)}")
+    _check(x, block, what, even=fmt != "fp8")
+    if x.dim() != 2 or slots.shape != (x.shape[0],) or rows.shape != (x.shape[0],):
+        raise ValueError(f"{what}: x [N, K] with slots [N] and rows [N] expected, got {tuple(x.shape)}, "
+                         f"{tuple(slots.shape)}, {tuple(rows.shape)}")
+    width = x.shape[1] if fmt == "fp8" else x.shape[1] // 2
+    for name, t, cols in (("data", data, width), ("scale", scale, x.shape[1] // block)):
+        if t.dtype != torch.uint8 or t.dim() != 3 or t.shape[2] != cols or not t.is_contiguous():
+            raise ValueError(f"{what}: {name} must be contiguous uint8 [slots, rows, {cols}], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+
+
+@torch.library.custom_op("dsv4::quant_write", mutates_args=("data", "scale"))
+def quant_write(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+                fmt: str, block: int) -> None:
+    """data[slots, rows], scale[slots, rows] = the bytes of x [N, K] in `fmt` ("fp8", "mxfp4", "nvfp4": as the ops
+    above, 1 x block blocks), into a cache's row stores (uint8 [S, R, width] and [S, R, K / block]). The decode step
+    writes its cache rows this way: one kernel where a quantization and two index writes took three."""
+    _check_write(x, data, scale, slots, rows, fmt, block)
+    code, encode = _STORED[fmt]
+    if use_triton(x):
+        _launch(x, block, code, into=(data, scale, slots, rows))
+        return
+    q, s = encode(x, block)
+    data[slots, rows] = q.view(torch.uint8)
+    scale[slots, rows] = s.view(torch.uint8)
+
+
+@quant_write.register_fake
+def _(x, data, scale, slots, rows, fmt, block):
+    _check_write(x, data, scale, slots, rows, fmt, block)
