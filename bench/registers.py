@@ -163,10 +163,11 @@ def batched_moe_kernels() -> list[Kernel]:
 
 
 def fp8_gemv_kernels() -> list[Kernel]:
-    """The attention's FP8 GEMVs at one row, V4.1's 32 x 32 blocks: wq_b with the indexer's, wo_a, wo_b."""
+    """The attention's FP8 GEMVs at one row, V4.1's 32 x 32 blocks: wq_b with the indexer's, wo_a, wo_b, and wq_a
+    with wkv (a layer without an indexer)."""
     out = []
     for name, N, K, groups in (("wq_b + indexer wq_b", 32768 + 4096, 1280, 1), ("wo_a", 8192, 4096, 8),
-                               ("wo_b", D, 8192, 1)):
+                               ("wo_b", D, 8192, 1), ("wq_a + wkv", 1280 + DH, D, 1)):
         BN, BK, stages, warps = fp8_gemv._tiles(1, N, K, groups, 32, {})
         out.append(Kernel(f"fp8_gemv {name}", fp8_gemv._fp8_gemv_kernel,
                           {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16"},

@@ -129,10 +129,11 @@ def test_k_not_in_words_is_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("M", [1, 2, 4, 16])
-@pytest.mark.parametrize("N, K, groups", [(36864, 1280, 1), (5120, 8192, 1), (8192, 4096, 8), (300, 1000, 1)])
+@pytest.mark.parametrize("N, K, groups", [(36864, 1280, 1), (5120, 8192, 1), (8192, 4096, 8), (1792, 5120, 1),
+                                          (300, 1000, 1)])
 @pytest.mark.parametrize("block", [(32, 32), (128, 128)])
 def test_gpu_decode_shapes(M, N, K, groups, block):
-    """V4.1's wq_b + indexer wq_b, wo_b and grouped wo_a widths (and a ragged one) at decode batch sizes, in V4.1's
-    and V4's weight blocks, through the PTX decode and the default tiles of each batch size."""
+    """V4.1's wq_b + indexer wq_b, wo_b, grouped wo_a and wq_a + wkv widths (and a ragged one) at decode batch
+    sizes, in V4.1's and V4's weight blocks, through the PTX decode and the default tiles of each batch size."""
     x, w, s = make_case(M + N, M, N, K, block, groups=groups)
     check(fp8_gemv(x, w, s, *block, torch.bfloat16, groups), x, w, s, block, groups)

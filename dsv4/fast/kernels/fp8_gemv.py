@@ -154,9 +154,11 @@ def _tiles(M: int, N: int, K: int, groups: int, bn: int, cfg: dict) -> tuple[int
     V4.1's 32 x 32 blocks, bench/results/fp8_gemv.json): 8 weight rows a program (16 for the 32K-row wq_b, whose
     programs are plenty), 2 warps, 4 stages; 256-wide K steps along a long K, where the fewer rows' programs need
     more bytes in flight each (wo_a 14.6 -> 12.6 us, wo_b 20.7 -> 17.5 us at one row; 21.4 -> 14.3 and 32.4 -> 19.0
-    at two). More rows: an accumulator of BM x BN x BK/4 fp32 keeps BN at 16."""
+    at two). A short weight (up to 2048 rows: wq_a + wkv of a V4.1 layer without an indexer, 1792 x 5120) takes 4
+    rows a program, twice the programs: 7.5 against 9.3 us at one row (`bench/results/dev/micro-mhc-onx-s32.json`).
+    More rows: an accumulator of BM x BN x BK/4 fp32 keeps BN at 16."""
     few = M <= 2 and not _INTERP
-    BN = cfg.get("BN") or _pow2_divisor(bn, (16 if N >= 16384 else 8) if few else 16)
+    BN = cfg.get("BN") or _pow2_divisor(bn, (16 if N >= 16384 else 4 if N <= 2048 else 8) if few else 16)
     if groups > 1:  # a program's rows in one group
         BN = min(BN, _pow2_divisor(N // groups, BN))
     BK = cfg.get("BK") or (256 if few and K > 2048 else 128)
