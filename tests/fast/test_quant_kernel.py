@@ -245,3 +245,22 @@ def test_gpu_real_shapes(fmt, dtype):
         x = make_values(rows, (rows, 5120), blocks[0], fmt, dtype)
         got, want = op(x, blocks[0]), reference(x, blocks[0])
         assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt, k, block", [("fp8", 512, 32), ("nvfp4", 512, 16), ("mxfp4", 128, 32)])
+@pytest.mark.parametrize("n", [1, 8, 4096])
+def test_gpu_quant_write_real_rows(fmt, k, block, n):
+    """V4.1's cache writes on the GPU: a window row (FP8), a compressed entry (NVFP4), an index key (MXFP4), for a
+    decode batch of 1 or 8 and a 4096-token prefill, into stores of 3 slots of 4160 rows."""
+    _, reference, _, _ = FORMATS[fmt]
+    x = make_values(n, (n, k), block, fmt, torch.bfloat16)
+    data, scale = row_stores(fmt, 3, 4160, k, block, n)
+    places = torch.randperm(3 * 4160, generator=torch.Generator().manual_seed(n))[:n].to(DEVICE)
+    slots, rows = places // 4160, places % 4160
+    want_data, want_scale = data.clone(), scale.clone()
+    q, sc = reference(x, block)
+    want_data[slots, rows], want_scale[slots, rows] = q.view(torch.uint8), sc.view(torch.uint8)
+    quant_write(x, data, scale, slots, rows, fmt, block)
+    assert torch.equal(data, want_data) and torch.equal(scale, want_scale)
