@@ -207,6 +207,8 @@ def test_quant_write_names_what_is_wrong():
         quant_write(x, data, scale.float(), ids, ids, "fp8", 32)
     with pytest.raises(ValueError, match="divisible"):
         quant_write(x, data, scale, ids, ids, "fp8", 48)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        quant_write(x, data, scale, ids, ids.float(), "fp8", 32)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

@@ -261,6 +261,8 @@ def _check_write(x, data, scale, slots, rows, fmt: str, block: int) -> None:
     if x.dim() != 2 or slots.shape != (x.shape[0],) or rows.shape != (x.shape[0],):
         raise ValueError(f"{what}: x [N, K] with slots [N] and rows [N] expected, got {tuple(x.shape)}, "
                          f"{tuple(slots.shape)}, {tuple(rows.shape)}")
+    if {slots.dtype, rows.dtype} - {torch.int32, torch.int64}:
+        raise ValueError(f"{what}: slots and rows must be int32 or int64, got {slots.dtype} and {rows.dtype}")
     width = x.shape[1] if fmt == "fp8" else x.shape[1] // 2
     for name, t, cols in (("data", data, width), ("scale", scale, x.shape[1] // block)):
         if t.dtype != torch.uint8 or t.dim() != 3 or t.shape[2] != cols or not t.is_contiguous():
@@ -273,7 +275,8 @@ def quant_write(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, slots:
                 fmt: str, block: int) -> None:
     """data[slots, rows], scale[slots, rows] = the bytes of x [N, K] in `fmt` ("fp8", "mxfp4", "nvfp4": as the ops
     above, 1 x block blocks), into a cache's row stores (uint8 [S, R, width] and [S, R, K / block]). The decode step
-    writes its cache rows this way: one kernel where a quantization and two index writes took three."""
+    writes its cache rows this way: one kernel where a quantization and two index writes took three. The kernel
+    does not bound-check slots and rows (that would read them back to the host): the caller's rows are in range."""
     _check_write(x, data, scale, slots, rows, fmt, block)
     code, encode = _STORED[fmt]
     if use_triton(x):
