@@ -164,7 +164,8 @@ class SlotState:
         # what a window-only layer passes the attention kernel as its (empty) global store
         self.empty_global = Rows.allocate(global_fmt, 1, 1, c.head_dim, dtype, device)
         self.empty_global.zero_(0)
-        self.capacity: dict[int, int] = {}
+        self.capacity: dict[int, int] = {}  # compressed entries a slot holds, by KV source
+        self.ratio_capacity: dict[int, int] = {}  # the same by compression ratio
         self.compressed: dict[int, Rows] = {}
         self.index_keys: dict[int, Rows] = {}
         self.carries: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -178,7 +179,7 @@ class SlotState:
             if not role.owns_compressor:
                 continue
             i, r = role.layer_id, role.compress_ratio
-            cap = self.capacity[i] = group_capacity(max_len, r)
+            cap = self.capacity[i] = self.ratio_capacity[r] = group_capacity(max_len, r)
             self.compressed[i] = Rows.allocate(global_fmt, slots, cap + POOL_BLOCK, c.head_dim, dtype, device)
             self._carry(f"{i}.compressor", r, c.head_dim)
             if role.owns_index_keys:

@@ -262,20 +262,26 @@ class FastIndexer(Indexer):
                                            block) for qb, kb, wb, pb in zip(q, keys, w, pool)])
 
 
-class WindowRows(NamedTuple):
-    """A decode step's window rows, the same in every layer (one window size, one window start a slot), made once
-    in the step's entry: each layer spent two launches on them."""
+class StepRows(NamedTuple):
+    """The cache rows a decode step writes and its window reads, the same in every layer (one window size and
+    start a slot, one capacity a compression ratio), made once in the step's entry: each layer spent a launch on
+    each (a one-element kernel before each cache write)."""
 
-    ring: torch.Tensor  # [B]: the ring row a row's new KV goes to (position p at p % W)
+    ring: torch.Tensor  # [B]: the window ring row a row's new KV goes to (position p at p % W)
     # [B, W] int32: the ring rows a row attends to, flat over the slots (slot * W + ring row; -1 below the window
     # start), in the attention kernel's int32 (a cast inside the op would be a copy kernel of its own)
     attended: torch.Tensor
+    # by compression ratio r, [B]: the compressed row a row's token completes (group (p + 1) / r - 1 where r divides
+    # p + 1), else the store's spare row (its capacity), which takes the writes of tokens completing no group
+    group: dict[int, torch.Tensor]
 
     @classmethod
-    def of(cls, pos: torch.Tensor, slots: torch.Tensor, window_start: torch.Tensor, W: int) -> WindowRows:
+    def of(cls, pos: torch.Tensor, slots: torch.Tensor, state: SlotState) -> StepRows:
+        W = state.window_size
         back = pos[:, None] - torch.arange(W, device=pos.device)  # [B, W]: positions p - W + 1 .. p
-        attended = torch.where(back >= window_start[slots, None], slots[:, None] * W + back % W, -1).int()
-        return cls(pos % W, attended)
+        attended = torch.where(back >= state.window_start[slots, None], slots[:, None] * W + back % W, -1).int()
+        group = {r: torch.where((pos + 1) % r == 0, (pos + 1) // r - 1, cap) for r, cap in state.ratio_capacity.items()}
+        return cls(pos % W, attended, group)
 
 
 class FastAttention(Attention):
@@ -340,10 +346,10 @@ class FastAttention(Attention):
         return dequantize_nvfp4(*nvfp4_quant(x.contiguous(), block), block).to(x.dtype)
 
     # -------------------------------------------------------------- decode step
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, window: WindowRows, view: LayerSlots,
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, rows: StepRows, view: LayerSlots,
                picks: torch.Tensor | None, pool: torch.Tensor | None, compress: bool = True):
-        """x [B, D]: one token of each sequence, at positions pos [B] of slots [B] (their window rows `window`), in
-        the layer's buffers `view`. `picks` [B, k]: the index source's top-k (a CSA layer without its own indexer);
+        """x [B, D]: one token of each sequence, at positions pos [B] of slots [B] (the cache rows they write and
+        read: `rows`), in the layer's buffers `view`. `picks` [B, k]: the index source's top-k (a CSA layer without its own indexer);
         `pool`: the candidate source's blocks (a candidate consumer; see `_index_decode`); `compress`: run the
         compressor (off in a bounded replay, whose positions' entries and carries are restored). -> (out [B, D],
         picks, pool): this layer's top-k and candidate blocks where it computes them, else those given."""
@@ -354,13 +360,13 @@ class FastAttention(Attention):
         q = self._query_heads(on_qr["wq_b"][:, None], cos[:, None], sin[:, None])[:, 0]  # [B, H, Dh]
         kv = apply_rope(self.kv_norm(on_x["wkv"][:, None]), cos[:, None], sin[:, None])  # [B, 1, Dh]
         # V4.1's FP8 rounding (blocks of 32 over the whole row) is the window store's own encoding
-        view.window.write(slots, window.ring, (kv if self.is_v41 else self._window_quant(kv))[:, 0])
-        win_idx = window.attended
+        view.window.write(slots, rows.ring, (kv if self.is_v41 else self._window_quant(kv))[:, 0])
+        win_idx = rows.attended
         win_data, win_scale = view.window.flat()
         store = view.store
         if self.role.compress_ratio:
             if self.role.owns_compressor and compress:
-                self._compress_decode(on_x, x.dtype, pos, slots, view)
+                self._compress_decode(on_x, x.dtype, pos, slots, rows.group[self.role.compress_ratio], view)
             if self.role.owns_indexer:
                 picks, pool = self._index_decode(on_x, on_qr, pos, slots, view, pool)
             glob_idx = self._global_ids(pos, slots, view, picks).int()
@@ -427,14 +433,13 @@ class FastAttention(Attention):
             score = score.masked_fill(~pool, NEG_INF)
         return topk_select(score, ix.topk).view(B, -1), pool
 
-    def _compress_decode(self, on_x, dtype, pos, slots, view: LayerSlots) -> None:
+    def _compress_decode(self, on_x, dtype, pos, slots, row, view: LayerSlots) -> None:
         """The compressor step of one token per row (on_x: the projections of its x, dtype: x's): carry the
-        token, and store the entry (and index key) of the group it completes; rows completing no group write
-        to the slot's spare row."""
+        token, and store the entry (and index key) of the group it completes at `row` [B] (`StepRows.group`:
+        rows completing no group write to the slot's spare row)."""
         role, r = self.role, self.role.compress_ratio
         latent = _compressor_step(self.compressor, on_x, "compressor.", dtype, pos, slots, view.carry)
         first = (pos + 1) // r - 1  # the group this token would complete
-        row = torch.where((pos + 1) % r == 0, first, view.capacity)
         cos, sin = self.rotary.cos_sin(first.clamp(min=0) * r)
         cos, sin = cos[:, None], sin[:, None]
         entry = apply_rope(latent[:, None], cos, sin)
@@ -512,8 +517,8 @@ class FastBlock(Block):
         flat = mhc_post(f.flatten(0, 1), flat, post, comb)
         return flat.view_as(h), ffn_pre.view(B, S, -1)
 
-    def decode(self, h, pre, ids, pos, slots, window, view: LayerSlots, picks, pool, engram_rows, compress=True):
-        """One token per row: h [B, hc, D], pre [B, hc] (V4.1), the step's window rows, the layer's buffers `view`,
+    def decode(self, h, pre, ids, pos, slots, rows, view: LayerSlots, picks, pool, engram_rows, compress=True):
+        """One token per row: h [B, hc, D], pre [B, hc] (V4.1), the step's cache rows, the layer's buffers `view`,
         the top-k and candidate blocks it takes and `compress` (FastAttention.decode), its Engram rows [B, C,
         head_dim] -> (h, pre, picks, pool). Everything layer-specific comes in as arguments, so layers of one kind
         share compiled code."""
@@ -521,7 +526,7 @@ class FastBlock(Block):
             h = self.engram.mix(h[:, None], engram_rows[:, None])[:, 0]
         single_pass = self.config.is_v41
         x, attn_pre, post, comb = self.site(h, "attn", pre if single_pass else None)
-        a, picks, pool = self.attn.decode(self.attn_norm(x), pos, slots, window, view, picks, pool, compress)
+        a, picks, pool = self.attn.decode(self.attn_norm(x), pos, slots, rows, view, picks, pool, compress)
         h = mhc_post(a, h, post, comb)
         x, ffn_pre, post, comb = self.site(h, "ffn", attn_pre if single_pass else None)
         h = mhc_post(self.ffn(self.ffn_norm(x)[:, None], ids[:, None])[:, 0], h, post, comb)
@@ -553,7 +558,7 @@ class FastModel(Dsv4Model):
         layers that read it, and starts and awaits the Engram prefetch (stream and event calls a compiled
         region would break around), while every layer's own work runs in the one block function."""
         enter, block, leave = parts or (self.decode_enter, FastBlock.decode, self.decode_exit)
-        h, pre, pos, window, hash_ids = enter(ids, slots, state, replay_from)
+        h, pre, pos, step_rows, hash_ids = enter(ids, slots, state, replay_from)
         if self.engram_prefetch is not None:
             self.engram_prefetch.start(hash_ids[:, None])  # [B, 1, L, C]: one position per row
         topk, candidates = {}, None  # the indexers' top-k by layer id; the candidate source's blocks
@@ -561,9 +566,9 @@ class FastModel(Dsv4Model):
             role = layer.role
             picks = None if role.owns_indexer else topk.get(role.index_source)
             pool = candidates if role.candidate_role == "consumer" else None
-            rows = self._engram_rows(layer, hash_ids) if role.engram else None
+            engram_rows = self._engram_rows(layer, hash_ids) if role.engram else None
             view = state.layer_slots[role.layer_id]
-            h, pre, picks, pool = block(layer, h, pre, ids, pos, slots, window, view, picks, pool, rows,
+            h, pre, picks, pool = block(layer, h, pre, ids, pos, slots, step_rows, view, picks, pool, engram_rows,
                                         replay_from is None)
             if role.owns_indexer:
                 topk[role.layer_id] = picks
@@ -574,8 +579,8 @@ class FastModel(Dsv4Model):
     def decode_enter(self, ids: torch.Tensor, slots: torch.Tensor, state: SlotState,
                      replay_from: torch.Tensor | None = None):
         """The decode step's entry: positions [B], token and length writes (a replay's: the window start), the
-        embedded streams h [B, hc, D], V4.1's first collapse weights pre [B, hc], the positions' window rows (every
-        layer's: one window size and start a slot) and Engram hash ids [B, n_layers, C] (None without)."""
+        embedded streams h [B, hc, D], V4.1's first collapse weights pre [B, hc], the cache rows the step writes and
+        its windows read (`StepRows`) and Engram hash ids [B, n_layers, C] (None without)."""
         c = self.config
         if replay_from is None:
             pos = state.lengths[slots]  # [B]
@@ -590,7 +595,7 @@ class FastModel(Dsv4Model):
         # contiguous, as every later layer's pre: the first layer's kind shares their compiled block
         pre = one_hot.expand(ids.shape[0], -1).contiguous() if c.is_v41 else None
         hash_ids = self._decode_hash_ids(pos, slots, state) if c.is_v41 and c.engram_layer_ids else None
-        return h, pre, pos, WindowRows.of(pos, slots, state.window_start, c.sliding_window), hash_ids
+        return h, pre, pos, StepRows.of(pos, slots, state), hash_ids
 
     def decode_exit(self, h: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
         """The streams h [B, hc, D] collapsed, normed and projected: logits [B, vocab] fp32."""
