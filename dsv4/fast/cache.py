@@ -166,6 +166,7 @@ class SlotState:
         self.empty_global.zero_(0)
         self.capacity: dict[int, int] = {}  # compressed entries a slot holds, by KV source
         self.ratio_capacity: dict[int, int] = {}  # the same by compression ratio
+        self.key_capacities: set[int] = set()  # the capacities of the packed index-key stores
         self.compressed: dict[int, Rows] = {}
         self.index_keys: dict[int, Rows] = {}
         self.carries: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -184,6 +185,8 @@ class SlotState:
             self._carry(f"{i}.compressor", r, c.head_dim)
             if role.owns_index_keys:
                 self.index_keys[i] = Rows.allocate(key_fmt, slots, cap + POOL_BLOCK, c.index_head_dim, dtype, device)
+                if key_fmt == "mxfp4":  # scored by pool blocks (`StepRows.pool_blocks` in a decode step)
+                    self.key_capacities.add(cap)
                 if not v41:  # V4's indexer runs its own ratio-4 overlapping compressor
                     self._carry(f"{i}.indexer.compressor", 4, c.index_head_dim)
         # each layer's buffers by layer id, gathered once (the buffers never move): what a decode step hands its layers

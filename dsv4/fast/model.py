@@ -274,6 +274,9 @@ class StepRows(NamedTuple):
     # by compression ratio r, [B]: the compressed row a row's token completes (group (p + 1) / r - 1 where r divides
     # p + 1), else the store's spare row (its capacity), which takes the writes of tokens completing no group
     group: dict[int, torch.Tensor]
+    # by an index-key store's capacity, [B, capacity / POOL_BLOCK] int32: the pool blocks of each row's slot (every
+    # block of the slot, in the flat layout of all slots' keys), which its indexers score
+    pool_blocks: dict[int, torch.Tensor]
 
     @classmethod
     def of(cls, pos: torch.Tensor, slots: torch.Tensor, state: SlotState) -> StepRows:
@@ -281,7 +284,9 @@ class StepRows(NamedTuple):
         back = pos[:, None] - torch.arange(W, device=pos.device)  # [B, W]: positions p - W + 1 .. p
         attended = torch.where(back >= state.window_start[slots, None], slots[:, None] * W + back % W, -1).int()
         group = {r: torch.where((pos + 1) % r == 0, (pos + 1) // r - 1, cap) for r, cap in state.ratio_capacity.items()}
-        return cls(pos % W, attended, group)
+        blocks = {cap: slots[:, None] * (cap // POOL_BLOCK + 1) + torch.arange(cap // POOL_BLOCK, device=pos.device)
+                  for cap in state.key_capacities}  # a slot's cap + POOL_BLOCK rows: its blocks and a spare one
+        return cls(pos % W, attended, group, {cap: b.int() for cap, b in blocks.items()})
 
 
 class FastAttention(Attention):
@@ -368,7 +373,7 @@ class FastAttention(Attention):
             if self.role.owns_compressor and compress:
                 self._compress_decode(on_x, x.dtype, pos, slots, rows.group[self.role.compress_ratio], view)
             if self.role.owns_indexer:
-                picks, pool = self._index_decode(on_x, on_qr, pos, slots, view, pool)
+                picks, pool = self._index_decode(on_x, on_qr, pos, slots, rows, view, pool)
             glob_idx = self._global_ids(pos, slots, view, picks).int()
         else:
             glob_idx = pos.new_zeros(pos.shape[0], 0, dtype=torch.int32)
@@ -398,10 +403,11 @@ class FastAttention(Attention):
             return torch.where(entries < visible[:, None], slots[:, None] * stride + entries, -1)
         return torch.where(picks >= 0, slots[:, None] * stride + picks, -1)
 
-    def _index_decode(self, on_x, on_qr, pos, slots, view: LayerSlots, pool):
+    def _index_decode(self, on_x, on_qr, pos, slots, rows: StepRows, view: LayerSlots, pool):
         """The indexer's top-k entry ids [B, k] (-1 = none), as Indexer.forward for one token per row, and the
         candidate blocks: a candidate source's selection, a consumer's `pool` (which restricts its scores); the pool
-        is the kept blocks' ids [B, n] where it is narrow (its consumers score only those), else a mask [B, cap]."""
+        is the kept blocks' ids [B, n] where it is narrow (its consumers score only those), else a mask [B, cap].
+        `rows`: the step's (its pool blocks)."""
         ix, role = self.indexer, self.role
         B = pos.shape[0]
         visible = (pos + 1) // role.compress_ratio  # [B]
@@ -420,9 +426,8 @@ class FastAttention(Attention):
             ids = mqa_index_topk(q, k_data, k_scale, w.float(), ends, ix.topk, blocks, block)[:, -min(ix.topk, cap):]
             return torch.where(ids >= 0, ids - slots[:, None] * stride, -1), pool
         if keys.fmt == "mxfp4":
-            blocks = slots[:, None] * (stride // POOL_BLOCK) + torch.arange(cap // POOL_BLOCK, device=pos.device)
             k_data, k_scale = keys.flat()
-            score = mqa_index_scores_pool(q, k_data, k_scale, w.float(), ends, blocks.int(), POOL_BLOCK)
+            score = mqa_index_scores_pool(q, k_data, k_scale, w.float(), ends, rows.pool_blocks[cap], POOL_BLOCK)
         else:  # unpacked keys (quant_sim off): index_scores over the slot's rows
             score = index_scores(q[:, None], keys.data[slots, :cap].to(q.dtype), w[:, None])[:, 0]
             score = score.masked_fill(torch.arange(cap, device=pos.device) >= visible[:, None], NEG_INF)
