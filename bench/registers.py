@@ -39,7 +39,7 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsv4.fast.kernels import attention, fp8_gemv, mhc, moe_experts, moe_routing, quant, topk
+from dsv4.fast.kernels import attention, fp8_gemv, indexer_query, mhc, moe_experts, moe_routing, quant, topk
 
 SM90 = GPUTarget("cuda", 90, 32)
 CUDA = SimpleNamespace(is_cuda=True)  # what the ops' tile choices ask of a tensor
@@ -233,9 +233,16 @@ def quant_kernels() -> list[Kernel]:
     return out
 
 
+def indexer_query_kernels() -> list[Kernel]:
+    """The V4.1 indexer's decode queries (RoPE, MXFP4 rounding, head weights) of one bf16 row."""
+    return [Kernel("indexer queries", indexer_query._indexer_query_kernel,
+                   {"q_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "w_scale": "fp32"},
+                   {"H": 32, "D": INDEX_DH, "R": ROPE, "BF16": True, "PDL": True}, 4)]
+
+
 def kernels() -> list[Kernel]:
     return (mhc_kernels() + routing_kernels() + moe_kernels() + fp8_gemv_kernels() + attention_kernels() + topk_kernels()
-            + quant_kernels() + batched_moe_kernels())
+            + quant_kernels() + indexer_query_kernels() + batched_moe_kernels())
 
 
 def main() -> None:

@@ -50,6 +50,7 @@ from dsv4.fast.kernels.indexer import (
     mqa_index_topk,
     select_candidate_block_ids,
 )
+from dsv4.fast.kernels.indexer_query import indexer_query
 from dsv4.fast.kernels.mhc import mhc_post, mhc_pre
 from dsv4.fast.kernels.moe_experts import (
     activation_planes,
@@ -412,10 +413,13 @@ class FastAttention(Attention):
         B = pos.shape[0]
         visible = (pos + 1) // role.compress_ratio  # [B]
         cos, sin = self.rotary.cos_sin(pos)
-        q, w = ix._query_heads(on_qr["indexer.wq_b"][:, None], on_x["indexer.weights_proj"][:, None], cos[:, None],
-                               sin[:, None])
-        q, w = q[:, 0], w[:, 0]  # [B, Hi, di], [B, Hi]
         keys, cap = view.index_keys, view.capacity
+        q_proj, w_proj = on_qr["indexer.wq_b"], on_x["indexer.weights_proj"]
+        if self.is_v41 and ix.quant_sim and keys.fmt == "mxfp4":  # the kernels' operands, in one kernel
+            q, w = indexer_query(q_proj, w_proj, cos, sin, ix.head_dim**-0.5 * ix.n_heads**-0.5)
+        else:
+            q, w = ix._query_heads(q_proj[:, None], w_proj[:, None], cos[:, None], sin[:, None])
+            q, w = q[:, 0], w[:, 0]  # [B, Hi, di], [B, Hi]
         stride, block = keys.data.shape[1], ix.candidate_block_size
         ends = (slots * stride + visible).int()  # the rows' visible ends in the flat layout of every slot's keys
         # a static choice (the capacity's): the pool as block ids that consumers score alone, or as a mask

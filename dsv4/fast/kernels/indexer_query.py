@@ -1,0 +1,127 @@
+"""The V4.1 indexer's decode queries in one kernel: RoPE, MXFP4 rounding and the head weights.
+
+`dsv4::indexer_query(q, w, cos, sin, w_scale) -> (q' [N, H, d], w' [N, H] fp32)`
+    q [N, H * d] (the indexer's wq_b output), w [N, H] (its weights_proj output), both bf16 or both fp32 (the
+    model's dtype), cos / sin [N, R/2] fp32 (each row's RoPE tables, R <= d rotated trailing channels).
+    q' = fake_quant_mxfp4(apply_rope(q)) in q's dtype, blocks of 32 along d; w' = fp32(w * w_scale rounded to w's
+    dtype). What `Indexer._query_heads` gives for V4.1 (no Hadamard),
+    one position a row: in the compiled decode step those were six launches an indexer layer (the RoPE, the
+    concatenation, the quantization kernel, its dequantization, a cast, the weights).
+
+Twin: `indexer_query_twin` (the reference's `apply_rope` and `dsv4.quant.fake_quant_mxfp4`). Bit-exact: the
+rotation is computed as the reference's fp32 products and sums (no fused multiply-add: the kernel compiles with
+fp fusion off) and rounded to bf16 (a bf16 model's) to nearest-even on the bits; the MXFP4 codes are those of `dsv4::mxfp4_quant`
+(the same helpers), decoded exactly (an e2m1 value times a power-of-two scale).
+
+One program a row: its H x d values are one tile (H and d powers of two; V4.1: 32 x 128).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
+from dsv4.fast.kernels.quant import _e2m1_code, _ue8m0, _widen
+from dsv4.quant import fake_quant_mxfp4
+from dsv4.reference.rope import apply_rope
+
+__all__ = ["indexer_query", "indexer_query_twin"]
+
+_BLOCK = 32  # MXFP4: values one scale covers
+
+
+def indexer_query_twin(q, w, cos, sin, w_scale: float):
+    """The reference's V4.1 indexer queries for one position a row: (q' [N, H, d] in q's dtype, w' [N, H] fp32)."""
+    heads = q.unflatten(-1, (w.shape[-1], -1))[:, None]  # [N, 1, H, d]
+    q = fake_quant_mxfp4(apply_rope(heads, cos[:, None], sin[:, None]), _BLOCK)[:, 0]
+    return q, (w * w_scale).float()
+
+
+@triton.jit
+def _round(x, BF16: tl.constexpr):
+    """fp32 x rounded to the model's dtype: with BF16 the nearest bf16 value (ties to even) as fp32, on the bits,
+    the same on a GPU and under the interpreter (finite x); else x."""
+    if BF16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x
+
+
+@triton.jit
+def _e2m1_value(code):
+    """e2m1 code (int32 0..15) -> its value, fp32: bits s e e m, 0.5 m where e = 0, else 2^(e - 1) (1 + m / 2)."""
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    pow2 = ((tl.maximum(e - 1, 0) + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 1)
+    mag = tl.where(e == 0, 0.5 * m, pow2 * (1.0 + 0.5 * m))
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _indexer_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, wout_ptr, w_scale,
+                          H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+    wait_for_predecessor(PDL)
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, H)
+    p = tl.arange(0, D // 2)  # channel pairs (2p, 2p + 1)
+    at = n * (H * D) + h[:, None] * D + 2 * p[None, :]  # [H, D/2]
+    even = _widen(tl.load(q_ptr + at))
+    odd = _widen(tl.load(q_ptr + at + 1))
+    j = p - (D - R) // 2  # the pair's RoPE frequency; < 0: not rotated
+    rot = (j >= 0)[None, :]
+    c = tl.load(cos_ptr + n * (R // 2) + j, mask=j >= 0, other=1.0)[None, :]
+    s = tl.load(sin_ptr + n * (R // 2) + j, mask=j >= 0, other=0.0)[None, :]
+    even, odd = (tl.where(rot, _round(even * c - odd * s, BF16), even),
+                 tl.where(rot, _round(even * s + odd * c, BF16), odd))
+
+    x = tl.reshape(tl.join(even, odd), (H * D // 32, 32))  # blocks of 32 along d, in channel order
+    log2s, inv = _ue8m0(tl.maximum(tl.max(tl.abs(x), axis=1), 6.0 * 2.0**-126), 1.0 / 6.0)
+    code = _e2m1_code(tl.minimum(tl.maximum(x * inv[:, None], -6.0), 6.0))
+    scale = ((log2s + 127) << 23).to(tl.float32, bitcast=True)  # >= 2^-126: a normal number
+    val = tl.reshape(_e2m1_value(code) * scale[:, None], (H, D))  # exact: two significant bits
+    tl.store(out_ptr + n * (H * D) + h[:, None] * D + tl.arange(0, D)[None, :], val.to(out_ptr.dtype.element_ty))
+
+    wv = _round(_widen(tl.load(w_ptr + n * H + h)) * w_scale, BF16)
+    tl.store(wout_ptr + n * H + h, wv)
+
+
+def _check(q, w, cos, sin) -> tuple[int, int, int, int]:
+    if w.dim() != 2 or q.dim() != 2 or q.shape[0] != w.shape[0] or q.shape[1] % max(w.shape[1], 1):
+        raise ValueError(f"indexer_query: q [N, H * d] and w [N, H] expected, got {tuple(q.shape)}, {tuple(w.shape)}")
+    N, H = w.shape
+    D = q.shape[1] // H
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != N or 2 * cos.shape[1] > D:
+        raise ValueError(f"indexer_query: cos and sin [N, R/2] with R <= d = {D} expected, got {tuple(cos.shape)}, "
+                         f"{tuple(sin.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float32) or w.dtype != q.dtype or {cos.dtype, sin.dtype} != {torch.float32}:
+        raise ValueError(f"indexer_query: q and w both bf16 or both fp32, cos and sin fp32 expected, got {q.dtype}, "
+                         f"{w.dtype}, {cos.dtype}, {sin.dtype}")
+    if H & (H - 1) or D & (D - 1) or D < _BLOCK:
+        raise ValueError(f"indexer_query: heads ({H}) and head width ({D}) must be powers of two, the width >= 32")
+    return N, H, D, 2 * cos.shape[1]
+
+
+@torch.library.custom_op("dsv4::indexer_query", mutates_args=())
+def indexer_query(q: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  w_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q' [N, H, d] bf16, w' [N, H] fp32) of the indexer's projections q [N, H * d] and w [N, H] at RoPE tables
+    cos, sin [N, R/2]: see the module doc."""
+    N, H, D, R = _check(q, w, cos, sin)
+    if not use_triton(q):
+        return indexer_query_twin(q, w, cos, sin, w_scale)
+    out = torch.empty(N, H, D, dtype=q.dtype, device=q.device)
+    w_out = torch.empty(N, H, dtype=torch.float32, device=q.device)
+    if N:
+        _indexer_query_kernel[(N,)](q.contiguous(), w.contiguous(), cos.contiguous(), sin.contiguous(), out, w_out,
+                                    float(w_scale), H=H, D=D, R=R, BF16=q.dtype == torch.bfloat16, PDL=pdl(q),
+                                    num_warps=4, launch_pdl=pdl(q),
+                                    enable_fp_fusion=False)
+    return out, w_out
+
+
+@indexer_query.register_fake
+def _(q, w, cos, sin, w_scale):
+    N, H, D, _ = _check(q, w, cos, sin)
+    return q.new_empty(N, H, D), q.new_empty(N, H, dtype=torch.float32)
