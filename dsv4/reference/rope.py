@@ -59,7 +59,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     if inverse:
         sin = -sin
-    pairs = x[..., -rd:].float().unflatten(-1, (-1, 2))  # [..., R/2, 2]
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+    pairs = x[..., -rd:].float().unflatten(-1, (-1, 2))  # [..., R/2, 2]: (even, odd)
+    # (even cos - odd sin, odd cos + even sin): the roundings of a stack of the two, which torch.compile on a GPU
+    # stored as a buffer of its own and concatenated in a second kernel (dev/inductor-output-code-*-s32.log.gz)
+    sign = torch.arange(2, device=x.device) * 2.0 - 1.0  # (-1, 1), made on the device (a CUDA graph may capture this)
+    rotated = (pairs * cos.unsqueeze(-1) + pairs.flip(-1) * sign * sin.unsqueeze(-1)).flatten(-2)
     return torch.cat((x[..., :-rd], rotated.to(x.dtype)), dim=-1)
