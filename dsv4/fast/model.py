@@ -355,10 +355,11 @@ class FastAttention(Attention):
     def decode(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, rows: StepRows, view: LayerSlots,
                picks: torch.Tensor | None, pool: torch.Tensor | None, compress: bool = True):
         """x [B, D]: one token of each sequence, at positions pos [B] of slots [B] (the cache rows they write and
-        read: `rows`), in the layer's buffers `view`. `picks` [B, k]: the index source's top-k (a CSA layer without its own indexer);
-        `pool`: the candidate source's blocks (a candidate consumer; see `_index_decode`); `compress`: run the
-        compressor (off in a bounded replay, whose positions' entries and carries are restored). -> (out [B, D],
-        picks, pool): this layer's top-k and candidate blocks where it computes them, else those given."""
+        read: `rows`), in the layer's buffers `view`. `picks` [B, k]: the index source's top-k (a CSA layer without
+        its own indexer); `pool`: the candidate source's blocks (a candidate consumer; see `_index_decode`);
+        `compress`: run the compressor (off in a bounded replay, whose positions' entries and carries are restored).
+        -> (out [B, D], picks, pool): this layer's top-k and candidate blocks where it computes them, else those
+        given."""
         cos, sin = self.rotary.cos_sin(pos)  # [B, R/2]
         on_x = self.on_x(x)  # {linear: [B, N]}, as on_qr below
         qr = self.q_norm(on_x["wq_a"])
