@@ -10,8 +10,9 @@
 
 Twin: `indexer_query_twin` (the reference's `apply_rope` and `dsv4.quant.fake_quant_mxfp4`). Bit-exact: the
 rotation is computed as the reference's fp32 products and sums (no fused multiply-add: the kernel compiles with
-fp fusion off) and rounded to bf16 (a bf16 model's) to nearest-even on the bits; the MXFP4 codes are those of `dsv4::mxfp4_quant`
-(the same helpers), decoded exactly (an e2m1 value times a power-of-two scale).
+fp fusion off) and rounded to the model's dtype (bf16 to nearest even, as the attention kernels' `_to_bf16`); the
+MXFP4 codes and values are those of `dsv4::mxfp4_quant` and the MoE kernels (the same helpers), an e2m1 value
+times a power-of-two scale, exact.
 
 One program a row: its H x d values are one tile (H and d powers of two; V4.1: 32 x 128).
 """
@@ -21,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
-from dsv4.fast.kernels.quant import _e2m1_code, _ue8m0, _widen
+from dsv4.fast.kernels.attention import _to_bf16
+from dsv4.fast.kernels.quant import _e2m1_code, _e2m1_values, _ue8m0, _widen
 from dsv4.quant import fake_quant_mxfp4
 from dsv4.reference.rope import apply_rope
 
@@ -38,30 +40,18 @@ def indexer_query_twin(q, w, cos, sin, w_scale: float):
 
 
 @triton.jit
-def _round(x, BF16: tl.constexpr):
-    """fp32 x rounded to the model's dtype: with BF16 the nearest bf16 value (ties to even) as fp32, on the bits,
-    the same on a GPU and under the interpreter (finite x); else x."""
+def _rounded(x, BF16: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 x rounded to the model's dtype (bf16: to nearest even), as fp32."""
     if BF16:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        return bits.to(tl.float32, bitcast=True)
+        return _widen(_to_bf16(x, INTERP))
     else:
         return x
 
 
 @triton.jit
-def _e2m1_value(code):
-    """e2m1 code (int32 0..15) -> its value, fp32: bits s e e m, 0.5 m where e = 0, else 2^(e - 1) (1 + m / 2)."""
-    e = (code >> 1) & 3
-    m = (code & 1).to(tl.float32)
-    pow2 = ((tl.maximum(e - 1, 0) + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - 1)
-    mag = tl.where(e == 0, 0.5 * m, pow2 * (1.0 + 0.5 * m))
-    return tl.where((code & 8) != 0, -mag, mag)
-
-
-@triton.jit
 def _indexer_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, wout_ptr, w_scale,
-                          H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+                          H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr,
+                          PDL: tl.constexpr):
     wait_for_predecessor(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, H)
@@ -73,17 +63,17 @@ def _indexer_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, wout_ptr, w_s
     rot = (j >= 0)[None, :]
     c = tl.load(cos_ptr + n * (R // 2) + j, mask=j >= 0, other=1.0)[None, :]
     s = tl.load(sin_ptr + n * (R // 2) + j, mask=j >= 0, other=0.0)[None, :]
-    even, odd = (tl.where(rot, _round(even * c - odd * s, BF16), even),
-                 tl.where(rot, _round(even * s + odd * c, BF16), odd))
+    even, odd = (tl.where(rot, _rounded(even * c - odd * s, BF16, INTERP), even),
+                 tl.where(rot, _rounded(even * s + odd * c, BF16, INTERP), odd))
 
     x = tl.reshape(tl.join(even, odd), (H * D // 32, 32))  # blocks of 32 along d, in channel order
     log2s, inv = _ue8m0(tl.maximum(tl.max(tl.abs(x), axis=1), 6.0 * 2.0**-126), 1.0 / 6.0)
     code = _e2m1_code(tl.minimum(tl.maximum(x * inv[:, None], -6.0), 6.0))
     scale = ((log2s + 127) << 23).to(tl.float32, bitcast=True)  # >= 2^-126: a normal number
-    val = tl.reshape(_e2m1_value(code) * scale[:, None], (H, D))  # exact: two significant bits
+    val = tl.reshape(_e2m1_values(code) * scale[:, None], (H, D))  # exact: two significant bits
     tl.store(out_ptr + n * (H * D) + h[:, None] * D + tl.arange(0, D)[None, :], val.to(out_ptr.dtype.element_ty))
 
-    wv = _round(_widen(tl.load(w_ptr + n * H + h)) * w_scale, BF16)
+    wv = _rounded(_widen(tl.load(w_ptr + n * H + h)) * w_scale, BF16, INTERP)
     tl.store(wout_ptr + n * H + h, wv)
 
 
@@ -115,7 +105,8 @@ def indexer_query(q: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torc
     w_out = torch.empty(N, H, dtype=torch.float32, device=q.device)
     if N:
         _indexer_query_kernel[(N,)](q.contiguous(), w.contiguous(), cos.contiguous(), sin.contiguous(), out, w_out,
-                                    float(w_scale), H=H, D=D, R=R, BF16=q.dtype == torch.bfloat16, PDL=pdl(q),
+                                    float(w_scale), H=H, D=D, R=R, BF16=q.dtype == torch.bfloat16,
+                                    INTERP=not q.is_cuda, PDL=pdl(q),
                                     num_warps=4, launch_pdl=pdl(q),
                                     enable_fp_fusion=False)
     return out, w_out

@@ -81,6 +81,7 @@ import torch.nn.functional as F
 
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.attention import _to_bf16
+from dsv4.fast.kernels.quant import _e2m1_values
 from dsv4.quant import dequantize_mxfp4
 
 __all__ = [
@@ -175,17 +176,6 @@ def _round(v, IS_BF16: tl.constexpr, INTERP: tl.constexpr):
         return _to_bf16(v, INTERP).to(tl.float32)
     else:
         return v
-
-
-@triton.jit
-def _e2m1_values(n):
-    """e2m1 codes (int32, 0..15: sign bit 3, magnitude bits 0-2) -> their exact values, fp32, by arithmetic
-    (the interpreter's twin of the PTX decoders below)."""
-    m = n & 7
-    # magnitude m >= 2 is 2^(m>>1 - 1) * (1 + (m&1)/2): the fp32 with exponent field (m >> 1) + 126 and top
-    # mantissa bit m & 1, i.e. bits (m << 22) + (126 << 23); m in {0, 1} is m / 2
-    v = tl.where(m < 2, m.to(tl.float32) * 0.5, ((m << 22) + (126 << 23)).to(tl.float32, bitcast=True))
-    return tl.where((n & 8) != 0, -v, v)
 
 
 # One 32-bit word of packed codes (eight K positions, low nibble first) and the eight activations (fp32) ->

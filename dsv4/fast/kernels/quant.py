@@ -68,6 +68,17 @@ def _e2m1_code(y):
 
 
 @triton.jit
+def _e2m1_values(n):
+    """e2m1 codes (int32, 0..15: sign bit 3, magnitude bits 0-2) -> their exact values, fp32, by arithmetic
+    (the interpreter's twin of the PTX decoders below)."""
+    m = n & 7
+    # magnitude m >= 2 is 2^(m>>1 - 1) * (1 + (m&1)/2): the fp32 with exponent field (m >> 1) + 126 and top
+    # mantissa bit m & 1, i.e. bits (m << 22) + (126 << 23); m in {0, 1} is m / 2
+    v = tl.where(m < 2, m.to(tl.float32) * 0.5, ((m << 22) + (126 << 23)).to(tl.float32, bitcast=True))
+    return tl.where((n & 8) != 0, -v, v)
+
+
+@triton.jit
 def _ue8m0(amax, RECIP: tl.constexpr):
     """amax (> 0, fp32) -> (log2 of the ue8m0 scale for amax * RECIP, exact 1/scale as fp32)."""
     y = amax * tl.full([], RECIP, tl.float32)
@@ -245,11 +256,11 @@ def _(x, block=16):
     return packed, x.new_empty(_scale_shape(x, block), dtype=torch.float8_e4m3fn)
 
 
-# the formats of the cache's row stores (dsv4.fast.cache.Rows): (kernel format, reference encoder)
+# the reference encoders of the cache's row store formats (dsv4.fast.cache.Rows)
 _STORED = {
-    "fp8": (_FP8, lambda x, block: ref.quantize_fp8(x, (block,))),
-    "mxfp4": (_MXFP4, ref.quantize_mxfp4),
-    "nvfp4": (_NVFP4, ref.quantize_nvfp4),
+    "fp8": lambda x, block: ref.quantize_fp8(x, (block,)),
+    "mxfp4": ref.quantize_mxfp4,
+    "nvfp4": ref.quantize_nvfp4,
 }
 
 
@@ -278,11 +289,10 @@ def quant_write(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, slots:
     writes its cache rows this way: one kernel where a quantization and two index writes took three. The kernel
     does not bound-check slots and rows (that would read them back to the host): the caller's rows are in range."""
     _check_write(x, data, scale, slots, rows, fmt, block)
-    code, encode = _STORED[fmt]
     if use_triton(x):
-        _launch(x, block, code, into=(data, scale, slots, rows))
+        _launch(x, block, FORMAT_CODES[fmt], into=(data, scale, slots, rows))
         return
-    q, s = encode(x, block)
+    q, s = _STORED[fmt](x, block)
     data[slots, rows] = q.view(torch.uint8)
     scale[slots, rows] = s.view(torch.uint8)
 
