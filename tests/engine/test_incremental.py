@@ -1,6 +1,6 @@
 """Incremental decode is the exact model: every way of splitting a prompt into chunked prefill, then
 greedy decode, gives the logits of one full forward pass (float32 rounding: rel <= 1e-5) and the same
-greedy tokens, across compression-group, window and block boundaries, through the engine's paged cache.
+greedy tokens (where the best two logits are further apart than that rounding), across compression-group, window and block boundaries, through the engine's paged cache.
 
 The exact model here is quant_sim=False: with the official FP8/FP4 steps on, a value a hair from a
 rounding boundary in one summation order can land on the other side in another, which is a discrete
@@ -54,5 +54,10 @@ def test_chunked_prefill_then_decode_equals_one_full_pass(exact_model, data):
     with torch.inference_mode():
         full = exact_model(torch.tensor([ids + tokens]))
     got = torch.cat((chunked, decoded), dim=1)
-    assert (got - full).abs().max() <= 1e-5 * full.abs().max()
-    assert torch.equal(got.argmax(-1), full.argmax(-1))
+    tol = 1e-5 * full.abs().max()
+    assert (got - full).abs().max() <= tol
+    # the same greedy token wherever rounding within tol cannot swap the best two: at a near tie either may win
+    # (V4, 269 tokens in one chunk, seed 640: 3.1878676 against 3.1878669 at position 68, two fp32 ulps apart)
+    best = full.topk(2, dim=-1).values
+    decisive = best[..., 0] - best[..., 1] > 2 * tol
+    assert torch.equal(got.argmax(-1)[decisive], full.argmax(-1)[decisive])
