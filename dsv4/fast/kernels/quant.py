@@ -75,7 +75,9 @@ def _e2m1_values(n):
     # magnitude m >= 2 is 2^(m>>1 - 1) * (1 + (m&1)/2): the fp32 with exponent field (m >> 1) + 126 and top
     # mantissa bit m & 1, i.e. bits (m << 22) + (126 << 23); m in {0, 1} is m / 2
     v = tl.where(m < 2, m.to(tl.float32) * 0.5, ((m << 22) + (126 << 23)).to(tl.float32, bitcast=True))
-    return tl.where((n & 8) != 0, -v, v)
+    # the sign as a bit: code 8 is -0.0, as the twins decode it; a negation under a select came out +0.0 on the
+    # H200 (the compiler may treat zeros' signs as free)
+    return (v.to(tl.int32, bitcast=True) | ((n & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
