@@ -106,7 +106,7 @@ def mhc_kernels() -> list[Kernel]:
     finish = Kernel("mhc_pre finish", mhc._pre_finish_kernel,
                     {"h_ptr": "*bf16", "x_ptr": "*bf16", "norm_eps": "fp32", "hc_eps": "fp32"},
                     {"HC": HC, "M": M, "BN": f["BN"], "BD": f["BD"], "SB": f["SB"], "COLLAPSE": False,
-                     "ACCURATE": True, "PDL": True}, f["num_warps"])
+                     "ACCURATE": True, "THREAD_SINKHORN": HC == 4 and f["BN"] == 1, "PDL": True}, f["num_warps"])
     p = mhc.post_config(1, D)
     post = Kernel("mhc_post", mhc._post_kernel, {"f_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16"},
                   {"HC": HC, "BN": p["BN"], "BD": p["BD"], "PDL": True}, p["num_warps"])

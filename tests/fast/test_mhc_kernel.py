@@ -241,3 +241,18 @@ def test_mhc_compiles_and_captures():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("N", [1, 4, 64])
+def test_sinkhorn_in_threads_gives_the_tensor_forms_bits(N):
+    """One token a program (each thread holding its 4 x 4 matrix, quotients from a shared reciprocal) against two
+    tokens a program (an entry a lane, `div.rn`): the same sums in the same order, the same correctly rounded
+    quotients, so the same bits."""
+    h, fn, scale, base, pre_prev = make_inputs(N, 4, 5120, torch.bfloat16, True, N, "cuda")
+    threads = K.mhc_pre_triton(h, fn, scale, base, pre_prev, 1e-20, 1e-6, 20, {"BN2": 1})
+    lanes = K.mhc_pre_triton(h, fn, scale, base, pre_prev, 1e-20, 1e-6, 20, {"BN2": 2})
+    for a, b in zip(threads, lanes):
+        assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
+                           b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))

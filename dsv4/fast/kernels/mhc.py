@@ -137,7 +137,7 @@ def _pre_finish_kernel(
     N, D, n_split, d_per_prog, norm_eps, hc_eps, iters,
     stride_hn, stride_hk, stride_xn,
     HC: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr,
-    COLLAPSE: tl.constexpr, ACCURATE: tl.constexpr, PDL: tl.constexpr,
+    COLLAPSE: tl.constexpr, ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_predecessor(PDL)
     pid_n = tl.program_id(0)
@@ -182,9 +182,12 @@ def _pre_finish_kernel(
     comb = exp(comb - tl.max(comb, axis=2)[:, :, None], ACCURATE)
     comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None]) + hc_eps
     comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    for _ in range(iters - 1):
-        comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None] + hc_eps)
-        comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    if THREAD_SINKHORN:
+        comb = _sinkhorn4_in_threads(comb, jk, hc_eps, iters - 1, ACCURATE)
+    else:
+        for _ in range(iters - 1):
+            comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+            comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + hc_eps)
 
     if pid_d == 0:
         tl.store(pre_ptr + rows64[:, None] * HC + c[None, :], pre, mask=r2)
@@ -204,6 +207,70 @@ def _pre_finish_kernel(
                 xacc += wk[:, None] * hv.to(tl.float32)
             tl.store(x_ptr + rows64[:, None] * stride_xn + (d0 + dd)[None, :], xacc.to(x_ptr.dtype.element_ty),
                      mask=r2)
+
+
+@triton.jit
+def _normalized4(a, b, c, d, eps, ACCURATE: tl.constexpr):
+    """(a, b, c, d) / ((a + c) + (b + d) + eps), correctly rounded: the sum in the order of tl.sum over 4 lanes.
+
+    On the GPU the four quotients share one refined reciprocal of the sum and each takes the hardware division's
+    own correction (q = x r, then q + (x - s q) r: the `div.rn.f32` fast path, which its `FCHK` leaves only for
+    operands near the ends of the exponent range; Sinkhorn's are in (0, 1] over sums in [1e-6, 5))."""
+    s = (a + c) + (b + d) + eps
+    if ACCURATE:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [s], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        r = tl.fma(tl.fma(-s, r, 1.0), r, r)
+        return _corrected(a, s, r), _corrected(b, s, r), _corrected(c, s, r), _corrected(d, s, r)
+    else:
+        return tl.div_rn(a, s), tl.div_rn(b, s), tl.div_rn(c, s), tl.div_rn(d, s)
+
+
+@triton.jit
+def _corrected(x, s, r):
+    """x / s from r ~ 1/s: the quotient x r and one residual step (both as `div.rn.f32`'s fast path computes)."""
+    q = x * r
+    return tl.fma(tl.fma(-s, q, x), r, q)
+
+
+@triton.jit
+def _entry(comb, jk, idx: tl.constexpr):
+    """comb[:, j, k] for idx = 4 j + k, as a [BN] tensor."""
+    return tl.sum(tl.sum(tl.where(jk[None, :, :] == idx, comb, 0.0), axis=2), axis=1)
+
+
+@triton.jit
+def _sinkhorn4_in_threads(comb, jk, eps, steps, ACCURATE: tl.constexpr):
+    """`steps` Sinkhorn steps (rows, then columns) of comb [BN, 4, 4], the same sums and quotients as the tensor
+    form, with each token's 16 entries held by every thread as [BN] tensors: no shuffles in the loop, where the
+    tensor form's chain is a shuffle reduction and a division an entry a lane (0.28 us a step on the H200)."""
+    c00, c01, c02, c03 = _entry(comb, jk, 0), _entry(comb, jk, 1), _entry(comb, jk, 2), _entry(comb, jk, 3)
+    c10, c11, c12, c13 = _entry(comb, jk, 4), _entry(comb, jk, 5), _entry(comb, jk, 6), _entry(comb, jk, 7)
+    c20, c21, c22, c23 = _entry(comb, jk, 8), _entry(comb, jk, 9), _entry(comb, jk, 10), _entry(comb, jk, 11)
+    c30, c31, c32, c33 = _entry(comb, jk, 12), _entry(comb, jk, 13), _entry(comb, jk, 14), _entry(comb, jk, 15)
+    for _ in range(steps):
+        c00, c01, c02, c03 = _normalized4(c00, c01, c02, c03, eps, ACCURATE)
+        c10, c11, c12, c13 = _normalized4(c10, c11, c12, c13, eps, ACCURATE)
+        c20, c21, c22, c23 = _normalized4(c20, c21, c22, c23, eps, ACCURATE)
+        c30, c31, c32, c33 = _normalized4(c30, c31, c32, c33, eps, ACCURATE)
+        c00, c10, c20, c30 = _normalized4(c00, c10, c20, c30, eps, ACCURATE)
+        c01, c11, c21, c31 = _normalized4(c01, c11, c21, c31, eps, ACCURATE)
+        c02, c12, c22, c32 = _normalized4(c02, c12, c22, c32, eps, ACCURATE)
+        c03, c13, c23, c33 = _normalized4(c03, c13, c23, c33, eps, ACCURATE)
+    comb = _placed_row(comb, jk, 0, c00, c01, c02, c03)
+    comb = _placed_row(comb, jk, 1, c10, c11, c12, c13)
+    comb = _placed_row(comb, jk, 2, c20, c21, c22, c23)
+    return _placed_row(comb, jk, 3, c30, c31, c32, c33)
+
+
+@triton.jit
+def _placed_row(comb, jk, j: tl.constexpr, a, b, c, d):
+    """comb with row j set to the [BN] tensors (a, b, c, d)."""
+    at = jk[None, :, :]
+    comb = tl.where(at == 4 * j, a[:, None, None], comb)
+    comb = tl.where(at == 4 * j + 1, b[:, None, None], comb)
+    comb = tl.where(at == 4 * j + 2, c[:, None, None], comb)
+    return tl.where(at == 4 * j + 3, d[:, None, None], comb)
 
 
 @triton.jit
@@ -356,7 +423,7 @@ def mhc_pre_triton(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters, cf
         N, D, split, f["d_per"], norm_eps, hc_eps, iters,
         h.stride(0), h.stride(1), x.stride(0),
         HC=hc, M=M, BN=f["BN"], BD=f["BD"], SB=f["SB"],
-        COLLAPSE=not collapse_now, ACCURATE=not interp, PDL=pdl(h),
+        COLLAPSE=not collapse_now, ACCURATE=not interp, THREAD_SINKHORN=hc == 4 and f["BN"] == 1, PDL=pdl(h),
         num_warps=f["num_warps"], launch_pdl=pdl(h),
     )
     return x, pre, post, comb
