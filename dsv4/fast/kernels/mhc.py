@@ -241,9 +241,10 @@ def _entry(comb, jk, idx: tl.constexpr):
 
 @triton.jit
 def _sinkhorn4_in_threads(comb, jk, eps, steps, ACCURATE: tl.constexpr):
-    """`steps` Sinkhorn steps (rows, then columns) of comb [BN, 4, 4], the same sums and quotients as the tensor
-    form, with each token's 16 entries held by every thread as [BN] tensors: no shuffles in the loop, where the
-    tensor form's chain is a shuffle reduction and a division an entry a lane (0.28 us a step on the H200)."""
+    """`steps` Sinkhorn steps (rows, then columns) of comb [BN, 4, 4], each the IEEE step of its sums (the lane
+    form's butterfly order, tested bit for bit against torch), with each token's 16 entries held by every thread
+    as [BN] tensors: no shuffles in the loop, where the lane form's chain is a shuffle reduction and a division an
+    entry a lane (0.28 us a step on the H200)."""
     c00, c01, c02, c03 = _entry(comb, jk, 0), _entry(comb, jk, 1), _entry(comb, jk, 2), _entry(comb, jk, 3)
     c10, c11, c12, c13 = _entry(comb, jk, 4), _entry(comb, jk, 5), _entry(comb, jk, 6), _entry(comb, jk, 7)
     c20, c21, c22, c23 = _entry(comb, jk, 8), _entry(comb, jk, 9), _entry(comb, jk, 10), _entry(comb, jk, 11)
