@@ -237,7 +237,8 @@ def indexer_query_kernels() -> list[Kernel]:
     """The V4.1 indexer's decode queries (RoPE, MXFP4 rounding, head weights) of one bf16 row."""
     return [Kernel("indexer queries", indexer_query._indexer_query_kernel,
                    {"q_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "w_scale": "fp32"},
-                   {"H": 32, "D": INDEX_DH, "R": ROPE, "BF16": True, "INTERP": False, "PDL": True}, 4)]
+                   {"H": 32, "HB": indexer_query._HEADS_A_PROGRAM, "D": INDEX_DH, "R": ROPE, "BF16": True, "INTERP": False,
+                    "PDL": True}, 1)]
 
 
 def kernels() -> list[Kernel]:
