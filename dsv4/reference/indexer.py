@@ -105,6 +105,7 @@ class Indexer(nn.Module):
         self.is_v41 = config.is_v41
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
+        self.weights_scale = self.head_dim**-0.5 * self.n_heads**-0.5  # on weights_proj's output (the head weights)
         self.topk = config.index_topk
         self.candidate_topk_blocks = config.candidate_topk_blocks
         self.candidate_block_size = config.candidate_block_size
@@ -191,7 +192,7 @@ class Indexer(nn.Module):
     def _query_heads(self, q: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """wq_b's output [B, S, Hi * di] and weights_proj's [B, S, Hi] -> as `_queries` returns them."""
         q = self._fp4(apply_rope(q.unflatten(-1, (self.n_heads, self.head_dim)), cos, sin))
-        return q, w * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        return q, w * self.weights_scale
 
     # the steps a kernel implementation replaces (dsv4.fast.model.FastIndexer)
     def _scores(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

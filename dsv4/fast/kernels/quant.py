@@ -70,7 +70,7 @@ def _e2m1_code(y):
 @triton.jit
 def _e2m1_values(n):
     """e2m1 codes (int32, 0..15: sign bit 3, magnitude bits 0-2) -> their exact values, fp32, by arithmetic
-    (the interpreter's twin of the PTX decoders below)."""
+    (indexer_query's decode, and under the interpreter the twin of the MoE kernels' PTX decoders)."""
     m = n & 7
     # magnitude m >= 2 is 2^(m>>1 - 1) * (1 + (m&1)/2): the fp32 with exponent field (m >> 1) + 126 and top
     # mantissa bit m & 1, i.e. bits (m << 22) + (126 << 23); m in {0, 1} is m / 2
