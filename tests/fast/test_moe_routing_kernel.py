@@ -130,6 +130,18 @@ def test_route_topk_edges():
     torch.testing.assert_close(w, router_scores(logits, "sqrtsoftplus")[:, :6].flip(-1), rtol=1e-6, atol=0)
 
 
+def test_route_ties_go_to_the_lower_expert_id():
+    """Equal biased scores are taken lowest id first (the module's order; the twin's topk leaves ties open)."""
+    bias = torch.zeros(24)
+    bias[[3, 7, 11]] = 1.0
+    bias[[5, 9, 13, 17]] = 0.5
+    for logits, b, want in ((torch.zeros(2, 24), bias, [3, 7, 11, 5, 9, 13]),
+                            (torch.full((1, 24), 0.25), None, [0, 1, 2, 3, 4, 5])):
+        w, ids = R.route_topk(logits, b, None, 6, 1.0, 1.0, True, "sqrtsoftplus")
+        assert torch.equal(ids, torch.tensor([want] * logits.shape[0]))
+        assert torch.equal(w, torch.full_like(w, w[0, 0].item())), "tied experts weigh the same"
+
+
 @settings(deadline=None, max_examples=examples(15))
 @given(
     N=st.integers(1, 40),

@@ -50,6 +50,14 @@ def gate_route_twin(x, weight, bias, hashed_ids, topk, temp, scale, normalize, s
 
 
 @triton.jit
+def _better_expert(sel_a, id_a, score_a, sel_b, id_b, score_b):
+    """Of two (biased score, expert id, score) candidates the one routing prefers: the higher biased score, on a
+    tie the lower id."""
+    a = (sel_a > sel_b) | ((sel_a == sel_b) & (id_a < id_b))
+    return tl.where(a, sel_a, sel_b), tl.where(a, id_a, id_b), tl.where(a, score_a, score_b)
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr, bias_ptr, hashed_ptr, w_ptr, ids_ptr,
     N, E, n_split, stride_split, stride_ln, temp, scale,
@@ -100,13 +108,13 @@ def _route_kernel(
             sel = scores + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
         sel = tl.where(cmask[None, :], sel, float("-inf"))
         ids = tl.zeros((BR, KP), dtype=tl.int32)
+        col2 = tl.broadcast_to(cols[None, :], (BR, EP))
         for i in tl.static_range(TOPK):
-            best = tl.max(sel, axis=1)
-            idx = tl.min(tl.where(sel == best[:, None], cols[None, :], EP), axis=1)
+            # the best column, its id and its unbiased score in one reduction (a round was three: the max, the
+            # lowest id reaching it, the score at that id)
+            _best, idx, wi = tl.reduce((sel, col2, scores), axis=1, combine_fn=_better_expert)
             idx = tl.minimum(idx, E - 1)  # a NaN row finds no maximum: keep the id in range
-            hit = cols[None, :] == idx[:, None]
-            wi = tl.sum(tl.where(hit, scores, 0.0), axis=1)
-            sel = tl.where(hit, float("-inf"), sel)
+            sel = tl.where(col2 == idx[:, None], float("-inf"), sel)
             weights = tl.where(kk[None, :] == i, wi[:, None], weights)
             ids = tl.where(kk[None, :] == i, idx[:, None], ids)
     if NORMALIZE and TOPK > 1:
