@@ -132,7 +132,7 @@ def routing_kernels() -> list[Kernel]:
                    {"ids_ptr": "*i64", "hashed_ptr": "*i64", "temp": "fp32", "scale": "fp32"},
                    {"TOPK": TOP_K, "KP": triton.next_power_of_2(TOP_K), "EP": c["EP"], "BR": c["BR"], "SB": c["SB"],
                     "SCORE": moe_routing._SCORE_FUNCS["sqrtsoftplus"], "HAS_BIAS": True, "HASHED": False,
-                    "NORMALIZE": True, "ACCURATE": True, "PDL": True}, c["num_warps"])
+                    "NORMALIZE": True, "ACCURATE": True, "COMBINE": c["combine"], "PDL": True}, c["num_warps"])
     return [gate, route]
 
 

@@ -130,16 +130,29 @@ def test_route_topk_edges():
     torch.testing.assert_close(w, router_scores(logits, "sqrtsoftplus")[:, :6].flip(-1), rtol=1e-6, atol=0)
 
 
-def test_route_ties_go_to_the_lower_expert_id():
-    """Equal biased scores are taken lowest id first (the module's order; the twin's topk leaves ties open)."""
+@pytest.mark.parametrize("combine", [True, False])
+def test_route_ties_go_to_the_lower_expert_id(combine):
+    """Equal biased scores are taken lowest id first (the module's order; the twin's topk leaves ties open), by
+    either form of a top-k round (one reduction of triples, as on the GPU, or three vectorized ones)."""
     bias = torch.zeros(24)
     bias[[3, 7, 11]] = 1.0
     bias[[5, 9, 13, 17]] = 0.5
     for logits, b, want in ((torch.zeros(2, 24), bias, [3, 7, 11, 5, 9, 13]),
                             (torch.full((1, 24), 0.25), None, [0, 1, 2, 3, 4, 5])):
-        w, ids = R.route_topk(logits, b, None, 6, 1.0, 1.0, True, "sqrtsoftplus")
+        w, ids = R.route_topk_triton(logits, b, None, 6, 1.0, 1.0, True, "sqrtsoftplus", cfg={"combine": combine})
         assert torch.equal(ids, torch.tensor([want] * logits.shape[0]))
         assert torch.equal(w, torch.full_like(w, w[0, 0].item())), "tied experts weigh the same"
+
+
+def test_both_round_forms_route_alike():
+    """The GPU's one-reduction round and the interpreter's three-reduction round: the same ids and weights, bit
+    for bit, on random logits with and without a bias (ties included: logits rounded to a coarse grid)."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 40, generator=g) * 4).round() / 4
+    for bias in (None, (torch.randn(40, generator=g) * 2).round() / 4):
+        forms = [R.route_topk_triton(logits, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus", cfg={"combine": c})
+                 for c in (True, False)]
+        assert all(torch.equal(a, b) for a, b in zip(*forms))
 
 
 @settings(deadline=None, max_examples=examples(15))
