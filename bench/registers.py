@@ -115,7 +115,8 @@ def mhc_kernels() -> list[Kernel]:
     finish = Kernel("mhc_pre finish", mhc._pre_finish_kernel,
                     {"h_ptr": "*bf16", "x_ptr": "*bf16", "norm_eps": "fp32", "hc_eps": "fp32"},
                     {"HC": HC, "M": M, "BN": f["BN"], "BD": f["BD"], "SB": f["SB"], "COLLAPSE": False,
-                     "ACCURATE": True, "THREAD_SINKHORN": HC == 4 and f["BN"] == 1, "PDL": True}, f["num_warps"])
+                     "ACCURATE": True, "THREAD_SINKHORN": mhc.sinkhorn_in_threads(HC, f["BN"]), "PDL": True},
+                    f["num_warps"])
     p = mhc.post_config(1, D)
     post = Kernel("mhc_post", mhc._post_kernel, {"f_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16"},
                   {"HC": HC, "BN": p["BN"], "BD": p["BD"], "PDL": True}, p["num_warps"])
@@ -246,8 +247,8 @@ def indexer_query_kernels() -> list[Kernel]:
     """The V4.1 indexer's decode queries (RoPE, MXFP4 rounding, head weights) of one bf16 row."""
     return [Kernel("indexer queries", indexer_query._indexer_query_kernel,
                    {"q_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "w_scale": "fp32"},
-                   {"H": 32, "HB": indexer_query._HEADS_A_PROGRAM, "D": INDEX_DH, "R": ROPE, "BF16": True, "INTERP": False,
-                    "PDL": True}, 1)]
+                   {"H": 32, "HB": indexer_query._HEADS_A_PROGRAM, "D": INDEX_DH, "R": ROPE, "BF16": True,
+                    "INTERP": False, "PDL": True}, 1)]
 
 
 def kernels() -> list[Kernel]:

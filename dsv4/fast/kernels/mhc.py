@@ -350,6 +350,12 @@ def pre_config(N: int, D: int, hc: int, elt: int, target: int, cfg: dict | None 
     }
 
 
+def sinkhorn_in_threads(hc: int, BN: int) -> bool:
+    """Whether the finish runs its Sinkhorn steps in threads (`_sinkhorn4_in_threads`): 4 x 4 matrices, one token
+    a program."""
+    return hc == 4 and BN == 1
+
+
 def finish_config(N: int, D: int, split: int, collapse_now: bool, target: int, cfg: dict | None = None) -> dict:
     """Tiles of mhc_pre's second kernel: BN tokens a program, BD columns a collapse step, `chunks` programs along D
     of `d_per` columns each (one when the first kernel collapsed), SB of the `split` partials summed a step, and
@@ -424,7 +430,7 @@ def mhc_pre_triton(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters, cf
         N, D, split, f["d_per"], norm_eps, hc_eps, iters,
         h.stride(0), h.stride(1), x.stride(0),
         HC=hc, M=M, BN=f["BN"], BD=f["BD"], SB=f["SB"],
-        COLLAPSE=not collapse_now, ACCURATE=not interp, THREAD_SINKHORN=hc == 4 and f["BN"] == 1, PDL=pdl(h),
+        COLLAPSE=not collapse_now, ACCURATE=not interp, THREAD_SINKHORN=sinkhorn_in_threads(hc, f["BN"]), PDL=pdl(h),
         num_warps=f["num_warps"], launch_pdl=pdl(h),
     )
     return x, pre, post, comb
