@@ -66,6 +66,15 @@ def test_kernel_matches_twin(M, N, words, block, out_bf16, x_bf16, seed):
     check(y, x, w, s, block)
 
 
+@pytest.mark.parametrize("K", [256, 512, 260])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_k_steps_with_and_without_a_k_mask(K, groups):
+    """K a multiple of the K step (256, 512: the kernel's unmasked K loop, the real shapes' case) and not (260:
+    the masked one), plain and grouped, against the twin."""
+    x, w, s = make_case(K + groups, 2, 32 * groups, K, (32, 32), groups=groups)
+    check(fp8_gemv(x, w, s, 32, 32, torch.float32, groups), x, w, s, (32, 32), groups)
+
+
 @settings(max_examples=20, deadline=None)
 @given(
     M=st.integers(1, 3),

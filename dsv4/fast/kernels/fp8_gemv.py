@@ -68,12 +68,14 @@ def _dot4(acc, w, x0, x1, x2, x3, INTERP: tl.constexpr):
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, KS, block_n, block_k, G,
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, KW, KS, block_n, block_k, G,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, OUT_BF16: tl.constexpr,
-    INTERP: tl.constexpr, PDL: tl.constexpr,
+    INTERP: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """Program: weight rows pid * BN .. + BN for all BM <= M activation rows; of G groups of
-    N / G rows (BN divides N / G when G > 1), each reading its own K columns of x's rows."""
+    N / G rows (BN divides N / G when G > 1), each reading its own K columns of x's rows. KW = K / 4 (words a
+    row). EVEN_K (BK divides K): no mask along K, so the loads can be 16-byte vectors (a mask varying along K
+    made them one word each: 8 four-byte asynchronous copies a step per thread at wo_a's tile)."""
     wait_for_predecessor(PDL)
     pid = tl.program_id(0)
     n = pid * BN + tl.arange(0, BN)
@@ -82,13 +84,16 @@ def _fp8_gemv_kernel(
     c = tl.arange(0, NW)
     mm = tl.arange(0, BM)
     mmask = mm < M
-    words = w_ptr.to(tl.pointer_type(tl.int32)) + n.to(tl.int64)[:, None] * (K // 4)
+    words = w_ptr.to(tl.pointer_type(tl.int32)) + n.to(tl.int64)[:, None] * KW
     s_row = s_ptr + ((pid * BN) // block_n) * KS  # BN divides block_n: one scale row for the program
     x_rows = x_ptr + ((pid * BN) // (N // G)) * K + mm[:, None, None] * (G * K)  # the program's group's columns
     acc = tl.zeros((BM, BN, NW), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        cw = k0 // 4 + c  # word columns
-        cm = cw < K // 4
+    for k0 in tl.range(0, KW, NW, num_stages=STAGES):
+        cw = k0 + c  # word columns
+        if EVEN_K:
+            cm = tl.full((NW,), True, tl.int1)
+        else:
+            cm = cw < KW
         w = tl.load(words + cw[None, :], mask=nmask[:, None] & cm[None, :], other=0)  # [BN, NW]
         scale = (tl.load(s_row + (4 * cw) // block_k, mask=cm, other=0).to(tl.int32) << 23).to(tl.float32,
                                                                                                 bitcast=True)  # [NW]
@@ -177,9 +182,10 @@ def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1
         return y.zero_()
     BN, BK, stages, warps = _tiles(M, N, K, groups, bn, cfg or {})
     _fp8_gemv_kernel[(triton.cdiv(N, BN),)](
-        x.contiguous(), w.contiguous(), w_scale.view(torch.uint8).contiguous(), y, M, N, K, w_scale.shape[1], bn, bk,
-        groups, BM=triton.next_power_of_2(M), BN=BN, BK=BK, STAGES=stages, OUT_BF16=out_dtype == torch.bfloat16,
-        INTERP=_INTERP, PDL=pdl(x), num_warps=warps, launch_pdl=pdl(x))
+        x.contiguous(), w.contiguous(), w_scale.view(torch.uint8).contiguous(), y, M, N, K, K // 4, w_scale.shape[1],
+        bn, bk, groups, BM=triton.next_power_of_2(M), BN=BN, BK=BK, STAGES=stages,
+        OUT_BF16=out_dtype == torch.bfloat16, INTERP=_INTERP, PDL=pdl(x), EVEN_K=K % BK == 0, num_warps=warps,
+        launch_pdl=pdl(x))
     return y
 
 
