@@ -122,17 +122,16 @@ def _bisect_select(s_ptr, id_ptr, col0, width, n, block_size, k_rem, thr_key,
     prefix = tl.zeros((), tl.int32)
     lo = tl.sum(ok.to(tl.int32), axis=0)  # values reaching the prefix: k_rem or more
     hi = tl.zeros((), tl.int32)  # values reaching the bound the rejected bits set: fewer than k_rem
-    for b in tl.static_range(32):  # the bit a round decides, from the top
+    bit = tl.full((), INT_MIN, tl.int32)  # the bit a round decides, from the top
+    for _ in range(32):
         if (lo > k_rem) & (lo - hi > 1):
-            if b == 0:
-                cand = prefix | INT_MIN
-            else:
-                cand = prefix | (1 << (31 - b))
+            cand = prefix | bit
             reach = tl.sum((ok & (w >= (cand ^ INT_MIN))).to(tl.int32), axis=0)
             keep = reach >= k_rem
             prefix = tl.where(keep, cand, prefix)
             lo = tl.where(keep, reach, lo)
             hi = tl.where(keep, hi, reach)
+        bit = (bit >> 1) & 0x7FFFFFFF
     least = tl.min(tl.where(ok & (w >= (prefix ^ INT_MIN)), w, 2147483647), axis=0)
     prefix = tl.where(lo >= k_rem, least ^ INT_MIN, prefix)
     thr = prefix ^ INT_MIN
