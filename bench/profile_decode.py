@@ -34,6 +34,11 @@ def add_arguments(p):
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (the captured and the profiled one)")
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="also profile a cold prefill of --context tokens in chunks of this many")
+    p.add_argument("--slots", type=int, default=0,
+                   help="slots the runner holds, each holding the context (at least --batch; bench/runner.py holds 64)")
+    p.add_argument("--warm-up", action="store_true",
+                   help="start the runner as bench/runner.py and an engine do (Runner.warm_up: the prefill's lengths, "
+                        "every decode graph up to the slots, the replay's)")
 
 
 ARGS = common.parse_args(__doc__, add_arguments, whole_model=True)
@@ -170,12 +175,16 @@ def main():
     fast = make_fast(build_random_model(config, device, torch.bfloat16, seed=0))
     B = ARGS.batch
     # the step the runner captures and the step profiled below are one: compiled exactly when --compile
-    runner = Runner(fast, max_seqs=B + 1, max_len=context + 64, compile=ARGS.compile)
+    # --slots and --warm-up set up the runner as bench/runner.py's table does, whose batch-1 step read 56 us more
+    runner = Runner(fast, max_seqs=max(B + 1, ARGS.slots), max_len=context + 64, compile=ARGS.compile)
+    if ARGS.warm_up:
+        runner.warm_up(runner.state.max_seqs)
     ids = random_ids(config, context)
-    slots = [runner.allocate() for _ in range(B)]
-    prefill_chunks(runner, slots[0], ids, 2048)
-    for s in slots[1:]:
-        runner.resume(s, slots[0], context)
+    held = [runner.allocate() for _ in range(max(B, ARGS.slots))]
+    prefill_chunks(runner, held[0], ids, 2048)
+    for s in held[1:]:
+        runner.resume(s, held[0], context)
+    slots = held[:B]
     next_ids = random_ids(config, B).to(device)  # distinct rows route to distinct experts, as in a real batch
     runner.decode(slots, next_ids)  # capture
     step_ms = common.timed(lambda: runner.decode(slots, next_ids), device, 10) * 1e3
@@ -192,6 +201,7 @@ def main():
     nbytes = decode_bytes(fast, runner.state, context)
     bw = common.copy_bandwidth(device)
     result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": ARGS.layers, "context": context, "batch": B, "compiled": ARGS.compile,
+              "slots": len(held), "warm_up": ARGS.warm_up,
               "graph_step_ms": step_ms, "kernel_sum_ms": sum(r["us"] for r in rows) / 1e3, "kernels": len(rows),
               "kernel_launches": sum(r["calls"] for r in rows), "bytes_per_step_b1": nbytes,
               "floor_ms_b1": nbytes / bw * 1e3, "table": rows[: ARGS.top], "launches": launches(prof),
