@@ -123,6 +123,8 @@ def _bisect_select(s_ptr, id_ptr, col0, width, n, block_size, k_rem, thr_key,
     lo = tl.sum(ok.to(tl.int32), axis=0)  # values reaching the prefix: k_rem or more
     hi = tl.zeros((), tl.int32)  # values reaching the bound the rejected bits set: fewer than k_rem
     bit = tl.full((), INT_MIN, tl.int32)  # the bit a round decides, from the top
+    # 32 rounds whose body is skipped once the answer is known: a `while` on the same condition ran ~1 us faster a
+    # launch on the H200 but spills under Triton 3.9; 32 unrolled rounds ran slower (2700 more instructions)
     for _ in range(32):
         if (lo > k_rem) & (lo - hi > 1):
             cand = prefix | bit
