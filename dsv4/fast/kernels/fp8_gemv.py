@@ -74,7 +74,8 @@ def _fp8_gemv_kernel(
 ):
     """Program: weight rows pid * BN .. + BN for all BM <= M activation rows; of G groups of
     N / G rows (BN divides N / G when G > 1), each reading its own K columns of x's rows. KW = K / 4 (words a
-    row). EVEN_K (BK divides K): no mask along K, so the loads can be 16-byte vectors (a mask varying along K
+    row) comes as an argument so that a launch specializes its divisibility by 16, which K // 4 computed here
+    would not carry to the row addresses. EVEN_K (BK divides K): no mask along K, so the loads can be 16-byte vectors (a mask varying along K
     made them one word each: 8 four-byte asynchronous copies a step per thread at wo_a's tile)."""
     wait_for_predecessor(PDL)
     pid = tl.program_id(0)
