@@ -82,23 +82,35 @@ def launch_attrs(k: Kernel) -> dict:
             if not p.is_constexpr and p.name.endswith("_ptr")}
 
 
-def resources(k: Kernel) -> dict:
-    """{registers, stack, spills, shared} of k compiled for sm_90: registers and stack (spills and local arrays)
-    from the cubin, the bytes spilled from the log of the ptxas run that made it (Triton's own options)."""
+def compile_sm90(k: Kernel, signature_: dict | None = None, constexprs: dict | None = None,
+                 attrs: dict | None = None):
+    """k compiled for sm_90 by Triton's own toolchain (its signature, constexprs and launch attributes unless
+    given): (the compiled kernel, ptxas's log)."""
     log = io.StringIO()
     with knobs.compilation.scope(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
         knobs.compilation.always_compile = True  # ptxas runs (and logs) even where Triton's cache has the kernel
         knobs.nvidia.dump_ptxas_log = True
-        compiled = triton.compile(ASTSource(k.fn, signature(k), constexprs=k.constexprs, attrs=launch_attrs(k)),
-                                  target=SM90,
-                                  options={"num_warps": k.num_warps, "num_stages": k.num_stages})
-    spills = re.search(r"(\d+) bytes spill stores", log.getvalue())
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        source = ASTSource(k.fn, signature_ or signature(k), constexprs=constexprs or k.constexprs,
+                           attrs=launch_attrs(k) if attrs is None else attrs)
+        compiled = triton.compile(source, target=SM90, options={"num_warps": k.num_warps, "num_stages": k.num_stages})
+    return compiled, log.getvalue()
+
+
+def cuobjdump(compiled, *flags: str) -> str:
+    """What Triton's cuobjdump prints of the compiled kernel's cubin with `flags`."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
+        return subprocess.run([str(tool), *flags, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resources(k: Kernel) -> dict:
+    """{registers, stack, spills, shared} of k compiled for sm_90: registers and stack (spills and local arrays)
+    from the cubin, the bytes spilled from the log of the ptxas run that made it (Triton's own options)."""
+    compiled, log = compile_sm90(k)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    usage = cuobjdump(compiled, "-res-usage")
     fields = dict(item.split(":") for item in next(line for line in usage.splitlines() if "REG:" in line).split())
     return {"registers": int(fields["REG"]), "stack": int(fields["STACK"]), "spills": int(spills.group(1)),
             "shared": compiled.metadata.shared}
@@ -172,12 +184,16 @@ def batched_moe_kernels() -> list[Kernel]:
                                     ("down", moe_experts._grouped_down_kernel, down_types))]
 
 
+# the attention's FP8 GEMVs at one row, V4.1's 32 x 32 blocks: (name, weight rows N, K, groups)
+FP8_GEMV_SHAPES = (("wq_b + indexer wq_b", 32768 + 4096, 1280, 1), ("wo_a", 8192, 4096, 8), ("wo_b", D, 8192, 1),
+                   ("wq_a + wkv", 1280 + DH, D, 1))
+
+
 def fp8_gemv_kernels() -> list[Kernel]:
-    """The attention's FP8 GEMVs at one row, V4.1's 32 x 32 blocks: wq_b with the indexer's, wo_a, wo_b, and wq_a
+    """The attention's FP8 GEMVs at one row (`FP8_GEMV_SHAPES`): wq_b with the indexer's, wo_a, wo_b, and wq_a
     with wkv (a layer without an indexer)."""
     out = []
-    for name, N, K, groups in (("wq_b + indexer wq_b", 32768 + 4096, 1280, 1), ("wo_a", 8192, 4096, 8),
-                               ("wo_b", D, 8192, 1), ("wq_a + wkv", 1280 + DH, D, 1)):
+    for name, N, K, groups in FP8_GEMV_SHAPES:
         BN, BK, stages, warps = fp8_gemv._tiles(1, N, K, groups, 32, {})
         out.append(Kernel(f"fp8_gemv {name}", fp8_gemv._fp8_gemv_kernel,
                           {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16"},

@@ -18,6 +18,7 @@ if platform.system() != "Linux" or platform.machine() != "x86_64":
                 allow_module_level=True)
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "registers.py"
+LOOPS = BENCH.with_name("sass_loops.py")
 
 
 def test_the_decode_kernels_compile_for_sm90_without_spills():
@@ -32,3 +33,18 @@ def test_the_decode_kernels_compile_for_sm90_without_spills():
         assert 0 < r["registers"] <= 255, r
         if not r["spills_ok"]:  # a stack without spills is a local array (Triton 3.9 gives the NVFP4 quant 8 bytes)
             assert r["spills"] == 0, f"{r['kernel']} spills: {r}"
+
+
+def test_the_decode_gemvs_copy_their_weights_asynchronously():
+    """bench/sass_loops.py reads the loops of the compiled kernels: the FP8 GEMV's and the gather MoE's K loops
+    stream their weights as the software pipeliner's asynchronous copies (LDGSTS); a change that makes them
+    loads waiting on memory (as loading the FP8 GEMV's scales two steps ahead did) fails here."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    for only, copies in (("fp8_gemv wo_a", 2), ("moe gather up", 8)):
+        out = subprocess.run([sys.executable, str(LOOPS), "--json", "--only", only], check=False, capture_output=True,
+                             text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        assert rows and rows[0]["kernel"] == only and rows[0]["launch_ints"], rows
+        k_loop = max(rows[0]["loops"], key=lambda lp: lp["instructions"])
+        assert k_loop["instructions"] > 50 and k_loop["async_copies"] >= copies, rows[0]
