@@ -26,6 +26,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -272,24 +273,31 @@ def kernels() -> list[Kernel]:
             + quant_kernels() + indexer_query_kernels() + batched_moe_kernels())
 
 
+def report(name: str, rows: Iterable[dict], as_json: bool, columns: list) -> None:
+    """The rows (made as the loop reaches each: a kernel compiles then) each as a JSON line on stdout, or all as
+    bench/results/<name>.json ($OUT/<name>.json) and a table of `columns`."""
+    done = []
+    for row in rows:
+        done.append(row)
+        if as_json:
+            print(json.dumps(row), flush=True)
+    if not as_json:
+        result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "commit": common.git_commit(),
+                  "triton": triton.__version__, "target": "sm_90, compiled offline (no GPU)", "kernels": done}
+        path = common.write_result(name, False, result)
+        common.print_table(columns, done)
+        print(f"json: {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="one JSON object a kernel, no table")
     args = p.parse_args()
-    rows = []
-    for k in kernels():
-        row = {"kernel": k.name, "num_warps": k.num_warps, "spills_ok": k.spills_ok, "note": k.note, **resources(k)}
-        rows.append(row)
-        if args.json:
-            print(json.dumps(row), flush=True)
-    if not args.json:
-        result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "commit": common.git_commit(),
-                  "triton": triton.__version__, "target": "sm_90, compiled offline (no GPU)", "kernels": rows}
-        path = common.write_result("registers", False, result)
-        common.print_table([("kernel", "kernel", ""), ("warps", "num_warps", "d"), ("regs", "registers", "d"),
-                            ("stack", "stack", "d"), ("spills", "spills", "d"), ("shared", "shared", "d"),
-                            ("note", "note", "")], rows)
-        print(f"json: {path}")
+    rows = ({"kernel": k.name, "num_warps": k.num_warps, "spills_ok": k.spills_ok, "note": k.note, **resources(k)}
+            for k in kernels())
+    report("registers", rows, args.json, [("kernel", "kernel", ""), ("warps", "num_warps", "d"),
+                                          ("regs", "registers", "d"), ("stack", "stack", "d"),
+                                          ("spills", "spills", "d"), ("shared", "shared", "d"), ("note", "note", "")])
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ is pipelined only when asked: `tl.range(..., num_stages=...)`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -26,9 +25,7 @@ from pathlib import Path
 os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common
 import registers as R
-import triton
 
 _ATTN = {"stride_hn": R.HC * R.D, "stride_hk": R.D, "stride_xn": R.D}
 # the int arguments a batch-1 V4.1 decode step launches each kernel with (an argument a kernel does not take is
@@ -76,32 +73,26 @@ def loops(sass: str) -> list[dict]:
     return out
 
 
+def kernel_row(k: R.Kernel, sass_dir: Path | None) -> dict:
+    """k's loops as its batch-1 launch compiles them (its SASS into sass_dir too, if given)."""
+    sass = R.cuobjdump(launch_compile(k), "-sass")
+    if sass_dir is not None:
+        sass_dir.mkdir(parents=True, exist_ok=True)
+        (sass_dir / f"{re.sub(r'[^A-Za-z0-9]+', '_', k.name)}.sass").write_text(sass)
+    return {"kernel": k.name, "launch_ints": k.name in LAUNCH_INTS, "loops": loops(sass)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="one JSON object a kernel, no table, nothing written")
     p.add_argument("--only", default="", help="the kernels whose name contains this")
     p.add_argument("--sass", type=Path, help="a folder for each kernel's SASS")
     args = p.parse_args()
-    rows = []
-    for k in R.kernels():
-        if "prefill" in k.name or args.only not in k.name:
-            continue
-        sass = R.cuobjdump(launch_compile(k), "-sass")
-        if args.sass:
-            args.sass.mkdir(parents=True, exist_ok=True)
-            (args.sass / f"{re.sub(r'[^A-Za-z0-9]+', '_', k.name)}.sass").write_text(sass)
-        row = {"kernel": k.name, "launch_ints": k.name in LAUNCH_INTS, "loops": loops(sass)}
-        rows.append(row)
-        if args.json:
-            print(json.dumps(row), flush=True)
-    if not args.json:
-        result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "commit": common.git_commit(),
-                  "triton": triton.__version__, "target": "sm_90, compiled offline (no GPU)", "kernels": rows}
-        path = common.write_result("sass_loops", False, result)
-        show = lambda r: "  ".join(f"{lp['instructions']} ins {lp['waiting_loads']} LDG {lp['async_copies']} LDGSTS"
-                                   for lp in r["loops"]) or "-"
-        common.print_table([("kernel", "kernel", ""), ("launch ints", "launch_ints", ""), ("loops", show, "")], rows)
-        print(f"json: {path}")
+    rows = (kernel_row(k, args.sass) for k in R.kernels() if "prefill" not in k.name and args.only in k.name)
+    show = lambda r: "  ".join(f"{lp['instructions']} ins {lp['waiting_loads']} LDG {lp['async_copies']} LDGSTS"
+                               for lp in r["loops"]) or "-"
+    R.report("sass_loops", rows, args.json, [("kernel", "kernel", ""), ("launch ints", "launch_ints", ""),
+                                             ("loops", show, "")])
 
 
 if __name__ == "__main__":
