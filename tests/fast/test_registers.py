@@ -1,5 +1,6 @@
 """The batch-1 decode step's kernels compile for sm_90 without register spills (bench/registers.py: offline, with
-the installed Triton's ptxas), except those the table marks with a reason."""
+the installed Triton's ptxas), except those the table marks with a reason; their weight-streaming K loops copy
+the weights asynchronously (bench/sass_loops.py)."""
 
 from __future__ import annotations
 
