@@ -83,15 +83,14 @@ def launch_attrs(k: Kernel) -> dict:
             if not p.is_constexpr and p.name.endswith("_ptr")}
 
 
-def compile_sm90(k: Kernel, signature_: dict | None = None, constexprs: dict | None = None,
-                 attrs: dict | None = None):
+def compile_sm90(k: Kernel, sig: dict | None = None, constexprs: dict | None = None, attrs: dict | None = None):
     """k compiled for sm_90 by Triton's own toolchain (its signature, constexprs and launch attributes unless
     given): (the compiled kernel, ptxas's log)."""
     log = io.StringIO()
     with knobs.compilation.scope(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
         knobs.compilation.always_compile = True  # ptxas runs (and logs) even where Triton's cache has the kernel
         knobs.nvidia.dump_ptxas_log = True
-        source = ASTSource(k.fn, signature_ or signature(k), constexprs=constexprs or k.constexprs,
+        source = ASTSource(k.fn, sig or signature(k), constexprs=constexprs or k.constexprs,
                            attrs=launch_attrs(k) if attrs is None else attrs)
         compiled = triton.compile(source, target=SM90, options={"num_warps": k.num_warps, "num_stages": k.num_stages})
     return compiled, log.getvalue()

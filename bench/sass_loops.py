@@ -5,7 +5,7 @@ known divisible by 16), at the tiles bench/registers.py takes from each op's own
 
     python bench/sass_loops.py                 # the table, and bench/results/sass_loops.json ($OUT/...)
     python bench/sass_loops.py --json          # one JSON object a kernel on stdout, nothing written
-    python bench/sass_loops.py --only wo_a     # the kernels whose name contains a string
+    python bench/sass_loops.py --only wo_a up  # the kernels whose name contains any of the strings
     python bench/sass_loops.py --sass DIR      # each kernel's SASS into DIR too
 
 A load that waits inside a loop costs a memory round trip each step unless the step's other work covers it.
@@ -66,8 +66,9 @@ def loops(sass: str) -> list[dict]:
     out = []
     for i, (a, text) in enumerate(ins):
         back = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text)
-        if back and int(back.group(1), 16) < a and int(back.group(1), 16) in where:
-            ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for _, x in ins[where[int(back.group(1), 16)]:i + 1]]
+        start = where.get(int(back.group(1), 16)) if back else None
+        if start is not None and start < i:
+            ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for _, x in ins[start:i + 1]]
             out.append({"instructions": len(ops), "waiting_loads": sum(op.startswith("LDG.") for op in ops),
                         "async_copies": sum(op.startswith("LDGSTS") for op in ops)})
     return out
@@ -85,10 +86,10 @@ def kernel_row(k: R.Kernel, sass_dir: Path | None) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="one JSON object a kernel, no table, nothing written")
-    p.add_argument("--only", default="", help="the kernels whose name contains this")
+    p.add_argument("--only", nargs="*", default=[""], help="the kernels whose name contains any of these")
     p.add_argument("--sass", type=Path, help="a folder for each kernel's SASS")
     args = p.parse_args()
-    rows = (kernel_row(k, args.sass) for k in R.kernels() if "prefill" not in k.name and args.only in k.name)
+    rows = (kernel_row(k, args.sass) for k in R.kernels() if "prefill" not in k.name and any(o in k.name for o in args.only))
     show = lambda r: "  ".join(f"{lp['instructions']} ins {lp['waiting_loads']} LDG {lp['async_copies']} LDGSTS"
                                for lp in r["loops"]) or "-"
     R.report("sass_loops", rows, args.json, [("kernel", "kernel", ""), ("launch ints", "launch_ints", ""),
