@@ -272,20 +272,21 @@ def kernels() -> list[Kernel]:
             + quant_kernels() + indexer_query_kernels() + batched_moe_kernels())
 
 
-def report(name: str, rows: Iterable[dict], as_json: bool, columns: list) -> None:
+def report(name: str, rows: Iterable[dict], as_json: bool, columns: list, save: bool = True) -> None:
     """The rows (made as the loop reaches each: a kernel compiles then) each as a JSON line on stdout, or all as
-    bench/results/<name>.json ($OUT/<name>.json) and a table of `columns`."""
+    a table of `columns` and, if save, bench/results/<name>.json ($OUT/<name>.json)."""
     done = []
     for row in rows:
         done.append(row)
         if as_json:
             print(json.dumps(row), flush=True)
-    if not as_json:
+    if as_json:
+        return
+    common.print_table(columns, done)
+    if save:
         result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "commit": common.git_commit(),
                   "triton": triton.__version__, "target": "sm_90, compiled offline (no GPU)", "kernels": done}
-        path = common.write_result(name, False, result)
-        common.print_table(columns, done)
-        print(f"json: {path}")
+        print(f"json: {common.write_result(name, False, result)}")
 
 
 def main() -> None:

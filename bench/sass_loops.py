@@ -5,7 +5,7 @@ known divisible by 16), at the tiles bench/registers.py takes from each op's own
 
     python bench/sass_loops.py                 # the table, and bench/results/sass_loops.json ($OUT/...)
     python bench/sass_loops.py --json          # one JSON object a kernel on stdout, nothing written
-    python bench/sass_loops.py --only wo_a up  # the kernels whose name contains any of the strings
+    python bench/sass_loops.py --only wo_a up  # the kernels whose name contains any of the strings (not saved)
     python bench/sass_loops.py --sass DIR      # each kernel's SASS into DIR too
 
 A load that waits inside a loop costs a memory round trip each step unless the step's other work covers it.
@@ -93,7 +93,7 @@ def main() -> None:
     show = lambda r: "  ".join(f"{lp['instructions']} ins {lp['waiting_loads']} LDG {lp['async_copies']} LDGSTS"
                                for lp in r["loops"]) or "-"
     R.report("sass_loops", rows, args.json, [("kernel", "kernel", ""), ("launch ints", "launch_ints", ""),
-                                             ("loops", show, "")])
+                                             ("loops", show, "")], save=args.only == [""])
 
 
 if __name__ == "__main__":
