@@ -197,7 +197,7 @@ def fp8_gemv_kernels() -> list[Kernel]:
         BN, BK, stages, warps = fp8_gemv._tiles(1, N, K, groups, 32, {})
         out.append(Kernel(f"fp8_gemv {name}", fp8_gemv._fp8_gemv_kernel,
                           {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16"},
-                          {"BM": 1, "BN": BN, "BK": BK, "STAGES": stages, "OUT_BF16": True, "INTERP": False,
+                          {"BM": 1, "BN": BN, "BK": BK, "BLOCK_K": 32, "STAGES": stages, "OUT_BF16": True, "INTERP": False,
                            "PDL": True, "EVEN_K": K % BK == 0}, warps, stages))
     return out
 

@@ -39,7 +39,7 @@ LAUNCH_INTS = {
     **{f"moe gather {part}{tokens}": {"D": R.D, "I": R.I, "E": R.EXPERTS}
        for part in ("up", "down") for tokens in ("", f" ({R.moe_experts.GATHER_MAX_N} tokens)")},
     "sparse_attn combine": {"H": R.H, "n_splits": 20},
-    **{f"fp8_gemv {name}": {"M": 1, "N": N, "K": K, "KW": K // 4, "KS": K // 32, "block_n": 32, "block_k": 32,
+    **{f"fp8_gemv {name}": {"M": 1, "N": N, "K": K, "KW": K // 4, "KS": K // 32, "block_n": 32,
                             "G": G}
        for name, N, K, G in R.FP8_GEMV_SHAPES},
 }

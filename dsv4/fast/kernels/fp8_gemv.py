@@ -68,15 +68,18 @@ def _dot4(acc, w, x0, x1, x2, x3, INTERP: tl.constexpr):
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, KW, KS, block_n, block_k, G,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, OUT_BF16: tl.constexpr,
-    INTERP: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, KW, KS, block_n, G,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    OUT_BF16: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """Program: weight rows pid * BN .. + BN for all BM <= M activation rows; of G groups of
-    N / G rows (BN divides N / G when G > 1), each reading its own K columns of x's rows. KW = K / 4 (words a
-    row) comes as an argument so that a launch specializes its divisibility by 16, which K // 4 computed here
-    would not carry to the row addresses. EVEN_K (BK divides K): no mask along K, so the loads can be 16-byte vectors (a mask varying along K
-    made them one word each: 8 four-byte asynchronous copies a step per thread at wo_a's tile)."""
+    """Program: weight rows pid * BN .. + BN for all BM <= M activation rows; of G groups of N / G rows (BN
+    divides N / G when G > 1), each reading its own K columns of x's rows. KW = K / 4 (words a row) comes as an
+    argument so that a launch specializes its divisibility by 16, which K // 4 computed here would not carry to
+    the row addresses. EVEN_K (BK divides K): no mask along K, so the loads can be 16-byte vectors (a mask varying
+    along K made them one word each: 8 four-byte asynchronous copies a step per thread at wo_a's tile). The scales are
+    loaded a step ahead: the pipeliner copies nothing under 4 bytes asynchronously, so a byte load in the step
+    that uses it waited on memory every step (sm_90 SASS); BLOCK_K is a constexpr so that finding a word's K block
+    is a shift, not a division by a runtime int."""
     wait_for_predecessor(PDL)
     pid = tl.program_id(0)
     n = pid * BN + tl.arange(0, BN)
@@ -89,6 +92,7 @@ def _fp8_gemv_kernel(
     s_row = s_ptr + ((pid * BN) // block_n) * KS  # BN divides block_n: one scale row for the program
     x_rows = x_ptr + ((pid * BN) // (N // G)) * K + mm[:, None, None] * (G * K)  # the program's group's columns
     acc = tl.zeros((BM, BN, NW), dtype=tl.float32)
+    scale = _word_scales(s_row, c, KW, BLOCK_K)  # [NW]
     for k0 in tl.range(0, KW, NW, num_stages=STAGES):
         cw = k0 + c  # word columns
         if EVEN_K:
@@ -96,8 +100,7 @@ def _fp8_gemv_kernel(
         else:
             cm = cw < KW
         w = tl.load(words + cw[None, :], mask=nmask[:, None] & cm[None, :], other=0)  # [BN, NW]
-        scale = (tl.load(s_row + (4 * cw) // block_k, mask=cm, other=0).to(tl.int32) << 23).to(tl.float32,
-                                                                                                bitcast=True)  # [NW]
+        next_scale = _word_scales(s_row, cw + NW, KW, BLOCK_K)
         xq = tl.load(x_rows + (4 * cw)[None, :, None] + tl.arange(0, 4)[None, None, :],
                      mask=mmask[:, None, None] & cm[None, :, None], other=0.0).to(tl.float32) * scale[None, :, None]
         even, odd = tl.split(tl.reshape(xq, (BM, NW, 2, 2)))  # positions (0, 2) and (1, 3) of each word
@@ -105,6 +108,7 @@ def _fp8_gemv_kernel(
         x1, x3 = tl.split(odd)
         acc = _dot4(acc, tl.broadcast_to(w[None, :, :], (BM, BN, NW)), _rows(x0, BN), _rows(x1, BN),
                     _rows(x2, BN), _rows(x3, BN), INTERP)
+        scale = next_scale
     y = tl.sum(acc, axis=2)  # [BM, BN]
     dst = y_ptr + mm[:, None] * N + n[None, :]
     ymask = mmask[:, None] & nmask[None, :]
@@ -112,6 +116,13 @@ def _fp8_gemv_kernel(
         tl.store(dst, _to_bf16(y, INTERP), mask=ymask)  # round to nearest (the interpreter's cast truncates)
     else:
         tl.store(dst, y, mask=ymask)
+
+
+@triton.jit
+def _word_scales(s_row, cw, KW, BLOCK_K: tl.constexpr):
+    """The fp32 scales (2^(e8m0 - 127)) of the int32 word columns cw; 0 past the row's KW words."""
+    e8m0 = tl.load(s_row + (4 * cw) // BLOCK_K, mask=cw < KW, other=0)
+    return (e8m0.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -184,7 +195,7 @@ def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1
     BN, BK, stages, warps = _tiles(M, N, K, groups, bn, cfg or {})
     _fp8_gemv_kernel[(triton.cdiv(N, BN),)](
         x.contiguous(), w.contiguous(), w_scale.view(torch.uint8).contiguous(), y, M, N, K, K // 4, w_scale.shape[1],
-        bn, bk, groups, BM=triton.next_power_of_2(M), BN=BN, BK=BK, STAGES=stages,
+        bn, groups, BM=triton.next_power_of_2(M), BN=BN, BK=BK, BLOCK_K=bk, STAGES=stages,
         OUT_BF16=out_dtype == torch.bfloat16, INTERP=_INTERP, PDL=pdl(x), EVEN_K=K % BK == 0, num_warps=warps,
         launch_pdl=pdl(x))
     return y
