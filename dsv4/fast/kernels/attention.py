@@ -265,12 +265,12 @@ def _combine_kernel(
     cols = d0 + tl.arange(0, BLOCK_D)
     sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
     top = sink
-    for j0 in range(0, n_splits, BLOCK_S):
+    for j0 in tl.range(0, n_splits, BLOCK_S, num_stages=2):
         part, pmask = _split_rows(s, j0, n_splits, heads, hmask, H, BLOCK_S)
         top = tl.maximum(top, tl.max(tl.load(part_ml_ptr + part * 2, mask=pmask, other=float("-inf")), axis=0))
     denom = tl.exp2(sink - top)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for j0 in range(0, n_splits, BLOCK_S):
+    for j0 in tl.range(0, n_splits, BLOCK_S, num_stages=2):
         part, pmask = _split_rows(s, j0, n_splits, heads, hmask, H, BLOCK_S)
         w = tl.exp2(tl.load(part_ml_ptr + part * 2, mask=pmask, other=float("-inf")) - top[None, :])  # [BLOCK_S, BLOCK_H]
         denom += tl.sum(w * tl.load(part_ml_ptr + part * 2 + 1, mask=pmask, other=0.0), axis=0)

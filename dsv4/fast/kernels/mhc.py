@@ -157,7 +157,7 @@ def _pre_finish_kernel(
     # SB splits a step, their loads all in flight at once: one split a step waited out an L2 round trip per
     # split (80 of them for one token at V4.1 widths), most of this kernel's time at decode
     sb = tl.arange(0, SB)
-    for s0 in range(0, n_split, SB):
+    for s0 in tl.range(0, n_split, SB, num_stages=2):
         s = s0 + sb
         row = ws_ptr + (s[:, None] * N + rows64[None, :]) * (M + 1)  # [SB, BN]
         live = (s < n_split)[:, None] & rmask[None, :]

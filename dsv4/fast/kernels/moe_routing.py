@@ -92,7 +92,7 @@ def _route_kernel(
     # logits: the sum of n_split partial products (1 for route_topk), SB partials per load: one a loop step put an
     # L2 round trip per split in series
     x = tl.zeros((BR, EP), dtype=tl.float32)
-    for s0 in range(0, n_split, SB):
+    for s0 in tl.range(0, n_split, SB, num_stages=2):
         s = s0 + tl.arange(0, SB)
         part = logits_ptr + s[:, None, None] * stride_split + rows64[None, :, None] * stride_ln + cols[None, None, :]
         x += tl.sum(tl.load(part, mask=(s < n_split)[:, None, None] & m2[None, :, :], other=0.0), axis=0)
