@@ -89,6 +89,9 @@ def _pre_partial_kernel(
     acc = tl.zeros((BN, MP), dtype=tl.float32)
     sq = tl.zeros((BN, BD), dtype=tl.float32)
     xacc = tl.zeros((BN, BD), dtype=tl.float32)
+    if COLLAPSE:  # the rows' collapse weights [BN, HC], loaded once: a load in the loop waited on memory each step
+        streams = tl.arange(0, HC)
+        w_rows = tl.load(w_ptr + rows64[:, None] * stride_wn + streams[None, :], mask=rmask[:, None], other=0.0)
     # one flat loop over (d step, stream), d-major: one h tile and one fn tile live per iteration (the
     # pipeline keeps num_stages of them in flight), and the hc streams of a d step arrive back to back
     # so the collapse can finish that step's x on its last stream
@@ -119,7 +122,7 @@ def _pre_partial_kernel(
         else:
             acc += tl.dot(h32, fv, input_precision="tf32x3")
         if COLLAPSE:
-            wk = tl.load(w_ptr + rows64 * stride_wn + k, mask=rmask, other=0.0)
+            wk = tl.sum(tl.where(streams[None, :] == k, w_rows, 0.0), axis=1)  # [BN], stream k's weight
             xacc += wk[:, None] * h32
             last = (dd * 0 + k) == HC - 1  # [BD], all true on a step's last stream
             tl.store(x_ptr + rows64[:, None] * stride_xn + (d0 + dd)[None, :], xacc.to(x_ptr.dtype.element_ty),
