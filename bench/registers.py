@@ -160,11 +160,12 @@ def moe_kernels() -> list[Kernel]:
         common = {"STAGES": c["gather_stages"], "IS_BF16": True, "INTERP": False, "SHARED": True, "PDL": True}
         out.append(Kernel(f"moe gather up{label}", moe_experts._gather_up_kernel,
                           {"x_ptr": "*bf16", "ids_ptr": "*i64", "w13_ptr": "*i32", "s13_ptr": "*u8",
-                           "sh13_ptr": "*bf16", "limit": "fp32"}, {"BI": c["BI"], "BK": c["BK"], **common},
+                           "sh13_ptr": "*bf16", "limit": "fp32"}, {"BI": c["BI"], "BK": c["BK"], "EVEN_K": D % c["BK"] == 0, **common},
                           c["gather_warps"], spills_ok=spill, note=spill_note if spill else ""))
         out.append(Kernel(f"moe gather down{label}", moe_experts._gather_down_kernel,
                           {"ids_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "sh2_ptr": "*bf16"},
-                          {"BD": c["BD"], "BK": c["BK"], **common}, c["gather_warps"]))
+                          {"BD": c["BD"], "BK": c["BK"], "EVEN_K": I % c["BK"] == 0, **common},
+                          c["gather_warps"]))
     return out
 
 

@@ -194,6 +194,34 @@ def test_gather_tc_chunks():
     check_close(y, M.moe_experts_twin(x, ids, weights, w13, s13, w2, s2, 1.0, sh13, sh2), torch.bfloat16)
 
 
+@pytest.mark.parametrize("K, offset", [(256, 0), (192, 0), (256, 1)])
+def test_gather_whole_k_steps(K, offset):
+    """The gather kernels at 128-wide K steps: where the step divides the row (256) and the scales sit 4-byte
+    aligned they read the scales as int32 words, four groups each, and drop the K masks; a partial last step (192)
+    or scales one byte off a word (offset 1) take the byte loads. Each 32-group's weights carry their own power of
+    two (2^-3 .. 2^3), so a group read with a neighbour's scale, or a word's bytes in the wrong order, is off by
+    a factor of 2 or more."""
+    E, k, N = 4, 2, 2
+    g = torch.Generator().manual_seed(K + offset)
+
+    def grouped_weights(rows, cols):  # [E, rows, cols], 32-element groups of random powers of two
+        spread = 2.0 ** torch.randint(-3, 4, (E, rows, cols // 32, 1), generator=g)
+        return (torch.randn(E, rows, cols // 32, 32, generator=g) * spread).view(E, rows, cols) / cols**0.5
+
+    w13, s13 = quantize_mxfp4(grouped_weights(2 * K, K))
+    w2, s2 = quantize_mxfp4(grouped_weights(K, K))
+    if offset:  # the same scales one byte into a buffer
+        padded = torch.cat([torch.zeros(offset, dtype=torch.uint8), s13.view(torch.uint8).flatten()])
+        s13 = padded[offset:].view(s13.shape)
+    x = torch.randn(N, K, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    weights = torch.rand(N, k, generator=g) + 0.1
+    assert M._even_k(K, 128, s13) == (K == 256 and offset == 0)
+    y = M.moe_triton(x, ids, weights, w13, s13, w2, s2, 0.0, path="gather", cfg={"BK": 128})
+    check_close(y, M.moe_experts_twin(x, ids, weights, w13, s13.view(torch.uint8), w2, s2.view(torch.uint8), 0.0),
+                torch.float32)
+
+
 def test_clamp_active_and_paths_agree():
     """Large activations: the clamp changes the result (against limit 0), and gather == grouped == gather_tc ==
     twin."""

@@ -316,9 +316,31 @@ def _plane_offset(k, K):
 
 
 @triton.jit
-def _activation_plane(planes, j: tl.constexpr, plane, c, R: tl.constexpr):
+def _activation_plane(planes, j: tl.constexpr, plane, c, R: tl.constexpr, EVEN: tl.constexpr):
     """Activations 8c + j ([NW] for the word columns c) of `planes` (see `activation_planes`), as [R, NW]."""
-    return tl.broadcast_to(tl.load(planes + j * plane + c, mask=c < plane, other=0.0)[None, :], (R, c.shape[0]))
+    if EVEN:
+        a = tl.load(planes + j * plane + c)
+    else:
+        a = tl.load(planes + j * plane + c, mask=c < plane, other=0.0)
+    return tl.broadcast_to(a[None, :], (R, c.shape[0]))
+
+
+@triton.jit
+def _group_exponents(s_ptr, rows64, rmask, row_scales, k0, G: tl.constexpr, EVEN: tl.constexpr):
+    """The e8m0 exponents [R, G] (int32) of scale groups k0 / 32 .. + G of the rows. EVEN (the step's groups lie
+    in the row, G a multiple of 4, rows of 4-byte multiples at a 4-byte aligned s_ptr): read as int32 words of four,
+    lowest byte first, so each load is an asynchronous copy; bytes are not (the pipeliner staged them through
+    registers: a load, a shared-memory store and a barrier more a step)."""
+    if EVEN:
+        sw = k0 // 128 + tl.arange(0, G // 4)
+        words = tl.load(s_ptr.to(tl.pointer_type(tl.int32)) + rows64[:, None] * (row_scales // 4) + sw[None, :],
+                        mask=rmask[:, None], other=0)  # [R, G/4]
+        shifts = 8 * tl.arange(0, 4)
+        return tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 255, (rows64.shape[0], G))
+    else:
+        g = k0 // 32 + tl.arange(0, G)
+        live = rmask[:, None] & (g < row_scales)[None, :]
+        return tl.load(s_ptr + rows64[:, None] * row_scales + g[None, :], mask=live, other=0).to(tl.int32)
 
 
 @triton.jit
@@ -330,24 +352,27 @@ def _sum_eights(p):
 
 @triton.jit
 def _gemv_words(acc, w_ptr, s_ptr, rows64, rmask, row_words, row_scales, planes, k0, NW: tl.constexpr,
-                INTERP: tl.constexpr):
+                INTERP: tl.constexpr, EVEN: tl.constexpr):
     """acc [R, NW/4] + packed FP4 rows `rows64` (int32 words, eight codes each) . activations k0 .. k0 + 8 NW - 1
     (`planes`: see `activation_planes`), per 32-element scale group: the four words' exact products summed
     unscaled, then scaled. The caller sums over the groups once, after its K loop (a sum per step crossed threads
-    every step: on the H200 the routed down GEMV took 36.0 us with it, 28.0 without)."""
+    every step: on the H200 the routed down GEMV took 36.0 us with it, 28.0 without). EVEN: the step lies in the
+    row (no K masks, so the words load as 16-byte vectors, not 8) and the scales come as words
+    (`_group_exponents`)."""
     R: tl.constexpr = rows64.shape[0]
     c = k0 // 8 + tl.arange(0, NW)  # word columns
-    w = tl.load(w_ptr + rows64[:, None] * row_words + c[None, :], mask=rmask[:, None] & (c < row_words)[None, :],
-                other=0)  # [R, NW] int32
-    p = _word_dot(w, _activation_plane(planes, 0, row_words, c, R), _activation_plane(planes, 1, row_words, c, R),
-                  _activation_plane(planes, 2, row_words, c, R), _activation_plane(planes, 3, row_words, c, R),
-                  _activation_plane(planes, 4, row_words, c, R), _activation_plane(planes, 5, row_words, c, R),
-                  _activation_plane(planes, 6, row_words, c, R), _activation_plane(planes, 7, row_words, c, R),
-                  INTERP)
+    if EVEN:
+        w = tl.load(w_ptr + rows64[:, None] * row_words + c[None, :], mask=rmask[:, None], other=0)  # [R, NW] int32
+    else:
+        w = tl.load(w_ptr + rows64[:, None] * row_words + c[None, :], mask=rmask[:, None] & (c < row_words)[None, :],
+                    other=0)
+    n = row_words
+    p = _word_dot(w, _activation_plane(planes, 0, n, c, R, EVEN), _activation_plane(planes, 1, n, c, R, EVEN),
+                  _activation_plane(planes, 2, n, c, R, EVEN), _activation_plane(planes, 3, n, c, R, EVEN),
+                  _activation_plane(planes, 4, n, c, R, EVEN), _activation_plane(planes, 5, n, c, R, EVEN),
+                  _activation_plane(planes, 6, n, c, R, EVEN), _activation_plane(planes, 7, n, c, R, EVEN), INTERP)
     part = tl.sum(tl.reshape(p, (R, NW // 4, 4)), axis=2)  # [R, NW/4]: a scale group is four words
-    g = k0 // 32 + tl.arange(0, NW // 4)
-    e = tl.load(s_ptr + rows64[:, None] * row_scales + g[None, :], mask=rmask[:, None] & (g < row_scales)[None, :],
-                other=0).to(tl.int32)
+    e = _group_exponents(s_ptr, rows64, rmask, row_scales, k0, NW // 4, EVEN)
     return acc + part * (e << 23).to(tl.float32, bitcast=True)
 
 
@@ -382,7 +407,7 @@ def _gather_up_kernel(
     x_ptr, xp_ptr, ids_ptr, wts_ptr, w13_ptr, s13_ptr, sh13_ptr, hp_ptr,
     D, I, S, K, E, limit,
     BI: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr,
-    SHARED: tl.constexpr, PDL: tl.constexpr,
+    SHARED: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """Program (t, slot, i tile): h[t, slot, i] = swiglu(x[t] . w1[e, i], x[t] . w3[e, i]) * weight, rounded,
     written as activation planes (`activation_planes`) for the down kernel. x [N, D] as given (the shared
@@ -406,9 +431,10 @@ def _gather_up_kernel(
         # issued each step's loads after the last step's math; on the H200, with the word decode, the routed up
         # GEMV alone 50.8 -> 38.5 us)
         for k0 in tl.range(0, D, BK, num_stages=STAGES):
-            part_g = _gemv_words(part_g, w13_ptr, s13_ptr, rows_g, imask, D // 8, D // 32, planes, k0, BK // 8, INTERP)
+            part_g = _gemv_words(part_g, w13_ptr, s13_ptr, rows_g, imask, D // 8, D // 32, planes, k0, BK // 8,
+                                 INTERP, EVEN_K)
             part_u = _gemv_words(part_u, w13_ptr, s13_ptr, rows_g + I, imask, D // 8, D // 32, planes, k0, BK // 8,
-                                 INTERP)
+                                 INTERP, EVEN_K)
         acc_g = tl.sum(part_g, axis=1) * _WORD_DOT_UNIT
         acc_u = tl.sum(part_u, axis=1) * _WORD_DOT_UNIT
     elif SHARED:  # the shared expert, dense (see SHARED in moe_triton)
@@ -435,7 +461,7 @@ def _gather_down_kernel(
     hp_ptr, ids_ptr, w2_ptr, s2_ptr, sh2_ptr, out_ptr,
     D, I, S, K, E,
     BD: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr,
-    SHARED: tl.constexpr, PDL: tl.constexpr,
+    SHARED: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """Program (t, d tile, slot): out[t, slot, d] = round(h[t, slot] . w2[e, d]) (the caller sums the slots);
     h as the up kernel's planes, w2 as int32 words."""
@@ -452,7 +478,7 @@ def _gather_down_kernel(
         rows = e * D + d64
         part = tl.zeros((BD, BK // 32), dtype=tl.float32)
         for k0 in tl.range(0, I, BK, num_stages=STAGES):
-            part = _gemv_words(part, w2_ptr, s2_ptr, rows, dmask, I // 8, I // 32, planes, k0, BK // 8, INTERP)
+            part = _gemv_words(part, w2_ptr, s2_ptr, rows, dmask, I // 8, I // 32, planes, k0, BK // 8, INTERP, EVEN_K)
         acc = tl.sum(part, axis=1) * _WORD_DOT_UNIT
     elif SHARED:
         sh_part = tl.zeros((BD, BK // 8), dtype=tl.float32)
@@ -710,6 +736,13 @@ def _operands(x, w13, s13, w2, s2, shared13, shared2):
     return x.contiguous(), w13, s13, w2, s2, shared13.contiguous(), shared2.contiguous()
 
 
+def _even_k(K: int, BK: int, scales: torch.Tensor) -> bool:
+    """Whether the gather kernels' K loop over rows of K elements may drop its K masks and read the scales as
+    int32 words (`_gemv_words`): BK divides K and spans whole words of four scale groups, and the scales sit
+    4-byte aligned (every row then starts on a word: K / 32 bytes a row, a multiple of 4)."""
+    return K % BK == 0 and BK % 128 == 0 and scales.data_ptr() % 4 == 0
+
+
 def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, has_shared: bool, c: dict):
     """The gather path's kernels on prepared operands (x contiguous, planes = activation_planes(x), expert bytes
     uint8): each slot's output [N, S, D] fp32. The router's ids and weights go in as they are."""
@@ -721,12 +754,12 @@ def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, 
     _gather_up_kernel[(N, S, triton.cdiv(I, c["BI"]))](
         x, planes, ids_r, wts_r, w13.view(torch.int32), s13, sh13, hp, D, I, S, ids.shape[1], E, limit,
         BI=c["BI"], BK=c["BK"], STAGES=c["gather_stages"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared,
-        PDL=pdl(x), num_warps=c["gather_warps"], launch_pdl=pdl(x))
+        PDL=pdl(x), EVEN_K=_even_k(D, c["BK"], s13), num_warps=c["gather_warps"], launch_pdl=pdl(x))
     out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
     _gather_down_kernel[(N, triton.cdiv(D, c["BD"]), S)](
         hp, ids_r, w2.view(torch.int32), s2, sh2, out, D, I, S, ids.shape[1], E,
         BD=c["BD"], BK=c["BK"], STAGES=c["gather_stages"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared,
-        PDL=pdl(x), num_warps=c["gather_warps"], launch_pdl=pdl(x))
+        PDL=pdl(x), EVEN_K=_even_k(I, c["BK"], s2), num_warps=c["gather_warps"], launch_pdl=pdl(x))
     return out
 
 
