@@ -28,6 +28,18 @@ from dsv4.fast.model import FastModel
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+def write_padded(dst: torch.Tensor, values: torch.Tensor, fill: int) -> None:
+    """dst [size] <- values [B <= size], then `fill` in the rows past them, in place (a captured graph's input):
+    one copy (from pinned memory, so the host does not wait for the device) and a fill only for padding rows,
+    where an upload, a pad and a copy each went through a temporary."""
+    B = values.shape[0]
+    if values.device.type == "cpu" and dst.is_cuda:
+        values = values.pin_memory()
+    dst[:B].copy_(values, non_blocking=True)
+    if B < dst.shape[0]:
+        dst[B:].fill_(fill)
+
+
 class OutOfSlots(RuntimeError):
     """Every sequence slot is taken: release one (or make the runner with more max_seqs)."""
 
@@ -274,13 +286,13 @@ class Runner:
         for slot in slots:
             self._length[slot] += 1
             self._stepped[slot] = True
-        slot_ids = self.to_device(torch.tensor(list(slots) + [self.state.scratch] * (size - B)))
-        padded = F.pad(self.to_device(ids), (0, size - B))  # padding rows decode token 0 in the scratch slot
+        slot_ids = torch.tensor(list(slots))
         if not self.cuda_graphs:
-            return self.step(padded, slot_ids, self.state)[:B]
+            padded_slots = self.to_device(F.pad(slot_ids, (0, size - B), value=self.state.scratch))
+            return self.step(F.pad(self.to_device(ids), (0, size - B)), padded_slots, self.state)[:B]
         graph, static_ids, static_slots, logits = self._graph(size)
-        static_ids.copy_(padded)
-        static_slots.copy_(slot_ids)
+        write_padded(static_ids, ids, 0)  # padding rows decode token 0 in the scratch slot
+        write_padded(static_slots, slot_ids, self.state.scratch)
         graph.replay()
         return logits[:B]
 

@@ -24,7 +24,7 @@ from dsv4.engine.request import SamplingParams
 from dsv4.fast import engram_prefetch
 from dsv4.fast.engram_prefetch import HostEngramEmbedding, keep_engram_on_host
 from dsv4.fast.model import FastIndexer, FastLinear, Fp8Copy, compile_options, make_fast
-from dsv4.fast.runner import OutOfSlots, Runner
+from dsv4.fast.runner import OutOfSlots, Runner, write_padded
 from dsv4.quant import dequantize_fp8
 from dsv4.reference.cache import DenseCache
 from dsv4.reference.engram import EngramEmbedding
@@ -91,6 +91,19 @@ def test_chunked_prefill_and_padded_batched_decode_equal_the_reference(arch_dir)
         assert_close(got, want, EXACT)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         tokens = want.argmax(-1)
+
+
+def test_graph_inputs_are_written_in_place_padding_rows_included():
+    """A decode graph's inputs take each step's rows in place, then the fill in the padding rows: a smaller batch
+    leaves nothing of a larger one's rows behind, and the buffer stays the one the graph reads."""
+    dst = torch.full((4,), 7)
+    where = dst.data_ptr()
+    write_padded(dst, torch.tensor([1, 2, 3]), 0)
+    assert dst.tolist() == [1, 2, 3, 0]
+    write_padded(dst, torch.tensor([5]), 9)
+    assert dst.tolist() == [5, 9, 9, 9]
+    write_padded(dst, torch.tensor([4, 3, 2, 1]), 9)
+    assert dst.tolist() == [4, 3, 2, 1] and dst.data_ptr() == where
 
 
 def test_resume_is_the_bounded_replay_of_the_prefix(arch_dir):
