@@ -51,7 +51,7 @@ from dsv4.fast.kernels.indexer import (
     select_candidate_block_ids,
 )
 from dsv4.fast.kernels.indexer_query import indexer_query
-from dsv4.fast.kernels.mhc import mhc_post, mhc_pre
+from dsv4.fast.kernels.mhc import mhc_post, mhc_post_finish, mhc_pre, mhc_pre_partial
 from dsv4.fast.kernels.moe_experts import (
     activation_planes,
     moe_gather_slots,
@@ -534,13 +534,30 @@ class FastBlock(Block):
         share compiled code."""
         if self.role.engram:
             h = self.engram.mix(h[:, None], engram_rows[:, None])[:, 0]
-        single_pass = self.config.is_v41
-        x, attn_pre, post, comb = self.site(h, "attn", pre if single_pass else None)
+        x, coefficients = self.decode_pre_site(h, "attn", pre)
         a, picks, pool = self.attn.decode(self.attn_norm(x), pos, slots, rows, view, picks, pool, compress)
-        h = mhc_post(a, h, post, comb)
-        x, ffn_pre, post, comb = self.site(h, "ffn", attn_pre if single_pass else None)
-        h = mhc_post(self.ffn(self.ffn_norm(x)[:, None], ids[:, None])[:, 0], h, post, comb)
-        return h, ffn_pre, picks, pool
+        h, pre = self.decode_post_site(a, h, "attn", coefficients)
+        x, coefficients = self.decode_pre_site(h, "ffn", pre)
+        h, pre = self.decode_post_site(self.ffn(self.ffn_norm(x)[:, None], ids[:, None])[:, 0], h, "ffn", coefficients)
+        return h, pre, picks, pool
+
+    def decode_pre_site(self, h: torch.Tensor, site: str, pre: torch.Tensor | None):
+        """A decode step's pre-site pass: h [B, hc, D] -> (x [B, D], what `decode_post_site` needs). V4.1 collapses
+        with pre (the previous site's) and leaves this site's coefficients as partial sums: its post is the first to
+        read them (`mhc_pre_partial`, `mhc_post_finish`: one launch fewer a site). V4: mhc_pre's post and comb."""
+        if self.config.is_v41:
+            return mhc_pre_partial(h, getattr(self, f"hc_{site}_fn"), pre)
+        x, _, post, comb = self.site(h, site, None)
+        return x, (post, comb)
+
+    def decode_post_site(self, f: torch.Tensor, h: torch.Tensor, site: str, coefficients):
+        """The sub-layer's output f [B, D] spread over the streams h [B, hc, D] -> (h', this site's pre: V4.1's next
+        collapse weights, None for V4)."""
+        c = self.config
+        if c.is_v41:
+            scale, base = getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base")
+            return mhc_post_finish(f, h, coefficients, scale, base, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        return mhc_post(f, h, *coefficients), None
 
 
 # ---------------------------------------------------------------------------------------------- model

@@ -1,4 +1,5 @@
-"""dsv4::mhc_pre and dsv4::mhc_post against their twins (dsv4.reference.mhc).
+"""dsv4::mhc_pre and dsv4::mhc_post against their twins (dsv4.reference.mhc), and V4.1's decode pair
+dsv4::mhc_pre_partial + dsv4::mhc_post_finish against mhc_pre's and mhc_post's twins.
 
 Without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set before the kernel
 module is imported); the `gpu` tests run them compiled, at the real width too.
@@ -160,6 +161,44 @@ def test_fallback_is_the_twin(monkeypatch):
     torch.testing.assert_close(K.mhc_post(f, h, post, comb), K.mhc_post_twin(f, h, post, comb), rtol=0, atol=0)
 
 
+def check_finish_in_post(h, fn, scale, base, pre_prev, f, iters):
+    """mhc_pre_partial then mhc_post_finish (the coefficients finished in the post) give mhc_pre's x and pre and
+    mhc_post's h' of the twins: x and h' within their dtype's tolerance, pre as an fp32 output."""
+    x, ws = K.mhc_pre_partial(h, fn, pre_prev)
+    out, pre = K.mhc_post_finish(f, h, ws, scale, base, 1e-20, 1e-6, iters)
+    rx, rpre, rpost, rcomb = K.mhc_pre_twin(h, fn, scale, base, pre_prev, 1e-20, 1e-6, iters)
+    rout = K.mhc_post_twin(f, h, rpost, rcomb)
+    assert ws.shape == (K.partial_splits(h.shape[2], h.element_size()), h.shape[0], fn.shape[0] + 1)
+    assert (x.dtype, out.dtype, pre.dtype) == (h.dtype, f.dtype, torch.float32) and out.shape == h.shape
+    check = assert_bf16_within_ulp if h.dtype == torch.bfloat16 else assert_fp32_close
+    check(x, rx, "x")
+    check(out, rout, "h'")
+    assert_fp32_close(pre, rpre, "pre")
+
+
+@settings(deadline=None, max_examples=examples(20))
+@given(
+    N=st.integers(1, 20),
+    hc=st.sampled_from([2, 4]),
+    D=st.sampled_from([32, 64, 96]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    iters=st.sampled_from([1, 2, 20]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_finish_in_post_matches_pre_then_post(N, hc, D, dtype, iters, seed):
+    h, fn, scale, base, pre_prev = make_inputs(N, hc, D, dtype, True, seed)
+    f = torch.randn(N, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    check_finish_in_post(h, fn, scale, base, pre_prev, f, iters)
+
+
+def test_finish_in_post_fallback_is_its_twin(monkeypatch):
+    """Without Triton the pair runs its twins (the partial sums by D split, summed in the post), which give the
+    same as mhc_pre's and mhc_post's."""
+    monkeypatch.setattr(K, "use_triton", lambda t: False)
+    h, fn, scale, base, pre_prev = make_inputs(3, 4, 64, torch.float32, True, 4)
+    check_finish_in_post(h, fn, scale, base, pre_prev, torch.randn(3, 64), 20)
+
+
 def test_opcheck():
     h, fn, scale, base, pre_prev = make_inputs(5, 4, 32, torch.bfloat16, True, 2)
     tests = ("test_schema", "test_faketensor")
@@ -167,6 +206,9 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.dsv4.mhc_pre, (h, fn, scale, base, None, 1e-6, 1e-6, 20), test_utils=tests)
     f, post, comb = torch.randn(5, 32).bfloat16(), torch.rand(5, 4), torch.rand(5, 4, 4)
     torch.library.opcheck(torch.ops.dsv4.mhc_post, (f, h, post, comb), test_utils=tests)
+    ws = K.mhc_pre_partial(h, fn, pre_prev)[1]
+    torch.library.opcheck(torch.ops.dsv4.mhc_pre_partial, (h, fn, pre_prev), test_utils=tests)
+    torch.library.opcheck(torch.ops.dsv4.mhc_post_finish, (f, h, ws, scale, base, 1e-20, 1e-6, 20), test_utils=tests)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,7 +10,14 @@
     f [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc] -> [N, hc, D] in f's dtype,
     h'_k = post_k f + sum_j comb[j, k] residual_j in fp32.
 
-Twins: `dsv4.reference.mhc` (hc_project, hc_split_sinkhorn, hc_collapse, hc_expand) on [1, N, ...].
+`dsv4::mhc_pre_partial(h, fn, collapse_pre) -> (x, ws)` and
+`dsv4::mhc_post_finish(f, residual, ws, scale, base, norm_eps, hc_eps, iters) -> (h', pre)`
+    V4.1's decode pair: a site's pre, post and comb are first read by its post (x collapses with the previous
+    site's pre), so the post kernel finishes them from the partial kernel's workspace ws [S, N, M + 1]
+    (`partial_splits`) and the finish kernel's launch goes; pre [N, hc] fp32 is the next site's collapse weights.
+
+Twins: `dsv4.reference.mhc` (hc_project, hc_split_sinkhorn, hc_collapse, hc_expand) on [1, N, ...]; the pair's
+twins split hc_project's sums by D range as the workspace holds them.
 
 mhc_pre runs as two launches:
   1. `_pre_partial_kernel`, grid (token blocks, D splits): each program reads its slice of h once (all
@@ -52,6 +59,26 @@ def mhc_pre_twin(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters):
 
 def mhc_post_twin(f, residual, post, comb):
     return hc_expand(f.unsqueeze(0), residual.unsqueeze(0), post.unsqueeze(0), comb.unsqueeze(0))[0]
+
+
+def mhc_pre_partial_twin(h, fn, collapse_pre):
+    """x collapsed with collapse_pre, and the workspace [S, N, M + 1]: split s's partial mixes (its d range of every
+    stream against fn) and partial sum of squares, S = `partial_splits`."""
+    N, hc, D = h.shape
+    S = partial_splits(D, h.element_size())
+    hf = h.float().view(N, hc, S, D // S)
+    fv = fn.float().view(-1, hc, S, D // S)
+    ws = torch.cat([torch.einsum("nksd,mksd->snm", hf, fv), hf.square().sum(dim=(1, 3)).T[..., None]], dim=-1)
+    return hc_collapse(h.unsqueeze(0), collapse_pre.float().unsqueeze(0))[0], ws
+
+
+def mhc_post_finish_twin(f, residual, ws, scale, base, norm_eps, hc_eps, iters):
+    """The workspace's splits summed into the site's mixes (hc_project's), split and Sinkhorn, then the expand:
+    (h', pre)."""
+    _, hc, D = residual.shape
+    mixes = ws[..., :-1].sum(dim=0) * torch.rsqrt(ws[..., -1].sum(dim=0) / (hc * D) + norm_eps)[:, None]
+    pre, post, comb = hc_split_sinkhorn(mixes.unsqueeze(0), scale, base, hc, iters, hc_eps)
+    return mhc_post_twin(f, residual, post[0], comb[0]), pre[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -135,24 +162,14 @@ def _pre_partial_kernel(
 
 
 @triton.jit
-def _pre_finish_kernel(
-    ws_ptr, scale_ptr, base_ptr, h_ptr, x_ptr, pre_ptr, post_ptr, comb_ptr,
-    N, D, n_split, d_per_prog, norm_eps, hc_eps, iters,
-    stride_hn, stride_hk, stride_xn,
-    HC: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr,
-    COLLAPSE: tl.constexpr, ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, PDL: tl.constexpr,
-):
-    wait_for_predecessor(PDL)
-    pid_n = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    rows = pid_n * BN + tl.arange(0, BN)
-    rmask = rows < N
-    rows64 = rows.to(tl.int64)
+def _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps, iters,
+                  HC: tl.constexpr, M: tl.constexpr, SB: tl.constexpr, ACCURATE: tl.constexpr,
+                  THREAD_SINKHORN: tl.constexpr):
+    """The rows' pre [BN, HC], post [BN, HC] and comb [BN, HC, HC] (fp32) from the partial kernel's workspace
+    [n_split, N, M + 1]: the splits' mixes and sums of squares summed, rsqrt, split, Sinkhorn."""
+    BN: tl.constexpr = rows64.shape[0]
     c = tl.arange(0, HC)
-    r2 = rmask[:, None]
-    r3 = rmask[:, None, None]
     jk = c[:, None] * HC + c[None, :]  # comb[j, k] sits at mixes[2 hc + j hc + k]
-
     ss = tl.zeros((BN,), dtype=tl.float32)
     pre_raw = tl.zeros((BN, HC), dtype=tl.float32)
     post_raw = tl.zeros((BN, HC), dtype=tl.float32)
@@ -191,6 +208,29 @@ def _pre_finish_kernel(
         for _ in range(iters - 1):
             comb = tl.div_rn(comb, tl.sum(comb, axis=2)[:, :, None] + hc_eps)
             comb = tl.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+    return pre, post, comb
+
+
+@triton.jit
+def _pre_finish_kernel(
+    ws_ptr, scale_ptr, base_ptr, h_ptr, x_ptr, pre_ptr, post_ptr, comb_ptr,
+    N, D, n_split, d_per_prog, norm_eps, hc_eps, iters,
+    stride_hn, stride_hk, stride_xn,
+    HC: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr,
+    COLLAPSE: tl.constexpr, ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_predecessor(PDL)
+    pid_n = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rows = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    c = tl.arange(0, HC)
+    r2 = rmask[:, None]
+    r3 = rmask[:, None, None]
+    jk = c[:, None] * HC + c[None, :]
+    pre, post, comb = _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps,
+                                    iters, HC, M, SB, ACCURATE, THREAD_SINKHORN)
 
     if pid_d == 0:
         tl.store(pre_ptr + rows64[:, None] * HC + c[None, :], pre, mask=r2)
@@ -278,6 +318,25 @@ def _placed_row(comb, jk, j: tl.constexpr, a, b, c, d):
 
 
 @triton.jit
+def _expand(f_ptr, res_ptr, out_ptr, post, comb, rows64, rmask, pid_d, D, stride_fn, stride_rn, stride_rk,
+            stride_on, stride_ok, HC: tl.constexpr, BD: tl.constexpr):
+    """The program's d tile of h'_k = post_k f + sum_j comb[j, k] residual_j in fp32 (j in order), stored in the
+    output's dtype; post [BN, HC] and comb [BN, HC, HC] fp32 in registers."""
+    c = tl.arange(0, HC)
+    dd = pid_d * BD + tl.arange(0, BD)
+    m2 = rmask[:, None] & (dd < D)[None, :]
+    mixed = tl.zeros((rows64.shape[0], HC, BD), dtype=tl.float32)
+    for j in tl.static_range(HC):
+        cj = tl.sum(tl.where(c[None, :, None] == j, comb, 0.0), axis=1)  # [BN, HC]: comb[:, j, :]
+        rj = tl.load(res_ptr + rows64[:, None] * stride_rn + j * stride_rk + dd[None, :], mask=m2, other=0.0)
+        mixed += cj[:, :, None] * rj.to(tl.float32)[:, None, :]
+    fv = tl.load(f_ptr + rows64[:, None] * stride_fn + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+    out = post[:, :, None] * fv[:, None, :] + mixed
+    optr = out_ptr + rows64[:, None, None] * stride_on + c[None, :, None] * stride_ok + dd[None, None, :]
+    tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=m2[:, None, :])
+
+
+@triton.jit
 def _post_kernel(
     f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr,
     N, D,
@@ -285,26 +344,38 @@ def _post_kernel(
     HC: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_predecessor(PDL)
-    pid_n = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    rows = pid_n * BN + tl.arange(0, BN)
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rmask = rows < N
     rows64 = rows.to(tl.int64)
     c = tl.arange(0, HC)
-    dd = pid_d * BD + tl.arange(0, BD)
-    dmask = dd < D
-    m2 = rmask[:, None] & dmask[None, :]
+    jk = c[:, None] * HC + c[None, :]
+    post = tl.load(post_ptr + rows64[:, None] * HC + c[None, :], mask=rmask[:, None], other=0.0)
+    comb = tl.load(comb_ptr + rows64[:, None, None] * (HC * HC) + jk[None, :, :], mask=rmask[:, None, None], other=0.0)
+    _expand(f_ptr, res_ptr, out_ptr, post, comb, rows64, rmask, tl.program_id(1), D, stride_fn, stride_rn, stride_rk,
+            stride_on, stride_ok, HC, BD)
 
-    mixed = tl.zeros((BN, HC, BD), dtype=tl.float32)
-    for j in tl.static_range(HC):
-        cj = tl.load(comb_ptr + rows64[:, None] * (HC * HC) + j * HC + c[None, :], mask=rmask[:, None], other=0.0)
-        rj = tl.load(res_ptr + rows64[:, None] * stride_rn + j * stride_rk + dd[None, :], mask=m2, other=0.0)
-        mixed += cj[:, :, None] * rj.to(tl.float32)[:, None, :]
-    pv = tl.load(post_ptr + rows64[:, None] * HC + c[None, :], mask=rmask[:, None], other=0.0)
-    fv = tl.load(f_ptr + rows64[:, None] * stride_fn + dd[None, :], mask=m2, other=0.0).to(tl.float32)
-    out = pv[:, :, None] * fv[:, None, :] + mixed
-    optr = out_ptr + rows64[:, None, None] * stride_on + c[None, :, None] * stride_ok + dd[None, None, :]
-    tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=m2[:, None, :])
+
+@triton.jit
+def _post_finish_kernel(
+    f_ptr, res_ptr, ws_ptr, scale_ptr, base_ptr, out_ptr, pre_ptr,
+    N, D, n_split, norm_eps, hc_eps, iters,
+    stride_fn, stride_rn, stride_rk, stride_on, stride_ok,
+    HC: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr,
+    ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, PDL: tl.constexpr,
+):
+    """mhc_post with the site's coefficients finished here from the partial kernel's workspace (what the finish
+    kernel did): every program of a row finishes them, the first of its d tiles stores pre."""
+    wait_for_predecessor(PDL)
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    pre, post, comb = _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps,
+                                    iters, HC, M, SB, ACCURATE, THREAD_SINKHORN)
+    if tl.program_id(1) == 0:
+        c = tl.arange(0, HC)
+        tl.store(pre_ptr + rows64[:, None] * HC + c[None, :], pre, mask=rmask[:, None])
+    _expand(f_ptr, res_ptr, out_ptr, post, comb, rows64, rmask, tl.program_id(1), D, stride_fn, stride_rn, stride_rk,
+            stride_on, stride_ok, HC, BD)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -351,6 +422,12 @@ def pre_config(N: int, D: int, hc: int, elt: int, target: int, cfg: dict | None 
         "num_warps": cfg.get("num_warps") or (4 if BN <= 16 else 8),
         "num_stages": cfg.get("num_stages") or max(1, min(4, (160 * 1024) // stage_bytes)),
     }
+
+
+def partial_splits(D: int, elt: int) -> int:
+    """The D splits of `mhc_pre_partial`'s workspace: one d step of pre_config's (BD at few tokens) a program, so the
+    count depends on D and the element size alone and the op's fake knows its shape."""
+    return D // _pow2_block(D, 32 if elt > 2 else 64)
 
 
 def sinkhorn_in_threads(hc: int, BN: int) -> bool:
@@ -410,22 +487,8 @@ def mhc_pre_triton(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters, cf
     comb = torch.empty(N, hc, hc, dtype=torch.float32, device=h.device)
     if N == 0:
         return x, pre, post, comb
-    ws = torch.empty(c["split"], N, M + 1, dtype=torch.float32, device=h.device)
     collapse_now = collapse_pre is not None
-    w = collapse_pre.float().contiguous() if collapse_now else pre
-    launch = functools.partial(
-        _pre_partial_kernel[(triton.cdiv(N, c["BN"]), c["split"])],
-        h, fn, w, x, ws,
-        N, D, c["per"],
-        h.stride(0), h.stride(1), w.stride(0), x.stride(0),
-        HC=hc, M=M, MP=c["MP"], BN=c["BN"], BD=c["BD"],
-        COLLAPSE=collapse_now, BF16_SPLIT=h.dtype == torch.bfloat16, INTERP=interp, PDL=pdl(h),
-        num_warps=c["num_warps"], launch_pdl=pdl(h),
-    )
-    try:
-        launch(num_stages=c["num_stages"])
-    except triton.runtime.errors.OutOfResources:  # a tile the shared-memory estimate let through
-        launch(num_stages=1)
+    ws = _partials(h, fn, collapse_pre.float().contiguous() if collapse_now else pre, x, c, collapse_now)
     split = c["split"]
     f = finish_config(N, D, split, collapse_now, target, cfg)
     _pre_finish_kernel[(triton.cdiv(N, f["BN"]), f["chunks"])](
@@ -437,6 +500,60 @@ def mhc_pre_triton(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters, cf
         num_warps=f["num_warps"], launch_pdl=pdl(h),
     )
     return x, pre, post, comb
+
+
+def _partials(h, fn, w, x, c: dict, collapse: bool) -> torch.Tensor:
+    """`_pre_partial_kernel` on h [N, hc, D] (contiguous) and fn (fp32, contiguous) at tiles c (`pre_config`): the
+    workspace [split, N, M + 1]; with `collapse`, x [N, D] too, collapsed with the weights w [N, hc]."""
+    N, hc, D = h.shape
+    M = (2 + hc) * hc
+    ws = torch.empty(c["split"], N, M + 1, dtype=torch.float32, device=h.device)
+    launch = functools.partial(
+        _pre_partial_kernel[(triton.cdiv(N, c["BN"]), c["split"])],
+        h, fn, w, x, ws,
+        N, D, c["per"],
+        h.stride(0), h.stride(1), w.stride(0), x.stride(0),
+        HC=hc, M=M, MP=c["MP"], BN=c["BN"], BD=c["BD"],
+        COLLAPSE=collapse, BF16_SPLIT=h.dtype == torch.bfloat16, INTERP=not h.is_cuda, PDL=pdl(h),
+        num_warps=c["num_warps"], launch_pdl=pdl(h),
+    )
+    try:
+        launch(num_stages=c["num_stages"])
+    except triton.runtime.errors.OutOfResources:  # a tile the shared-memory estimate let through
+        launch(num_stages=1)
+    return ws
+
+
+def mhc_pre_partial_triton(h, fn, collapse_pre):
+    h, fn = h.contiguous(), fn.float().contiguous()
+    N, hc, D = h.shape
+    x = torch.empty(N, D, dtype=h.dtype, device=h.device)
+    S = partial_splits(D, h.element_size())
+    if N == 0:
+        return x, torch.empty(S, 0, (2 + hc) * hc + 1, dtype=torch.float32, device=h.device)
+    c = pre_config(N, D, hc, h.element_size(), _programs_target(h), {"BD": D // S, "split": S})
+    return x, _partials(h, fn, collapse_pre.float().contiguous(), x, c, True)
+
+
+def mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters, cfg: dict | None = None):
+    f, residual, ws = f.contiguous(), residual.contiguous(), ws.contiguous()
+    scale, base = scale.float().contiguous(), base.float().contiguous()
+    N, hc, D = residual.shape
+    out = torch.empty(N, hc, D, dtype=f.dtype, device=f.device)
+    pre = torch.empty(N, hc, dtype=torch.float32, device=f.device)
+    if N == 0:
+        return out, pre
+    c = post_config(N, D, cfg)
+    split = ws.shape[0]
+    _post_finish_kernel[(triton.cdiv(N, c["BN"]), triton.cdiv(D, c["BD"]))](
+        f, residual, ws, scale, base, out, pre,
+        N, D, split, norm_eps, hc_eps, iters,
+        f.stride(0), residual.stride(0), residual.stride(1), out.stride(0), out.stride(1),
+        HC=hc, M=(2 + hc) * hc, BN=c["BN"], BD=c["BD"], SB=min(triton.next_power_of_2(split), 32),
+        ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, c["BN"]), PDL=pdl(f),
+        num_warps=c["num_warps"], launch_pdl=pdl(f),
+    )
+    return out, pre
 
 
 def mhc_post_triton(f, residual, post, comb, cfg: dict | None = None):
@@ -493,3 +610,38 @@ def mhc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: 
 @mhc_post.register_fake
 def _(f, residual, post, comb):
     return residual.new_empty(residual.shape, dtype=f.dtype)
+
+
+@torch.library.custom_op("dsv4::mhc_pre_partial", mutates_args=())
+def mhc_pre_partial(h: torch.Tensor, fn: torch.Tensor, collapse_pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4.1's pre-site pass up to its partial sums: h [N, hc, D] -> x [N, D] collapsed with collapse_pre [N, hc]
+    (the previous site's pre) and the workspace [S, N, M + 1] (`partial_splits`) that `mhc_post_finish` finishes.
+    In V4.1 a site's pre, post and comb are first read by its post, so the finish kernel's launch goes."""
+    if use_triton(h) and _hc_supported(h.shape[1], h.shape[2]):
+        return mhc_pre_partial_triton(h, fn, collapse_pre)
+    x, ws = mhc_pre_partial_twin(h, fn, collapse_pre)
+    return x.contiguous(), ws.contiguous()
+
+
+@mhc_pre_partial.register_fake
+def _(h, fn, collapse_pre):
+    N, hc, D = h.shape
+    return h.new_empty(N, D), h.new_empty(partial_splits(D, h.element_size()), N, (2 + hc) * hc + 1,
+                                          dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv4::mhc_post_finish", mutates_args=())
+def mhc_post_finish(f: torch.Tensor, residual: torch.Tensor, ws: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                    norm_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """mhc_post with the site's coefficients finished from `mhc_pre_partial`'s workspace ws: f [N, D], residual
+    [N, hc, D] -> (h' [N, hc, D] in f's dtype, the site's pre [N, hc] fp32, the next site's collapse weights)."""
+    if use_triton(f) and _hc_supported(residual.shape[1], 16):
+        return mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters)
+    out, pre = mhc_post_finish_twin(f, residual, ws, scale, base, norm_eps, hc_eps, iters)
+    return out.contiguous(), pre.contiguous()
+
+
+@mhc_post_finish.register_fake
+def _(f, residual, ws, scale, base, norm_eps, hc_eps, iters):
+    return residual.new_empty(residual.shape, dtype=f.dtype), residual.new_empty(residual.shape[:2],
+                                                                                 dtype=torch.float32)
