@@ -393,7 +393,9 @@ def _programs_target(t: torch.Tensor) -> int:
 
 
 def _pow2_block(D: int, cap: int) -> int:
-    b = triton.next_power_of_2(cap)
+    """cap rounded up to a power of two, halved while it does not divide D (not below 16). Plain Python:
+    `partial_splits` serves the twins too, which run where Triton is not installed."""
+    b = 1 << max(0, cap - 1).bit_length()
     while b > 16 and D % b:
         b //= 2
     return b
