@@ -1,0 +1,100 @@
+"""One bench script run in two source trees on one device, alternating: a change measured beside its base in one
+run, the way every speed claim here is made.
+
+Make the base tree here (exp/ is not ignored, so the device call carries it):
+
+    mkdir -p exp/base && git archive 6f3da54 dsv4 bench tests pyproject.toml | tar -x -C exp/base
+    echo 6f3da54 > exp/base/COMMIT
+
+then on the device:
+
+    python bench/ab.py --base exp/base --rounds 2 bench/profile_decode.py --arch v41 --layers 4 --context 8192 \\
+        --compile --top 40
+
+The runs go base, this tree, base, this tree, ... (`--rounds` pairs), so a drift of the machine shows in both
+columns. Each is `python <script> <args>` in its tree (working directory and PYTHONPATH), with OUT set to
+<out>/<label>-<round> for its result files and DSV4_COMMIT to the tree's commit (the base's COMMIT file; this
+tree's $DSV4_COMMIT, else `git rev-parse`), its output in <out>/<label>-<round>.log; <out> is $OUT/ab (out/ab
+without OUT). Last, for each JSON result every run wrote, a table of its top-level numbers and its `by_op`
+microseconds (bench/profile_decode.py's), one column a run, and <out>/ab.json with the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import common
+
+HERE = Path(__file__).resolve().parents[1]
+
+
+def tree_commit(tree: Path) -> str:
+    """The base's COMMIT file, or for this tree $DSV4_COMMIT / git (common.git_commit)."""
+    if tree.resolve() == HERE:
+        return common.git_commit()
+    marker = tree / "COMMIT"
+    return marker.read_text().strip() if marker.exists() else "unknown"
+
+
+def run(tree: Path, script: str, args: list[str], out: Path, label: str) -> Path:
+    """`python script args` in tree: its results under out/label, its output in out/label.log."""
+    results = out / label
+    results.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OUT": str(results), "DSV4_COMMIT": tree_commit(tree),
+           "PYTHONPATH": os.pathsep.join([str(tree.resolve()), os.environ.get("PYTHONPATH", "")])}
+    with open(out / f"{label}.log", "w") as log:
+        code = subprocess.run([sys.executable, script, *args], check=False, cwd=tree, env=env, stdout=log,
+                              stderr=subprocess.STDOUT).returncode
+    print(f"{label}: exit {code}, {out / f'{label}.log'}", flush=True)
+    return results
+
+
+def numbers(result: dict) -> dict[str, float]:
+    """A result's top-level numbers and its by_op microseconds, by name."""
+    row = {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    row.update({f"us {op['op']}": op["us"] for op in result.get("by_op", [])})
+    return row
+
+
+def compare(runs: dict[str, Path]) -> dict[str, dict[str, dict[str, float]]]:
+    """{result name: {metric: {run label: value}}} over the JSON results every run wrote."""
+    names = set.intersection(*({p.name for p in results.glob("*.json")} for results in runs.values()))
+    table = {}
+    for name in sorted(names):
+        per_run = {label: numbers(json.loads((results / name).read_text())) for label, results in runs.items()}
+        metrics = dict.fromkeys(m for row in per_run.values() for m in row)
+        table[name] = {m: {label: row.get(m) for label, row in per_run.items()} for m in metrics}
+    return table
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", type=Path, required=True, help="the base source tree")
+    p.add_argument("--rounds", type=int, default=1, help="base / this tree pairs")
+    p.add_argument("script", help="the bench script, relative to a tree's root")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    a = p.parse_args(argv)
+    out = Path(os.environ.get("OUT", HERE / "out")) / "ab"
+    runs = {}
+    for r in range(a.rounds):
+        for label, tree in (("base", a.base), ("main", HERE)):
+            runs[f"{label}-{r}"] = run(tree, a.script, a.args, out, f"{label}-{r}")
+    table = compare(runs)
+    for name, metrics in table.items():
+        print(f"\n{name}")
+        common.print_table([("metric", "metric", "")] + [(label, label, ".3f") for label in runs],
+                           [{"metric": m, **{k: (v if v is not None else float("nan")) for k, v in vals.items()}}
+                            for m, vals in metrics.items()])
+    summary = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "script": a.script,
+               "args": a.args, "commits": {"base": tree_commit(a.base), "main": tree_commit(HERE)}, "results": table}
+    (out / "ab.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

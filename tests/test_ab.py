@@ -1,0 +1,50 @@
+"""bench/ab.py: a bench script run in two trees, alternating, and its results side by side."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # ab imports bench/common as `common`
+
+import ab
+
+# a stand-in bench: appends its tree's name to a shared order file, writes $OUT/step.json from its tree's constant
+SCRIPT = """import json, os, sys
+from pathlib import Path
+from mark import STEP_MS
+with open(sys.argv[1], "a") as order:
+    order.write(Path.cwd().name + " " + os.environ["DSV4_COMMIT"] + "\\n")
+Path(os.environ["OUT"], "step.json").write_text(json.dumps(
+    {"graph_step_ms": STEP_MS, "gpu": "none", "by_op": [{"op": "dsv4::mhc_pre", "launches": 2, "us": STEP_MS * 10}]}))
+print("ran")
+"""
+
+
+def make_tree(path: Path, step_ms: float) -> Path:
+    (path / "bench").mkdir(parents=True)
+    (path / "bench" / "fake.py").write_text(SCRIPT)
+    (path / "mark.py").write_text(f"STEP_MS = {step_ms}\n")  # imported through the run's PYTHONPATH
+    return path
+
+
+def test_runs_alternate_in_their_trees_and_results_line_up(tmp_path, monkeypatch):
+    base = make_tree(tmp_path / "base", 1.5)
+    (base / "COMMIT").write_text("abc1234\n")
+    main = make_tree(tmp_path / "main", 1.25)
+    monkeypatch.setattr(ab, "HERE", main)
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("DSV4_COMMIT", "def5678")
+    order = tmp_path / "order.txt"
+    summary = ab.main(["--base", str(base), "--rounds", "2", "bench/fake.py", str(order)])
+
+    assert order.read_text().split("\n")[:-1] == ["base abc1234", "main def5678"] * 2
+    assert summary["commits"] == {"base": "abc1234", "main": "def5678"}
+    step = summary["results"]["step.json"]
+    assert step["graph_step_ms"] == {"base-0": 1.5, "main-0": 1.25, "base-1": 1.5, "main-1": 1.25}
+    assert step["us dsv4::mhc_pre"]["main-1"] == 12.5
+    assert "gpu" not in step  # numbers only
+    out = tmp_path / "out" / "ab"
+    assert (out / "main-1.log").read_text() == "ran\n"
+    assert json.loads((out / "ab.json").read_text())["results"] == summary["results"]
