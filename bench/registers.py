@@ -40,7 +40,7 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsv4.fast.kernels import attention, fp8_gemv, indexer_query, mhc, moe_experts, moe_routing, quant, topk
+from dsv4.fast.kernels import attention, dense_gemv, fp8_gemv, indexer_query, mhc, moe_experts, moe_routing, quant, topk
 
 SM90 = GPUTarget("cuda", 90, 32)
 CUDA = SimpleNamespace(is_cuda=True)  # what the ops' tile choices ask of a tensor
@@ -195,6 +195,23 @@ FP8_GEMV_SHAPES = (("wq_b + indexer wq_b", 32768 + 4096, 1280, 1), ("wo_a", 8192
                    ("wq_a + wkv", 1280 + DH, D, 1))
 
 
+# the attention's dense parts on x at one row: (name, weight rows N, K, output dtype)
+DENSE_GEMV_SHAPES = (("x, bf16 (wq_a + wkv + indexer weights_proj)", 1280 + DH + 32, D, "bf16"),
+                     ("x, fp32 (the compressors')", 2 * 1024 + 2 * 256, D, "fp32"))
+
+
+def dense_gemv_kernels() -> list[Kernel]:
+    """The batch-1 GEMVs of the attention's dense linears on x (`DENSE_GEMV_SHAPES`)."""
+    out = []
+    for name, N, K, out_dtype in DENSE_GEMV_SHAPES:
+        BN, BK, stages, warps = dense_gemv._tiles(1, N)
+        out.append(Kernel(f"dense_gemv {name}", dense_gemv._dense_gemv_kernel,
+                          {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": f"*{out_dtype}"},
+                          {"BM": 1, "BN": BN, "BK": BK, "STAGES": stages, "OUT_BF16": out_dtype == "bf16",
+                           "INTERP": False, "PDL": True, "EVEN_K": K % BK == 0}, warps, stages))
+    return out
+
+
 def fp8_gemv_kernels() -> list[Kernel]:
     """The attention's FP8 GEMVs at one row (`FP8_GEMV_SHAPES`): wq_b with the indexer's, wo_a, wo_b, and wq_a
     with wkv (a layer without an indexer)."""
@@ -274,8 +291,8 @@ def indexer_query_kernels() -> list[Kernel]:
 
 
 def kernels() -> list[Kernel]:
-    return (mhc_kernels() + routing_kernels() + moe_kernels() + fp8_gemv_kernels() + attention_kernels() + topk_kernels()
-            + quant_kernels() + indexer_query_kernels() + batched_moe_kernels())
+    return (mhc_kernels() + routing_kernels() + moe_kernels() + fp8_gemv_kernels() + dense_gemv_kernels()
+            + attention_kernels() + topk_kernels() + quant_kernels() + indexer_query_kernels() + batched_moe_kernels())
 
 
 def report(name: str, rows: Iterable[dict], as_json: bool, columns: list, save: bool = True) -> None:

@@ -43,6 +43,7 @@ LAUNCH_INTS = {
     **{f"fp8_gemv {name}": {"M": 1, "N": N, "K": K, "KW": K // 4, "KS": K // 32, "block_n": 32,
                             "G": G}
        for name, N, K, G in R.FP8_GEMV_SHAPES},
+    **{f"dense_gemv {name}": {"M": 1, "N": N, "K": K} for name, N, K, _ in R.DENSE_GEMV_SHAPES},
 }
 
 
