@@ -324,6 +324,18 @@ def print_fused_vs_baseline(results: list[dict], device: str, baseline: str) -> 
     print_table(columns, results)
 
 
+def finish_fused_vs_baseline(name: str, device: str, smoke: bool, started: float, reps: int, checks: dict[Any, dict],
+                             results: list[dict], baseline: str, plot: Callable[[dict, Path], None],
+                             **extra: Any) -> None:
+    """The end of a fused-vs-baseline bench: its result written (write_timed_result, `extra` in it) with its PNG
+    (`plot(result, png path)`), the checks' summary and the table printed; exit 1 unless every check passed."""
+    meta, path = write_timed_result(name, device, smoke, started, reps, checks, results, **extra)
+    plot(meta, path.with_suffix(".png"))
+    print_summary(meta["gpu"], checks, path, meta["wall_s"], key="")
+    print_fused_vs_baseline(results, device, baseline)
+    exit_if_failed(checks)
+
+
 def plot_fused_vs_baseline(axes, results: list[dict], device: str, baseline: str, cases: Sequence[str], title: str,
                            speedup_goal: float) -> None:
     """Left: us per call of fused and baseline against N (log-log); right: the speedup, with the goal dotted."""

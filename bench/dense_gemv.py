@@ -110,11 +110,7 @@ def main():
                     for c in SWEEP}
             results.append(row)
 
-    meta, path = common.write_timed_result("dense_gemv", device, ARGS.smoke, t_start, reps, checks, results)
-    plot(meta, path.with_suffix(".png"))
-    common.print_summary(meta["gpu"], checks, path, meta["wall_s"], key="")
-    common.print_fused_vs_baseline(results, device, "cublas")
-    common.exit_if_failed(checks)
+    common.finish_fused_vs_baseline("dense_gemv", device, ARGS.smoke, t_start, reps, checks, results, "cublas", plot)
 
 
 if __name__ == "__main__":

@@ -126,12 +126,8 @@ def main():
             results.append(row)
 
     name = "fp8_gemv" if ARGS.arch == "v41" else f"fp8_gemv-{ARGS.arch}"
-    meta, path = common.write_timed_result(name, device, ARGS.smoke, t_start, reps, checks, results,
-                                           arch=ARGS.arch, block=list(block))
-    plot(meta, path.with_suffix(".png"))
-    common.print_summary(meta["gpu"], checks, path, meta["wall_s"], key="")
-    common.print_fused_vs_baseline(results, device, "cublas")
-    common.exit_if_failed(checks)
+    common.finish_fused_vs_baseline(name, device, ARGS.smoke, t_start, reps, checks, results, "cublas", plot,
+                                    arch=ARGS.arch, block=list(block))
 
 
 if __name__ == "__main__":

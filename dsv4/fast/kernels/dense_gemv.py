@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
-from dsv4.fast.kernels.attention import _to_bf16
+from dsv4.fast.kernels.fp8_gemv import store_rows
 
 __all__ = ["MAX_M", "dense_gemv", "dense_gemv_reference"]
 
@@ -60,13 +60,7 @@ def _dense_gemv_kernel(
         xv = tl.load(x_ptr + mm[:, None] * K + k[None, :], mask=mmask[:, None] & km[None, :],
                      other=0.0).to(tl.float32)  # [BM, BK]
         acc += xv[:, None, :] * w[None, :, :]
-    y = tl.sum(acc, axis=2)  # [BM, BN]
-    dst = y_ptr + mm[:, None] * N + n[None, :]
-    ymask = mmask[:, None] & nmask[None, :]
-    if OUT_BF16:
-        tl.store(dst, _to_bf16(y, INTERP), mask=ymask)  # round to nearest (the interpreter's cast truncates)
-    else:
-        tl.store(dst, y, mask=ymask)
+    store_rows(y_ptr, tl.sum(acc, axis=2), mm, n, mmask, nmask, N, OUT_BF16, INTERP)
 
 
 def _check(x, w, out_dtype) -> None:

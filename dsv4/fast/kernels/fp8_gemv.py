@@ -109,11 +109,17 @@ def _fp8_gemv_kernel(
         acc = _dot4(acc, tl.broadcast_to(w[None, :, :], (BM, BN, NW)), _rows(x0, BN), _rows(x1, BN),
                     _rows(x2, BN), _rows(x3, BN), INTERP)
         scale = next_scale
-    y = tl.sum(acc, axis=2)  # [BM, BN]
+    store_rows(y_ptr, tl.sum(acc, axis=2), mm, n, mmask, nmask, N, OUT_BF16, INTERP)
+
+
+@triton.jit
+def store_rows(y_ptr, y, mm, n, mmask, nmask, N, OUT_BF16: tl.constexpr, INTERP: tl.constexpr):
+    """A GEMV's fp32 sums y [BM, BN] into rows mm, columns n of the output [M, N]: as they are, or rounded to bf16
+    (to nearest: the interpreter's cast truncates)."""
     dst = y_ptr + mm[:, None] * N + n[None, :]
     ymask = mmask[:, None] & nmask[None, :]
     if OUT_BF16:
-        tl.store(dst, _to_bf16(y, INTERP), mask=ymask)  # round to nearest (the interpreter's cast truncates)
+        tl.store(dst, _to_bf16(y, INTERP), mask=ymask)
     else:
         tl.store(dst, y, mask=ymask)
 
