@@ -336,6 +336,18 @@ def finish_fused_vs_baseline(name: str, device: str, smoke: bool, started: float
     exit_if_failed(checks)
 
 
+def plot_by_case(label: str, baseline: str) -> Callable[[dict, Path], None]:
+    """plot(result, png path) for a fused-vs-baseline result whose rows have a case: us per call and speedup
+    against N, a line per case (`plot_fused_vs_baseline`), titled with `label`, the GPU and the commit."""
+    def plot(result: dict, path: Path) -> None:
+        device = "cpu" if result["gpu"].startswith("cpu") else "cuda"
+        cases = list(dict.fromkeys(r["case"] for r in result["results"]))
+        title = f"{label}, {result['gpu']}, {result['commit'][:7]}"
+        save_figure(path, lambda fig, axes: plot_fused_vs_baseline(axes, result["results"], device, baseline, cases,
+                                                                   title, 1.0))
+    return plot
+
+
 def plot_fused_vs_baseline(axes, results: list[dict], device: str, baseline: str, cases: Sequence[str], title: str,
                            speedup_goal: float) -> None:
     """Left: us per call of fused and baseline against N (log-log); right: the speedup, with the goal dotted."""

@@ -54,13 +54,7 @@ def decode_gemvs() -> dict[str, tuple[int, int, torch.dtype]]:
     return {"x bf16": (bf16_rows, c.hidden_size, torch.bfloat16), "x fp32": (fp32_rows, c.hidden_size, torch.float32)}
 
 
-def plot(result: dict, path) -> None:
-    """us per call and speedup against the activation rows, per case (graph mode on the GPU)."""
-    device = "cpu" if result["gpu"].startswith("cpu") else "cuda"
-    cases = list(dict.fromkeys(r["case"] for r in result["results"]))
-    title = f"dense GEMV vs cuBLAS, {result['gpu']}, {result['commit'][:7]}"
-    common.save_figure(path, lambda fig, axes: common.plot_fused_vs_baseline(
-        axes, result["results"], device, "cublas", cases, title, 1.0))
+plot = common.plot_by_case("dense GEMV vs cuBLAS", "cublas")
 
 
 def cublas(x, w, out_dtype):

@@ -73,13 +73,7 @@ def bf16_path(x, wb, groups):
     return torch.einsum("mgk,gnk->mgn", x.view(M, groups, K), wb.view(groups, N // groups, K)).reshape(M, N)
 
 
-def plot(result: dict, path) -> None:
-    """us per call and speedup against the activation rows, per case (graph mode on the GPU)."""
-    device = "cpu" if result["gpu"].startswith("cpu") else "cuda"
-    cases = list(dict.fromkeys(r["case"] for r in result["results"]))
-    title = f"FP8 GEMV vs cuBLAS bf16, {result['gpu']}, {result['commit'][:7]}"
-    common.save_figure(path, lambda fig, axes: common.plot_fused_vs_baseline(
-        axes, result["results"], device, "cublas", cases, title, 1.0))
+plot = common.plot_by_case("FP8 GEMV vs cuBLAS bf16", "cublas")
 
 
 def main():

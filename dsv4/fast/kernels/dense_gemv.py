@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
-from dsv4.fast.kernels.fp8_gemv import store_rows
+from dsv4.fast.kernels.fp8_gemv import gemv_output, store_rows
 
 __all__ = ["MAX_M", "dense_gemv", "dense_gemv_reference"]
 
@@ -97,11 +97,9 @@ def _tiles(M: int, N: int) -> tuple[int, int, int, int]:
 def _dense_gemv_triton(x, w, out_dtype, cfg: dict | None = None):
     """The kernel's launch; `cfg` (BN, BK, stages, num_warps) overrides the tiles (`bench/dense_gemv.py`'s sweep)."""
     M, (N, K) = x.shape[0], w.shape
-    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
-    if M == 0 or N == 0:
+    y, done = gemv_output(M, N, K, out_dtype, x.device)
+    if done:
         return y
-    if K == 0:
-        return y.zero_()
     BN, BK, stages, warps = _tiles(M, N)
     cfg = cfg or {}
     BN, BK, stages, warps = cfg.get("BN", BN), cfg.get("BK", BK), cfg.get("stages", stages), cfg.get("num_warps", warps)

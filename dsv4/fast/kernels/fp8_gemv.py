@@ -191,13 +191,19 @@ def _tiles(M: int, N: int, K: int, groups: int, bn: int, cfg: dict) -> tuple[int
     return BN, BK, stages, cfg.get("num_warps") or (2 if few else 4)
 
 
+def gemv_output(M: int, N: int, K: int, out_dtype, device) -> tuple[torch.Tensor, bool]:
+    """A GEMV's output [M, N], and whether it is final already (no rows or columns; K = 0: zeros)."""
+    y = torch.empty(M, N, dtype=out_dtype, device=device)
+    if K == 0:
+        y.zero_()
+    return y, M == 0 or N == 0 or K == 0
+
+
 def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1, cfg: dict | None = None):
     M, (N, K) = x.shape[0], w.shape
-    y = torch.empty(M, N, dtype=out_dtype, device=x.device)
-    if M == 0 or N == 0:
+    y, done = gemv_output(M, N, K, out_dtype, x.device)
+    if done:
         return y
-    if K == 0:
-        return y.zero_()
     BN, BK, stages, warps = _tiles(M, N, K, groups, bn, cfg or {})
     _fp8_gemv_kernel[(triton.cdiv(N, BN),)](
         x.contiguous(), w.contiguous(), w_scale.view(torch.uint8).contiguous(), y, M, N, K, K // 4, w_scale.shape[1],
