@@ -118,7 +118,8 @@ def resources(k: Kernel) -> dict:
 
 def mhc_kernels() -> list[Kernel]:
     """The pre pass at one token collapsing with the previous site's pre (V4.1), its finish and the post (V4 and
-    prefill), the post that finishes the coefficients itself (V4.1's decode)."""
+    prefill), the post that finishes the coefficients itself and the one that also runs the next site's partial
+    pass (V4.1's decode)."""
     c = mhc.pre_config(1, D, HC, 2, TARGET)
     M = (2 + HC) * HC
     partial = Kernel("mhc_pre partial", mhc._pre_partial_kernel, {"h_ptr": "*bf16", "x_ptr": "*bf16"},
@@ -132,12 +133,18 @@ def mhc_kernels() -> list[Kernel]:
                     f["num_warps"])
     p = mhc.post_config(1, D)
     post = Kernel("mhc_post", mhc._post_kernel, {"f_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16"},
-                  {"HC": HC, "BN": p["BN"], "BD": p["BD"], "PDL": True}, p["num_warps"])
+                  {"HC": HC, "BN": p["BN"], "BD": p["BD"], "INTERP": False, "PDL": True}, p["num_warps"])
     post_finish = Kernel("mhc_post finish", mhc._post_finish_kernel,
                          {**post.types, "norm_eps": "fp32", "hc_eps": "fp32"},
                          {"HC": HC, "M": M, "BN": p["BN"], "BD": p["BD"], "SB": f["SB"], "ACCURATE": True,
-                          "THREAD_SINKHORN": mhc.sinkhorn_in_threads(HC, p["BN"]), "PDL": True}, p["num_warps"])
-    return [partial, finish, post, post_finish]
+                          "THREAD_SINKHORN": mhc.sinkhorn_in_threads(HC, p["BN"]), "INTERP": False, "PDL": True},
+                         p["num_warps"])
+    splits = mhc.partial_splits(D, 2)
+    post_partial = Kernel("mhc_post partial", mhc._post_partial_kernel,
+                          {**post_finish.types, "x_ptr": "*bf16"},
+                          {"HC": HC, "M": M, "MP": c["MP"], "BD": D // splits, "SB": f["SB"], "ACCURATE": True,
+                           "THREAD_SINKHORN": True, "INTERP": False, "PDL": True}, 2)
+    return [partial, finish, post, post_finish, post_partial]
 
 
 def routing_kernels() -> list[Kernel]:

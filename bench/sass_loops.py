@@ -35,6 +35,7 @@ LAUNCH_INTS = {
     "mhc_pre partial": {"N": 1, "D": R.D, "steps_per_prog": 1, "stride_wn": R.HC, **_ATTN},
     "mhc_pre finish": {"N": 1, "D": R.D, "n_split": 80, "d_per_prog": R.D, **_ATTN},
     "mhc_post finish": {"N": 1, "D": R.D, "n_split": 80},
+    "mhc_post partial": {"N": 1, "D": R.D, "n_split": 80},
     "moe gate GEMM": {"N": 1, "E": R.EXPERTS, "D": R.D, "steps_per_prog": 1, "stride_xn": R.D, "stride_we": R.D},
     "moe route": {"N": 1, "E": R.EXPERTS, "n_split": 40, "stride_split": R.EXPERTS, "stride_ln": R.EXPERTS},
     **{f"moe gather {part}{tokens}": {"D": R.D, "I": R.I, "E": R.EXPERTS}

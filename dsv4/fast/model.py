@@ -51,7 +51,7 @@ from dsv4.fast.kernels.indexer import (
     select_candidate_block_ids,
 )
 from dsv4.fast.kernels.indexer_query import indexer_query
-from dsv4.fast.kernels.mhc import mhc_post, mhc_post_finish, mhc_pre, mhc_pre_partial
+from dsv4.fast.kernels.mhc import mhc_post, mhc_post_finish, mhc_post_partial, mhc_pre, mhc_pre_partial
 from dsv4.fast.kernels.moe_experts import (
     activation_planes,
     moe_gather_slots,
@@ -536,8 +536,7 @@ class FastBlock(Block):
             h = self.engram.mix(h[:, None], engram_rows[:, None])[:, 0]
         x, coefficients = self.decode_pre_site(h, "attn", pre)
         a, picks, pool = self.attn.decode(self.attn_norm(x), pos, slots, rows, view, picks, pool, compress)
-        h, pre = self.decode_post_site(a, h, "attn", coefficients)
-        x, coefficients = self.decode_pre_site(h, "ffn", pre)
+        h, x, coefficients = self.decode_between_sites(a, h, coefficients)
         h, pre = self.decode_post_site(self.ffn(self.ffn_norm(x)[:, None], ids[:, None])[:, 0], h, "ffn", coefficients)
         return h, pre, picks, pool
 
@@ -549,6 +548,16 @@ class FastBlock(Block):
             return mhc_pre_partial(h, getattr(self, f"hc_{site}_fn"), pre)
         x, _, post, comb = self.site(h, site, None)
         return x, (post, comb)
+
+    def decode_between_sites(self, a: torch.Tensor, h: torch.Tensor, coefficients):
+        """The attention site's post, then the FFN site's pre pass: (h', x, the FFN site's coefficients). V4.1 in one
+        kernel (`mhc_post_partial`: the new streams' partial sums and collapse taken while they are in registers)."""
+        c = self.config
+        if c.is_v41:
+            return mhc_post_partial(a, h, coefficients, self.hc_attn_scale, self.hc_attn_base, self.hc_ffn_fn,
+                                    c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        h, pre = self.decode_post_site(a, h, "attn", coefficients)
+        return (h, *self.decode_pre_site(h, "ffn", pre))
 
     def decode_post_site(self, f: torch.Tensor, h: torch.Tensor, site: str, coefficients):
         """The sub-layer's output f [B, D] spread over the streams h [B, hc, D] -> (h', this site's pre: V4.1's next

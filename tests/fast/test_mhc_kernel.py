@@ -191,12 +191,49 @@ def test_finish_in_post_matches_pre_then_post(N, hc, D, dtype, iters, seed):
     check_finish_in_post(h, fn, scale, base, pre_prev, f, iters)
 
 
+def check_post_then_partial(h, fn, scale, base, pre_prev, f, fn_next, iters):
+    """mhc_post_partial (a site's post, then the next site's partial pass in the same kernel) gives the twins' h'
+    (mhc_post_finish's), and from that h' (its own: one bf16 rounding of it may land on the other neighbour) the
+    twins' x (collapsed with this site's pre) and, through mhc_post_finish at the next site, its pre (the only
+    reader of the partial sums)."""
+    ws = K.mhc_pre_partial(h, fn, pre_prev)[1]
+    out, x, ws_next = K.mhc_post_partial(f, h, ws, scale, base, fn_next, 1e-20, 1e-6, iters)
+    rout, rpre = K.mhc_post_finish_twin(f, h, K.mhc_pre_partial_twin(h, fn, pre_prev)[1], scale, base, 1e-20, 1e-6,
+                                        iters)
+    rx, rnext_pre = K.mhc_pre_twin(out, fn_next, scale, base, rpre, 1e-20, 1e-6, iters)[:2]
+    assert ws_next.shape == (K.partial_splits(h.shape[2], f.element_size()), h.shape[0], fn.shape[0] + 1)
+    assert (out.dtype, x.dtype) == (f.dtype, f.dtype) and out.shape == h.shape and x.shape == f.shape
+    check = assert_bf16_within_ulp if f.dtype == torch.bfloat16 else assert_fp32_close
+    check(out, rout, "h'")
+    check(x, rx, "x")
+    next_pre = K.mhc_post_finish(f, out, ws_next, scale, base, 1e-20, 1e-6, iters)[1]
+    assert_fp32_close(next_pre, rnext_pre, "the next site's pre")
+
+
+@settings(deadline=None, max_examples=examples(20))
+@given(
+    N=st.integers(1, 12),
+    hc=st.sampled_from([2, 4]),
+    D=st.sampled_from([32, 64, 96]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    iters=st.sampled_from([1, 2, 20]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_post_then_partial_matches_post_then_pre(N, hc, D, dtype, iters, seed):
+    h, fn, scale, base, pre_prev = make_inputs(N, hc, D, dtype, True, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    f = torch.randn(N, D, generator=g).to(dtype)
+    fn_next = torch.randn(fn.shape, generator=g) / (hc * D) ** 0.5 * 4
+    check_post_then_partial(h, fn, scale, base, pre_prev, f, fn_next, iters)
+
+
 def test_finish_in_post_fallback_is_its_twin(monkeypatch):
     """Without Triton the pair runs its twins (the partial sums by D split, summed in the post), which give the
     same as mhc_pre's and mhc_post's."""
     monkeypatch.setattr(K, "use_triton", lambda t: False)
     h, fn, scale, base, pre_prev = make_inputs(3, 4, 64, torch.float32, True, 4)
     check_finish_in_post(h, fn, scale, base, pre_prev, torch.randn(3, 64), 20)
+    check_post_then_partial(h, fn, scale, base, pre_prev, torch.randn(3, 64), fn * 0.5, 20)
 
 
 def test_opcheck():
@@ -209,6 +246,8 @@ def test_opcheck():
     ws = K.mhc_pre_partial(h, fn, pre_prev)[1]
     torch.library.opcheck(torch.ops.dsv4.mhc_pre_partial, (h, fn, pre_prev), test_utils=tests)
     torch.library.opcheck(torch.ops.dsv4.mhc_post_finish, (f, h, ws, scale, base, 1e-20, 1e-6, 20), test_utils=tests)
+    torch.library.opcheck(torch.ops.dsv4.mhc_post_partial, (f, h, ws, scale, base, fn, 1e-20, 1e-6, 20),
+                          test_utils=tests)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -268,23 +307,43 @@ def test_mhc_post_gpu(N, D, dtype):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N", [1, 7, 64])
+def test_v41_decode_ops_gpu(N, dtype):
+    """V4.1's decode ops at the real width, compiled: the coefficients finished in the post, and the post with the
+    next site's partial pass."""
+    h, fn, scale, base, pre_prev = make_inputs(N, 4, 5120, dtype, True, N, device="cuda")
+    f = torch.randn(N, 5120, generator=torch.Generator().manual_seed(N + 1)).to(dtype).cuda()
+    check_finish_in_post(h, fn, scale, base, pre_prev, f, 20)
+    check_post_then_partial(h, fn, scale, base, pre_prev, f, fn * 0.5, 20)
+
+
+@gpu
+@needs_cuda
 def test_mhc_compiles_and_captures():
-    """torch.compile(fullgraph=True) traces through the ops, and a CUDA graph replays them."""
+    """torch.compile(fullgraph=True) traces through the ops, and a CUDA graph replays them: a site's pre and post,
+    and V4.1's decode chain (partial pass, post with the next partial pass, post finishing its coefficients)."""
     h, fn, scale, base, pre_prev = make_inputs(8, 4, 5120, torch.bfloat16, True, 0, "cuda")
 
     def site(h):
         x, _, post, comb = torch.ops.dsv4.mhc_pre(h, fn, scale, base, pre_prev, 1e-20, 1e-6, 20)
         return torch.ops.dsv4.mhc_post(x, h, post, comb)
 
-    want = site(h)
-    torch.testing.assert_close(torch.compile(site, fullgraph=True)(h), want, rtol=0, atol=0)
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        got = site(h)
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    def v41_sites(h):
+        x, ws = torch.ops.dsv4.mhc_pre_partial(h, fn, pre_prev)
+        h, x, ws = torch.ops.dsv4.mhc_post_partial(x, h, ws, scale, base, fn, 1e-20, 1e-6, 20)
+        return torch.ops.dsv4.mhc_post_finish(x, h, ws, scale, base, 1e-20, 1e-6, 20)
+
+    for fn_under_test in (site, v41_sites):
+        want = fn_under_test(h)
+        torch.testing.assert_close(torch.compile(fn_under_test, fullgraph=True)(h), want, rtol=0, atol=0)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            got = fn_under_test(h)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def ieee_sinkhorn_step(comb: torch.Tensor, eps: float) -> torch.Tensor:

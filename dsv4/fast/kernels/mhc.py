@@ -15,6 +15,11 @@
     V4.1's decode pair: a site's pre, post and comb are first read by its post (x collapses with the previous
     site's pre), so the post kernel finishes them from the partial kernel's workspace ws [S, N, M + 1]
     (`partial_splits`) and the finish kernel's launch goes; pre [N, hc] fp32 is the next site's collapse weights.
+`dsv4::mhc_post_partial(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters) -> (h', x, ws_next)`
+    mhc_post_finish, then mhc_pre_partial of the next site on h' (collapsing with this site's pre) in the same
+    kernel, a program per (row, d step of the partial pass): V4.1's attention post and FFN pre in one launch. Its
+    projection runs on the CUDA cores in fp32 (one row a program, so the Sinkhorn stays in threads). Up to
+    POST_PARTIAL_MAX_N rows; more take the two kernels (every program finishes its row's coefficients again).
 
 Twins: `dsv4.reference.mhc` (hc_project, hc_split_sinkhorn, hc_collapse, hc_expand) on [1, N, ...]; the pair's
 twins split hc_project's sums by D range as the workspace holds them.
@@ -41,6 +46,7 @@ import functools
 import torch
 
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
+from dsv4.fast.kernels.attention import _to_bf16
 from dsv4.fast.kernels.torch_math import exp
 from dsv4.reference.mhc import hc_collapse, hc_expand, hc_project, hc_split_sinkhorn
 
@@ -70,6 +76,13 @@ def mhc_pre_partial_twin(h, fn, collapse_pre):
     fv = fn.float().view(-1, hc, S, D // S)
     ws = torch.cat([torch.einsum("nksd,mksd->snm", hf, fv), hf.square().sum(dim=(1, 3)).T[..., None]], dim=-1)
     return hc_collapse(h.unsqueeze(0), collapse_pre.float().unsqueeze(0))[0], ws
+
+
+def mhc_post_partial_twin(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters):
+    """The site's post (mhc_post_finish's twin), then the next site's partial pass on its output (mhc_pre_partial's,
+    collapsing with this site's pre): (h', x, the next site's workspace)."""
+    out, pre = mhc_post_finish_twin(f, residual, ws, scale, base, norm_eps, hc_eps, iters)
+    return (out, *mhc_pre_partial_twin(out, fn_next, pre))
 
 
 def mhc_post_finish_twin(f, residual, ws, scale, base, norm_eps, hc_eps, iters):
@@ -319,9 +332,9 @@ def _placed_row(comb, jk, j: tl.constexpr, a, b, c, d):
 
 @triton.jit
 def _expand(f_ptr, res_ptr, out_ptr, post, comb, rows64, rmask, pid_d, D, stride_fn, stride_rn, stride_rk,
-            stride_on, stride_ok, HC: tl.constexpr, BD: tl.constexpr):
+            stride_on, stride_ok, HC: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr):
     """The program's d tile of h'_k = post_k f + sum_j comb[j, k] residual_j in fp32 (j in order), stored in the
-    output's dtype; post [BN, HC] and comb [BN, HC, HC] fp32 in registers."""
+    output's dtype and returned as stored ([BN, HC, BD]); post [BN, HC] and comb [BN, HC, HC] fp32 in registers."""
     c = tl.arange(0, HC)
     dd = pid_d * BD + tl.arange(0, BD)
     m2 = rmask[:, None] & (dd < D)[None, :]
@@ -333,7 +346,12 @@ def _expand(f_ptr, res_ptr, out_ptr, post, comb, rows64, rmask, pid_d, D, stride
     fv = tl.load(f_ptr + rows64[:, None] * stride_fn + dd[None, :], mask=m2, other=0.0).to(tl.float32)
     out = post[:, :, None] * fv[:, None, :] + mixed
     optr = out_ptr + rows64[:, None, None] * stride_on + c[None, :, None] * stride_ok + dd[None, None, :]
-    tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=m2[:, None, :])
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        out = _to_bf16(out, INTERP)  # to nearest (the interpreter's cast truncates)
+    else:
+        out = out.to(out_ptr.dtype.element_ty)
+    tl.store(optr, out, mask=m2[:, None, :])
+    return out
 
 
 @triton.jit
@@ -341,7 +359,7 @@ def _post_kernel(
     f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr,
     N, D,
     stride_fn, stride_rn, stride_rk, stride_on, stride_ok,
-    HC: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr,
+    HC: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_predecessor(PDL)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -352,7 +370,7 @@ def _post_kernel(
     post = tl.load(post_ptr + rows64[:, None] * HC + c[None, :], mask=rmask[:, None], other=0.0)
     comb = tl.load(comb_ptr + rows64[:, None, None] * (HC * HC) + jk[None, :, :], mask=rmask[:, None, None], other=0.0)
     _expand(f_ptr, res_ptr, out_ptr, post, comb, rows64, rmask, tl.program_id(1), D, stride_fn, stride_rn, stride_rk,
-            stride_on, stride_ok, HC, BD)
+            stride_on, stride_ok, HC, BD, INTERP)
 
 
 @triton.jit
@@ -361,7 +379,7 @@ def _post_finish_kernel(
     N, D, n_split, norm_eps, hc_eps, iters,
     stride_fn, stride_rn, stride_rk, stride_on, stride_ok,
     HC: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr,
-    ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, PDL: tl.constexpr,
+    ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):
     """mhc_post with the site's coefficients finished here from the partial kernel's workspace (what the finish
     kernel did): every program of a row finishes them, the first of its d tiles stores pre."""
@@ -375,7 +393,44 @@ def _post_finish_kernel(
         c = tl.arange(0, HC)
         tl.store(pre_ptr + rows64[:, None] * HC + c[None, :], pre, mask=rmask[:, None])
     _expand(f_ptr, res_ptr, out_ptr, post, comb, rows64, rmask, tl.program_id(1), D, stride_fn, stride_rn, stride_rk,
-            stride_on, stride_ok, HC, BD)
+            stride_on, stride_ok, HC, BD, INTERP)
+
+
+@triton.jit
+def _post_partial_kernel(
+    f_ptr, res_ptr, ws_ptr, scale_ptr, base_ptr, fn_ptr, out_ptr, x_ptr, ws_next_ptr,
+    N, D, n_split, norm_eps, hc_eps, iters,
+    stride_fn, stride_rn, stride_rk, stride_on, stride_ok, stride_xn,
+    HC: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr,
+    ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (row, d step): a site's post with its coefficients finished from its workspace ws (as
+    `_post_finish_kernel`), then the next site's partial pass over the new streams' d step while they are in
+    registers (as `_pre_partial_kernel`, its projection in fp32 on the CUDA cores: one row), collapsing x with
+    this site's pre."""
+    wait_for_predecessor(PDL)
+    rows64 = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)  # [1]: one row (the Sinkhorn in threads, at hc 4)
+    rmask = rows64 < N
+    pid_s = tl.program_id(1)
+    pre, post, comb = _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps,
+                                    iters, HC, M, SB, ACCURATE, THREAD_SINKHORN)
+    h = _expand(f_ptr, res_ptr, out_ptr, post, comb, rows64, rmask, pid_s, D, stride_fn, stride_rn, stride_rk,
+                stride_on, stride_ok, HC, BD, INTERP).to(tl.float32)  # [1, HC, BD], as stored
+    c = tl.arange(0, HC)
+    cols = tl.arange(0, MP)
+    dd = pid_s * BD + tl.arange(0, BD)
+    acc = tl.zeros((1, MP), dtype=tl.float32)
+    x = tl.zeros((1, BD), dtype=tl.float32)
+    for k in tl.static_range(HC):
+        hk = tl.sum(tl.where(c[None, :, None] == k, h, 0.0), axis=1)  # [1, BD]: stream k
+        fv = tl.load(fn_ptr + cols[:, None].to(tl.int64) * (HC * D) + (k * D + dd)[None, :], mask=(cols < M)[:, None],
+                     other=0.0)  # [MP, BD]: fn's columns of stream k's d step
+        acc += tl.sum(hk[:, None, :] * fv[None, :, :], axis=2)
+        x += tl.sum(tl.where(c[None, :] == k, pre, 0.0), axis=1)[:, None] * hk
+    tl.store(x_ptr + rows64[:, None] * stride_xn + dd[None, :], x.to(x_ptr.dtype.element_ty), mask=rmask[:, None])
+    ws_row = ws_next_ptr + (pid_s * N + rows64) * (M + 1)
+    tl.store(ws_row[:, None] + cols[None, :], acc, mask=rmask[:, None] & (cols < M)[None, :])
+    tl.store(ws_row + M, tl.sum(tl.sum(h * h, axis=2), axis=1), mask=rmask)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -424,6 +479,12 @@ def pre_config(N: int, D: int, hc: int, elt: int, target: int, cfg: dict | None 
         "num_warps": cfg.get("num_warps") or (4 if BN <= 16 else 8),
         "num_stages": cfg.get("num_stages") or max(1, min(4, (160 * 1024) // stage_bytes)),
     }
+
+
+# rows up to which mhc_post_partial runs as one kernel: each of a row's programs (D / 64 of them) finishes the row's
+# coefficients, a Sinkhorn chain in every thread, so past a few rows that redundant work outgrows the launch it
+# saves (4 rows, 2 warps: ~2M warp instructions); more rows take the post and the partial pass apart
+POST_PARTIAL_MAX_N = 4
 
 
 def partial_splits(D: int, elt: int) -> int:
@@ -552,10 +613,36 @@ def mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters
         N, D, split, norm_eps, hc_eps, iters,
         f.stride(0), residual.stride(0), residual.stride(1), out.stride(0), out.stride(1),
         HC=hc, M=(2 + hc) * hc, BN=c["BN"], BD=c["BD"], SB=min(triton.next_power_of_2(split), 32),
-        ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, c["BN"]), PDL=pdl(f),
+        ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, c["BN"]), INTERP=not f.is_cuda, PDL=pdl(f),
         num_warps=c["num_warps"], launch_pdl=pdl(f),
     )
     return out, pre
+
+
+def mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters):
+    if residual.shape[0] > POST_PARTIAL_MAX_N:
+        out, pre = mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters)
+        return (out, *mhc_pre_partial_triton(out, fn_next, pre))
+    f, residual, ws = f.contiguous(), residual.contiguous(), ws.contiguous()
+    scale, base, fn_next = scale.float().contiguous(), base.float().contiguous(), fn_next.float().contiguous()
+    N, hc, D = residual.shape
+    M = (2 + hc) * hc
+    S = partial_splits(D, f.element_size())
+    out = torch.empty(N, hc, D, dtype=f.dtype, device=f.device)
+    x = torch.empty(N, D, dtype=f.dtype, device=f.device)
+    ws_next = torch.empty(S, N, M + 1, dtype=torch.float32, device=f.device)
+    if N == 0:
+        return out, x, ws_next
+    split = ws.shape[0]
+    _post_partial_kernel[(N, S)](
+        f, residual, ws, scale, base, fn_next, out, x, ws_next,
+        N, D, split, norm_eps, hc_eps, iters,
+        f.stride(0), residual.stride(0), residual.stride(1), out.stride(0), out.stride(1), x.stride(0),
+        HC=hc, M=M, MP=triton.next_power_of_2(M), BD=D // S, SB=min(triton.next_power_of_2(split), 32),
+        ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, 1), INTERP=not f.is_cuda, PDL=pdl(f),
+        num_warps=2, launch_pdl=pdl(f),
+    )
+    return out, x, ws_next
 
 
 def mhc_post_triton(f, residual, post, comb, cfg: dict | None = None):
@@ -571,7 +658,7 @@ def mhc_post_triton(f, residual, post, comb, cfg: dict | None = None):
         f, residual, post, comb, out,
         N, D,
         f.stride(0), residual.stride(0), residual.stride(1), out.stride(0), out.stride(1),
-        HC=hc, BN=c["BN"], BD=c["BD"], PDL=pdl(f), num_warps=c["num_warps"], launch_pdl=pdl(f),
+        HC=hc, BN=c["BN"], BD=c["BD"], INTERP=not f.is_cuda, PDL=pdl(f), num_warps=c["num_warps"], launch_pdl=pdl(f),
     )
     return out
 
@@ -647,3 +734,22 @@ def mhc_post_finish(f: torch.Tensor, residual: torch.Tensor, ws: torch.Tensor, s
 def _(f, residual, ws, scale, base, norm_eps, hc_eps, iters):
     return residual.new_empty(residual.shape, dtype=f.dtype), residual.new_empty(residual.shape[:2],
                                                                                  dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv4::mhc_post_partial", mutates_args=())
+def mhc_post_partial(f: torch.Tensor, residual: torch.Tensor, ws: torch.Tensor, scale: torch.Tensor,
+                     base: torch.Tensor, fn_next: torch.Tensor, norm_eps: float, hc_eps: float,
+                     iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mhc_post_finish, then mhc_pre_partial of the next site (fn_next) on its output collapsing with this site's
+    pre, in one kernel: f [N, D], residual [N, hc, D], ws -> (h' [N, hc, D], x [N, D], the next site's workspace)."""
+    if use_triton(f) and _hc_supported(residual.shape[1], residual.shape[2]):
+        return mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters)
+    return tuple(t.contiguous() for t in mhc_post_partial_twin(f, residual, ws, scale, base, fn_next, norm_eps,
+                                                                hc_eps, iters))
+
+
+@mhc_post_partial.register_fake
+def _(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters):
+    N, hc, D = residual.shape
+    return (residual.new_empty(residual.shape, dtype=f.dtype), f.new_empty(N, D),
+            f.new_empty(partial_splits(D, f.element_size()), N, (2 + hc) * hc + 1, dtype=torch.float32))
