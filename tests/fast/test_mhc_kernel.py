@@ -176,21 +176,6 @@ def check_finish_in_post(h, fn, scale, base, pre_prev, f, iters):
     assert_fp32_close(pre, rpre, "pre")
 
 
-@settings(deadline=None, max_examples=examples(20))
-@given(
-    N=st.integers(1, 20),
-    hc=st.sampled_from([2, 4]),
-    D=st.sampled_from([32, 64, 96]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    iters=st.sampled_from([1, 2, 20]),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_finish_in_post_matches_pre_then_post(N, hc, D, dtype, iters, seed):
-    h, fn, scale, base, pre_prev = make_inputs(N, hc, D, dtype, True, seed)
-    f = torch.randn(N, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    check_finish_in_post(h, fn, scale, base, pre_prev, f, iters)
-
-
 def check_post_then_partial(h, fn, scale, base, pre_prev, f, fn_next, iters):
     """mhc_post_partial (a site's post, then the next site's partial pass in the same kernel) gives the twins' h'
     (mhc_post_finish's), and from that h' (its own: one bf16 rounding of it may land on the other neighbour) the
@@ -219,17 +204,20 @@ def check_post_then_partial(h, fn, scale, base, pre_prev, f, fn_next, iters):
     iters=st.sampled_from([1, 2, 20]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_post_then_partial_matches_post_then_pre(N, hc, D, dtype, iters, seed):
+def test_v41_decode_ops_match_pre_then_post(N, hc, D, dtype, iters, seed):
+    """V4.1's decode ops (the coefficients finished in the post; the post with the next site's partial pass, one
+    kernel up to POST_PARTIAL_MAX_N rows, two past it) against mhc_pre's and mhc_post's twins."""
     h, fn, scale, base, pre_prev = make_inputs(N, hc, D, dtype, True, seed)
     g = torch.Generator().manual_seed(seed + 1)
     f = torch.randn(N, D, generator=g).to(dtype)
-    fn_next = torch.randn(fn.shape, generator=g) / (hc * D) ** 0.5 * 4
-    check_post_then_partial(h, fn, scale, base, pre_prev, f, fn_next, iters)
+    check_finish_in_post(h, fn, scale, base, pre_prev, f, iters)
+    check_post_then_partial(h, fn, scale, base, pre_prev, f, torch.randn(fn.shape, generator=g) / (hc * D) ** 0.5 * 4,
+                            iters)
 
 
-def test_finish_in_post_fallback_is_its_twin(monkeypatch):
-    """Without Triton the pair runs its twins (the partial sums by D split, summed in the post), which give the
-    same as mhc_pre's and mhc_post's."""
+def test_v41_decode_ops_fallback_is_their_twins(monkeypatch):
+    """Without Triton V4.1's decode ops run their twins (the partial sums by D split, summed in the post), which
+    give the same as mhc_pre's and mhc_post's."""
     monkeypatch.setattr(K, "use_triton", lambda t: False)
     h, fn, scale, base, pre_prev = make_inputs(3, 4, 64, torch.float32, True, 4)
     check_finish_in_post(h, fn, scale, base, pre_prev, torch.randn(3, 64), 20)
