@@ -1,10 +1,9 @@
 """One bench script run in two source trees on one device, alternating: a change measured beside its base in one
 run, the way every speed claim here is made.
 
-Make the base tree here (exp/ is not ignored, so the device call carries it):
+Make the base tree here, from a commit (exp/ is not ignored, so the device call carries it):
 
-    mkdir -p exp/base && git archive 6f3da54 dsv4 bench tests pyproject.toml | tar -x -C exp/base
-    echo 6f3da54 > exp/base/COMMIT
+    python bench/ab.py --make-base 6f3da54          # exp/base: dsv4, bench, tests, pyproject.toml and COMMIT
 
 then on the device:
 
@@ -16,16 +15,19 @@ columns. Each is `python <script> <args>` in its tree (working directory and PYT
 <out>/<label>-<round> for its result files and DSV4_COMMIT to the tree's commit (the base's COMMIT file; this
 tree's $DSV4_COMMIT, else `git rev-parse`), its output in <out>/<label>-<round>.log; <out> is $OUT/ab (out/ab
 without OUT). Last, for each JSON result every run wrote, a table of its top-level numbers and its `by_op`
-microseconds (bench/profile_decode.py's), one column a run, and <out>/ab.json with the same.
+microseconds (bench/profile_decode.py's), one column a run, and <out>/ab.json with the same and each run's exit
+status; the exit status is 1 if a run failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import common
@@ -41,8 +43,24 @@ def tree_commit(tree: Path) -> str:
     return marker.read_text().strip() if marker.exists() else "unknown"
 
 
-def run(tree: Path, script: str, args: list[str], out: Path, label: str) -> Path:
-    """`python script args` in tree: its results under out/label, its output in out/label.log."""
+TREE_PATHS = ("dsv4", "bench", "tests", "pyproject.toml")  # what a bench run needs of a tree
+
+
+def make_base(rev: str, base: Path) -> Path:
+    """base <- TREE_PATHS at commit rev of this checkout (`git archive`), and its short hash in base/COMMIT."""
+    git = ["git", "-C", str(HERE)]
+    sha = subprocess.run([*git, "rev-parse", "--short", rev], capture_output=True, text=True, check=True).stdout.strip()
+    archive = subprocess.run([*git, "archive", "--format=tar", sha, *TREE_PATHS], capture_output=True, check=True)
+    base.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(base, filter="data")
+    (base / "COMMIT").write_text(sha + "\n")
+    return base
+
+
+def run(tree: Path, script: str, args: list[str], out: Path, label: str) -> tuple[Path, int]:
+    """`python script args` in tree: its results under out/label, its output in out/label.log; and its exit
+    status."""
     results = out / label
     results.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OUT": str(results), "DSV4_COMMIT": tree_commit(tree),
@@ -51,7 +69,7 @@ def run(tree: Path, script: str, args: list[str], out: Path, label: str) -> Path
         code = subprocess.run([sys.executable, script, *args], check=False, cwd=tree, env=env, stdout=log,
                               stderr=subprocess.STDOUT).returncode
     print(f"{label}: exit {code}, {out / f'{label}.log'}", flush=True)
-    return results
+    return results, code
 
 
 def numbers(result: dict) -> dict[str, float]:
@@ -79,27 +97,33 @@ def compare(runs: dict[str, Path]) -> dict[str, dict[str, dict[str, float]]]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", type=Path, required=True, help="the base source tree")
+    p.add_argument("--base", type=Path, default=HERE / "exp" / "base", help="the base source tree (exp/base)")
+    p.add_argument("--make-base", metavar="REV", help="only make the base tree from commit REV")
     p.add_argument("--rounds", type=int, default=1, help="base / this tree pairs")
-    p.add_argument("script", help="the bench script, relative to a tree's root")
+    p.add_argument("script", nargs="?", help="the bench script, relative to a tree's root")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)
+    if a.make_base:
+        print(f"base tree: {make_base(a.make_base, a.base)}")
+        return {}
+    if a.script is None:
+        p.error("a bench script to run (or --make-base REV)")
     out = Path(os.environ.get("OUT", HERE / "out")) / "ab"
-    runs = {}
+    runs, codes = {}, {}
     for r in range(a.rounds):
         for label, tree in (("base", a.base), ("main", HERE)):
-            runs[f"{label}-{r}"] = run(tree, a.script, a.args, out, f"{label}-{r}")
+            runs[f"{label}-{r}"], codes[f"{label}-{r}"] = run(tree, a.script, a.args, out, f"{label}-{r}")
     table = compare(runs)
     for name, metrics in table.items():
         print(f"\n{name}")
         common.print_table([("metric", "metric", "")] + [(label, label, ".3f") for label in runs],
-                           [{"metric": m, **{k: (v if v is not None else float("nan")) for k, v in vals.items()}}
-                            for m, vals in metrics.items()])
+                           [{"metric": m, **vals} for m, vals in metrics.items()])
     summary = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "script": a.script,
-               "args": a.args, "commits": {"base": tree_commit(a.base), "main": tree_commit(HERE)}, "results": table}
+               "args": a.args, "commits": {"base": tree_commit(a.base), "main": tree_commit(HERE)},
+               "exit_codes": codes, "results": table}
     (out / "ab.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if any(main().get("exit_codes", {}).values()) else 0)

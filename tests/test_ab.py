@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -42,6 +43,7 @@ def test_runs_alternate_in_their_trees_and_results_line_up(tmp_path, monkeypatch
 
     assert order.read_text().split("\n")[:-1] == ["base abc1234", "main def5678"] * 2
     assert summary["commits"] == {"base": "abc1234", "main": "def5678"}
+    assert summary["exit_codes"] == {"base-0": 0, "main-0": 0, "base-1": 0, "main-1": 0}
     step = summary["results"]["step.json"]
     assert step["graph_step_ms"] == {"base-0": 1.5, "main-0": 1.25, "base-1": 1.5, "main-1": 1.25}
     assert step["us dsv4::mhc_pre"]["main-1"] == 12.5
@@ -51,3 +53,26 @@ def test_runs_alternate_in_their_trees_and_results_line_up(tmp_path, monkeypatch
     out = tmp_path / "out" / "ab"
     assert (out / "main-1.log").read_text() == "ran\n"
     assert json.loads((out / "ab.json").read_text())["results"] == summary["results"]
+
+
+def test_the_base_tree_is_a_commits_bench_paths(tmp_path, monkeypatch):
+    """--make-base REV: the commit's dsv4, bench, tests and pyproject.toml (not its other files, not later edits)
+    and the short hash in COMMIT."""
+    repo = tmp_path / "repo"
+    for path, text in (("dsv4/a.py", "A = 1\n"), ("bench/b.py", "B = 1\n"), ("tests/t.py", ""),
+                       ("pyproject.toml", "[project]\n"), ("notes.md", "not a bench path\n")):
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text(text)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    sha = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    (repo / "dsv4" / "a.py").write_text("A = 2\n")  # a later edit, not in the commit
+    monkeypatch.setattr(ab, "HERE", repo)
+    base = tmp_path / "exp" / "base"
+    ab.main(["--make-base", "HEAD", "--base", str(base)])
+    assert (base / "dsv4" / "a.py").read_text() == "A = 1\n" and (base / "bench" / "b.py").exists()
+    assert (base / "pyproject.toml").exists() and not (base / "notes.md").exists()
+    assert (base / "COMMIT").read_text().strip() == sha
