@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from dsv4.fast.cache import POOL_BLOCK, LayerSlots, SlotState
 from dsv4.fast.engram_prefetch import EngramPrefetcher, HostEngramEmbedding
 from dsv4.fast.kernels.attention import sparse_attn_bf16, sparse_attn_fp4
+from dsv4.fast.kernels.dense_gemv import beats_cublas, dense_gemv
 from dsv4.fast.kernels.engram import engram_hash
 from dsv4.fast.kernels.fp8_gemv import fp8_gemv
 from dsv4.fast.kernels.indexer import (
@@ -163,6 +164,8 @@ class SharedInput:
         for names, widths, fp32, weight, stored in self.parts:
             if stored is not None and stored.serves(x):
                 y = stored(x, torch.float32 if fp32 else x.dtype)
+            elif beats_cublas(x) and x.dtype == weight.dtype:
+                y = dense_gemv(x, weight, torch.float32 if fp32 else x.dtype)
             else:
                 y = fp32_linear(x, weight) if fp32 else F.linear(x, weight)
             outs.update(zip(names, y.split(widths, dim=-1)))

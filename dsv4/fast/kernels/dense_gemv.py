@@ -9,8 +9,8 @@ The value of `F.linear(x, w)` (bf16 operands: exact products, fp32 sums, one rou
 fast model's `fp32_linear`, up to fp32 summation order. Why: at one row cuBLAS runs such a GEMV as split K plus a
 reduce launch; in the V4.1 batch-1 step (1d4fadb's profile) an index layer's bf16 linears on x (wq_a, wkv and
 the indexer's weights_proj, 1824 x 5120: 18.7 MB, 4.3 us at the copy rate) took 7.3-9.6 us and a 1.6-1.7 us
-reduce. Not in the fast model yet: `bench/dense_gemv.py` times it against cuBLAS there first (at such sizes a
-launch's fixed cost weighs: the FP8 GEMV of wq_a + wkv, half the bytes, took 6.9 us in that step).
+reduce. The fast model's `SharedInput` takes it at the rows where `bench/dense_gemv.py` timed it faster than
+cuBLAS (`beats_cublas`).
 
 A program takes BN weight rows over all of K, in K steps of BK, software-pipelined (`tl.range` stages: the next
 steps' weights are in flight while one is summed); the products accumulate elementwise in registers ([BM, BN,
@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.fp8_gemv import gemv_output, store_rows
 
-__all__ = ["MAX_M", "dense_gemv", "dense_gemv_reference"]
+__all__ = ["MAX_M", "dense_gemv", "dense_gemv_reference", "beats_cublas"]
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_M = 16  # decode batches; larger M belongs to a GEMM (tensor cores)
+FASTER_M = 2  # rows up to which it beat cuBLAS in `bench/dense_gemv.py` (1.18-1.30x at 1-2 rows, 0.12-0.14x at 4)
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -76,6 +77,11 @@ def _check(x, w, out_dtype) -> None:
         raise ValueError(f"dense_gemv: a decode GEMV takes at most {MAX_M} rows, got {x.shape[0]}")
 
 
+def beats_cublas(x: torch.Tensor) -> bool:
+    """Whether x [M, K] is a decode input at which the fast model takes this GEMV over cuBLAS."""
+    return x.is_cuda and x.dim() == 2 and x.shape[0] <= FASTER_M
+
+
 def dense_gemv_reference(x, w, out_dtype):
     """The twin: fp32 products and sums, one rounding."""
     _check(x, w, out_dtype)
@@ -83,14 +89,14 @@ def dense_gemv_reference(x, w, out_dtype):
 
 
 def _tiles(M: int, N: int) -> tuple[int, int, int, int]:
-    """(BN, BK, stages, num_warps). One or two rows: fp8_gemv's measured tiles (`bench/fp8_gemv.py`) for bytes in
-    flight a program, 4 rows a program up to 2048 rows (twice the programs), 8 above; 256-wide K steps. More rows:
+    """(BN, BK, stages, num_warps). One or two rows: 4 rows a program, 256-wide K steps six deep, the fastest of
+    `bench/dense_gemv.py`'s sweep at both of the V4.1 step's parts (7.15 / 8.77 us, session 38). More rows:
     BN and BK kept small, so the BM x BN x BK accumulator stays in registers (16 x 16 x 32 in 4 warps: 64 a
     thread)."""
     if _INTERP:
         return 16, 64, 1, 4
     if M <= 2:
-        return (4 if N <= 2048 else 8), 256, 4, 2
+        return 4, 256, 6, 2
     return 16, 32, 3, 4
 
 
