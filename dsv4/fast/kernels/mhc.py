@@ -331,19 +331,34 @@ def _placed_row(comb, jk, j: tl.constexpr, a, b, c, d):
 
 
 @triton.jit
-def _expand(f_ptr, res_ptr, out_ptr, post, comb, rows64, rmask, pid_d, D, stride_fn, stride_rn, stride_rk,
-            stride_on, stride_ok, HC: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr):
+def _expand_inputs(f_ptr, res_ptr, rows64, rmask, pid_d, D, stride_fn, stride_rn, stride_rk,
+                   HC: tl.constexpr, BD: tl.constexpr):
+    """The program's d tile of f [BN, BD] and of the residual streams [BN, HC, BD], fp32. The kernels that finish
+    coefficients load them first, so this round trip runs under the partial sums and the Sinkhorn chain rather
+    than after it."""
+    c = tl.arange(0, HC)
+    dd = pid_d * BD + tl.arange(0, BD)
+    m2 = rmask[:, None] & (dd < D)[None, :]
+    res = tl.load(res_ptr + rows64[:, None, None] * stride_rn + c[None, :, None] * stride_rk + dd[None, None, :],
+                  mask=m2[:, None, :], other=0.0).to(tl.float32)
+    fv = tl.load(f_ptr + rows64[:, None] * stride_fn + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+    return fv, res
+
+
+@triton.jit
+def _expand(fv, res, out_ptr, post, comb, rows64, rmask, pid_d, D, stride_on, stride_ok, HC: tl.constexpr,
+            BD: tl.constexpr, INTERP: tl.constexpr):
     """The program's d tile of h'_k = post_k f + sum_j comb[j, k] residual_j in fp32 (j in order), stored in the
-    output's dtype and returned as stored ([BN, HC, BD]); post [BN, HC] and comb [BN, HC, HC] fp32 in registers."""
+    output's dtype and returned as stored ([BN, HC, BD]); fv, res from `_expand_inputs`, post [BN, HC] and comb
+    [BN, HC, HC] fp32 in registers."""
     c = tl.arange(0, HC)
     dd = pid_d * BD + tl.arange(0, BD)
     m2 = rmask[:, None] & (dd < D)[None, :]
     mixed = tl.zeros((rows64.shape[0], HC, BD), dtype=tl.float32)
     for j in tl.static_range(HC):
         cj = tl.sum(tl.where(c[None, :, None] == j, comb, 0.0), axis=1)  # [BN, HC]: comb[:, j, :]
-        rj = tl.load(res_ptr + rows64[:, None] * stride_rn + j * stride_rk + dd[None, :], mask=m2, other=0.0)
-        mixed += cj[:, :, None] * rj.to(tl.float32)[:, None, :]
-    fv = tl.load(f_ptr + rows64[:, None] * stride_fn + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        rj = tl.sum(tl.where(c[None, :, None] == j, res, 0.0), axis=1)  # [BN, BD]: stream j (exact: one term)
+        mixed += cj[:, :, None] * rj[:, None, :]
     out = post[:, :, None] * fv[:, None, :] + mixed
     optr = out_ptr + rows64[:, None, None] * stride_on + c[None, :, None] * stride_ok + dd[None, None, :]
     if out_ptr.dtype.element_ty == tl.bfloat16:
@@ -369,8 +384,8 @@ def _post_kernel(
     jk = c[:, None] * HC + c[None, :]
     post = tl.load(post_ptr + rows64[:, None] * HC + c[None, :], mask=rmask[:, None], other=0.0)
     comb = tl.load(comb_ptr + rows64[:, None, None] * (HC * HC) + jk[None, :, :], mask=rmask[:, None, None], other=0.0)
-    _expand(f_ptr, res_ptr, out_ptr, post, comb, rows64, rmask, tl.program_id(1), D, stride_fn, stride_rn, stride_rk,
-            stride_on, stride_ok, HC, BD, INTERP)
+    fv, res = _expand_inputs(f_ptr, res_ptr, rows64, rmask, tl.program_id(1), D, stride_fn, stride_rn, stride_rk, HC, BD)
+    _expand(fv, res, out_ptr, post, comb, rows64, rmask, tl.program_id(1), D, stride_on, stride_ok, HC, BD, INTERP)
 
 
 @triton.jit
@@ -387,13 +402,13 @@ def _post_finish_kernel(
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rmask = rows < N
     rows64 = rows.to(tl.int64)
+    fv, res = _expand_inputs(f_ptr, res_ptr, rows64, rmask, tl.program_id(1), D, stride_fn, stride_rn, stride_rk, HC, BD)
     pre, post, comb = _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps,
                                     iters, HC, M, SB, ACCURATE, THREAD_SINKHORN)
     if tl.program_id(1) == 0:
         c = tl.arange(0, HC)
         tl.store(pre_ptr + rows64[:, None] * HC + c[None, :], pre, mask=rmask[:, None])
-    _expand(f_ptr, res_ptr, out_ptr, post, comb, rows64, rmask, tl.program_id(1), D, stride_fn, stride_rn, stride_rk,
-            stride_on, stride_ok, HC, BD, INTERP)
+    _expand(fv, res, out_ptr, post, comb, rows64, rmask, tl.program_id(1), D, stride_on, stride_ok, HC, BD, INTERP)
 
 
 @triton.jit
@@ -412,20 +427,24 @@ def _post_partial_kernel(
     rows64 = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)  # [1]: one row (the Sinkhorn in threads, at hc 4)
     rmask = rows64 < N
     pid_s = tl.program_id(1)
-    pre, post, comb = _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps,
-                                    iters, HC, M, SB, ACCURATE, THREAD_SINKHORN)
-    h = _expand(f_ptr, res_ptr, out_ptr, post, comb, rows64, rmask, pid_s, D, stride_fn, stride_rn, stride_rk,
-                stride_on, stride_ok, HC, BD, INTERP).to(tl.float32)  # [1, HC, BD], as stored
     c = tl.arange(0, HC)
     cols = tl.arange(0, MP)
     dd = pid_s * BD + tl.arange(0, BD)
+    # fn's columns of every stream's d step [HC, MP, BD], loaded first, as the expand's inputs: a weight,
+    # so nothing waits for it, and a load a stream after the Sinkhorn chain put four DRAM round trips in series
+    fn = tl.load(fn_ptr + cols[None, :, None].to(tl.int64) * (HC * D) + (c[:, None, None] * D + dd[None, None, :]),
+                 mask=(cols < M)[None, :, None], other=0.0)
+    fv, res = _expand_inputs(f_ptr, res_ptr, rows64, rmask, pid_s, D, stride_fn, stride_rn, stride_rk, HC, BD)
+    pre, post, comb = _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps,
+                                    iters, HC, M, SB, ACCURATE, THREAD_SINKHORN)
+    h = _expand(fv, res, out_ptr, post, comb, rows64, rmask, pid_s, D, stride_on, stride_ok, HC, BD,
+                INTERP).to(tl.float32)  # [1, HC, BD], as stored
+    by_stream = tl.sum(tl.reshape(h, (HC, BD))[:, None, :] * fn, axis=2)  # [HC, MP]: each stream's projection of the d step
     acc = tl.zeros((1, MP), dtype=tl.float32)
     x = tl.zeros((1, BD), dtype=tl.float32)
-    for k in tl.static_range(HC):
+    for k in tl.static_range(HC):  # streams in order, as the partial kernel sums them
+        acc += tl.sum(tl.where(c[:, None] == k, by_stream, 0.0), axis=0)[None, :]
         hk = tl.sum(tl.where(c[None, :, None] == k, h, 0.0), axis=1)  # [1, BD]: stream k
-        fv = tl.load(fn_ptr + cols[:, None].to(tl.int64) * (HC * D) + (k * D + dd)[None, :], mask=(cols < M)[:, None],
-                     other=0.0)  # [MP, BD]: fn's columns of stream k's d step
-        acc += tl.sum(hk[:, None, :] * fv[None, :, :], axis=2)
         x += tl.sum(tl.where(c[None, :] == k, pre, 0.0), axis=1)[:, None] * hk
     tl.store(x_ptr + rows64[:, None] * stride_xn + dd[None, :], x.to(x_ptr.dtype.element_ty), mask=rmask[:, None])
     ws_row = ws_next_ptr + (pid_s * N + rows64) * (M + 1)
