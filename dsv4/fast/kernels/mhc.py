@@ -187,6 +187,13 @@ def _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, nor
     pre_raw = tl.zeros((BN, HC), dtype=tl.float32)
     post_raw = tl.zeros((BN, HC), dtype=tl.float32)
     comb_raw = tl.zeros((BN, HC, HC), dtype=tl.float32)
+    # the site's scales and biases first: after the loop their round trip would stand between it and the Sinkhorn
+    s_pre = tl.load(scale_ptr)
+    s_post = tl.load(scale_ptr + 1)
+    s_comb = tl.load(scale_ptr + 2)
+    b_pre = tl.load(base_ptr + c)
+    b_post = tl.load(base_ptr + HC + c)
+    b_comb = tl.load(base_ptr + 2 * HC + jk)
     # SB splits a step, their loads all in flight at once: one split a step waited out an L2 round trip per
     # split (80 of them for one token at V4.1 widths), most of this kernel's time at decode
     sb = tl.arange(0, SB)
@@ -202,12 +209,6 @@ def _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, nor
                                    other=0.0), axis=0)
 
     rs = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, (HC * D) * 1.0) + norm_eps))
-    s_pre = tl.load(scale_ptr)
-    s_post = tl.load(scale_ptr + 1)
-    s_comb = tl.load(scale_ptr + 2)
-    b_pre = tl.load(base_ptr + c)
-    b_post = tl.load(base_ptr + HC + c)
-    b_comb = tl.load(base_ptr + 2 * HC + jk)
 
     pre = tl.div_rn(1.0, 1.0 + exp(-((pre_raw * rs[:, None]) * s_pre + b_pre[None, :]), ACCURATE)) + hc_eps
     post = 2.0 * tl.div_rn(1.0, 1.0 + exp(-((post_raw * rs[:, None]) * s_post + b_post[None, :]), ACCURATE))
