@@ -54,6 +54,17 @@ def parse_args(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None
     return args
 
 
+def bench_device(smoke: bool) -> str:
+    """Where a kernel bench runs: the CPU for --smoke (under the interpreter), else CUDA, or exit saying so."""
+    import torch
+
+    if smoke:
+        return "cpu"
+    if not torch.cuda.is_available():
+        sys.exit(f"bench/{Path(sys.argv[0]).name} needs CUDA (or --smoke)")
+    return "cuda"
+
+
 def fresh_compile_caches() -> None:
     """Point inductor's and Triton's caches at a new empty directory, so this process compiles what its code
     says (a run of another tree cannot serve it). Call before torch is imported."""

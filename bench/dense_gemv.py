@@ -18,7 +18,6 @@ is printed last.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import common
@@ -67,9 +66,7 @@ def cublas(x, w, out_dtype):
 def main():
     if ARGS.replot:
         return common.replot(ARGS.replot, plot)
-    device = "cpu" if ARGS.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench/dense_gemv.py needs CUDA (or --smoke)")
+    device = common.bench_device(ARGS.smoke)
     shapes = SMOKE_SHAPES if ARGS.smoke else decode_gemvs()
     ms = (1, 2) if ARGS.smoke else (1, 2, 4)
     reps = 3 if ARGS.smoke else ARGS.reps

@@ -69,7 +69,7 @@ if ARGS.smoke:
 import warnings
 
 import torch
-from common import git_commit  # $DSV4_COMMIT wins over a stale .git
+from common import bench_device, git_commit  # $DSV4_COMMIT wins over a stale .git
 
 from dsv4.fast.engram_prefetch import EngramPrefetcher, HostEngramTable, thp_setting
 from dsv4.fast.kernels.engram import engram_gather_twin
@@ -291,9 +291,7 @@ def measure(pre, tables, tokens_list, reps, device) -> tuple[list[dict], dict | 
 
 
 def main():
-    device = "cpu" if ARGS.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench/engram.py needs CUDA (or --smoke)")
+    device = bench_device(ARGS.smoke)
     tokens = ARGS.tokens or ([1, 4] if ARGS.smoke else [1, 4, 16, 64, 2048])
     reps = 3 if ARGS.smoke else ARGS.reps
     modes = ["pageable"] if ARGS.smoke else ARGS.modes

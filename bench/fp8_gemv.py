@@ -20,7 +20,6 @@ bench/results/fp8_gemv.json (fp8_gemv-smoke.json with --smoke), and a PNG beside
 
 from __future__ import annotations
 
-import sys
 import time
 
 import common
@@ -79,9 +78,7 @@ plot = common.plot_by_case("FP8 GEMV vs cuBLAS bf16", "cublas")
 def main():
     if ARGS.replot:
         return common.replot(ARGS.replot, plot)
-    device = "cpu" if ARGS.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench/fp8_gemv.py needs CUDA (or --smoke)")
+    device = common.bench_device(ARGS.smoke)
     shapes, block = (SMOKE_SHAPES, (32, 32)) if ARGS.smoke else decode_gemvs(ARGS.arch)
     ms = (1, 2) if ARGS.smoke else (1, 2, 4, 8, 16)
     reps = 3 if ARGS.smoke else ARGS.reps

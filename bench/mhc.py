@@ -83,9 +83,7 @@ def check(s) -> dict:
 
 
 def main():
-    device = "cpu" if ARGS.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench/mhc.py needs CUDA (or --smoke)")
+    device = common.bench_device(ARGS.smoke)
     hc, D = 4, (64 if ARGS.smoke else 5120)
     sizes = ARGS.sizes or ([1, 5] if ARGS.smoke else [1, 8, 64, 512, 4096])
     reps = 3 if ARGS.smoke else ARGS.reps

@@ -23,7 +23,6 @@ with --smoke). The table is printed last.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 
 import common
@@ -162,9 +161,7 @@ def check(W, s) -> dict:
 
 
 def main():
-    device = "cpu" if ARGS.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench/moe_experts.py needs CUDA (or --smoke)")
+    device = common.bench_device(ARGS.smoke)
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     E, D, I, k = (8, 64, 64, 2) if ARGS.smoke else (384, 5120, 2304, 6)

@@ -98,9 +98,7 @@ def gate_sweep(N, sets, reps, device) -> list[dict]:
 
 
 def main():
-    device = "cpu" if ARGS.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench/moe_routing.py needs CUDA (or --smoke)")
+    device = common.bench_device(ARGS.smoke)
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # the twin's fp32 GEMM stays fp32
     E, D = (384, 64) if ARGS.smoke else (384, 5120)

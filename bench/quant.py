@@ -15,7 +15,6 @@ bench/results/quant.json (quant-smoke.json with --smoke). The table is printed l
 
 from __future__ import annotations
 
-import sys
 import time
 
 import common
@@ -55,9 +54,7 @@ TILES = ("default", "prefill", "one_program_4w")
 
 
 def main():
-    device = "cpu" if ARGS.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench/quant.py needs CUDA (or --smoke)")
+    device = common.bench_device(ARGS.smoke)
     reps = 3 if ARGS.smoke else ARGS.reps
     t_start = time.time()
     results, checks = [], {}

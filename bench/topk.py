@@ -16,7 +16,6 @@ bench/results/topk.json (topk-smoke.json with --smoke). The table is printed las
 
 from __future__ import annotations
 
-import sys
 import time
 
 import common
@@ -61,9 +60,7 @@ def select(kind: str, k: int, fast: bool):
 
 
 def main():
-    device = "cpu" if ARGS.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench/topk.py needs CUDA (or --smoke)")
+    device = common.bench_device(ARGS.smoke)
     cases, k = (SMOKE_CASES, 16) if ARGS.smoke else (CASES, K)
     reps = 3 if ARGS.smoke else ARGS.reps
     t_start = time.time()
