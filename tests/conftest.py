@@ -40,6 +40,21 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+@pytest.fixture
+def graph_replay():
+    """fn(*args) captured in a CUDA graph and replayed once -> what the capture returned, as the replay left it."""
+    def run(fn, *args):
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            out = fn(*args)
+        graph.replay()
+        torch.cuda.synchronize()
+        return out
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def tiny_v4_dir(tmp_path_factory) -> Path:
     return make_tiny_checkpoint("v4-flash", tmp_path_factory.mktemp("tiny-v4"))

@@ -308,7 +308,7 @@ def test_v41_decode_ops_gpu(N, dtype):
 
 @gpu
 @needs_cuda
-def test_mhc_compiles_and_captures():
+def test_mhc_compiles_and_captures(graph_replay):
     """torch.compile(fullgraph=True) traces through the ops, and a CUDA graph replays them: a site's pre and post,
     and V4.1's decode chain (partial pass, post with the next partial pass, post finishing its coefficients)."""
     h, fn, scale, base, pre_prev = make_inputs(8, 4, 5120, torch.bfloat16, True, 0, "cuda")
@@ -325,13 +325,7 @@ def test_mhc_compiles_and_captures():
     for fn_under_test in (site, v41_sites):
         want = fn_under_test(h)
         torch.testing.assert_close(torch.compile(fn_under_test, fullgraph=True)(h), want, rtol=0, atol=0)
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            got = fn_under_test(h)
-        graph.replay()
-        torch.cuda.synchronize()
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(graph_replay(fn_under_test, h), want, rtol=0, atol=0)
 
 
 def ieee_sinkhorn_step(comb: torch.Tensor, eps: float) -> torch.Tensor:

@@ -259,7 +259,7 @@ def test_gate_route_gpu(N):
 
 @gpu
 @needs_cuda
-def test_routing_compiles_and_captures():
+def test_routing_compiles_and_captures(graph_replay):
     logits, bias = torch.randn(64, 384, device="cuda"), torch.randn(384, device="cuda") * 0.05
 
     def fn(logits):
@@ -268,10 +268,4 @@ def test_routing_compiles_and_captures():
     want = fn(logits)
     got = torch.compile(fn, fullgraph=True)(logits)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        got = fn(logits)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(graph_replay(fn, logits), want))

@@ -244,12 +244,7 @@ def test_gpu_topk_select_pool(kind):
 
 
 @gpu
-def test_gpu_topk_select_graph():
+def test_gpu_topk_select_graph(graph_replay):
     x = make_scores(1, 16384, "randn", 0, device="cuda")
     want = tk.topk_select(x, 512)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = tk.topk_select(x, 512)
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, want)
+    assert torch.equal(graph_replay(tk.topk_select, x, 512), want)
