@@ -162,10 +162,11 @@ class SharedInput:
         """x [B, K] -> each linear's output by name [B, N]."""
         outs = {}
         for names, widths, fp32, weight, stored in self.parts:
+            out_dtype = torch.float32 if fp32 else x.dtype
             if stored is not None and stored.serves(x):
-                y = stored(x, torch.float32 if fp32 else x.dtype)
-            elif beats_cublas(x) and x.dtype == weight.dtype:
-                y = dense_gemv(x, weight, torch.float32 if fp32 else x.dtype)
+                y = stored(x, out_dtype)
+            elif beats_cublas(x, weight):
+                y = dense_gemv(x, weight, out_dtype)
             else:
                 y = fp32_linear(x, weight) if fp32 else F.linear(x, weight)
             outs.update(zip(names, y.split(widths, dim=-1)))

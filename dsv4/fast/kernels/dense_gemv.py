@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.fp8_gemv import gemv_output, store_rows
 
-__all__ = ["MAX_M", "dense_gemv", "dense_gemv_reference", "beats_cublas"]
+__all__ = ["MAX_M", "beats_cublas", "dense_gemv", "dense_gemv_reference"]
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_M = 16  # decode batches; larger M belongs to a GEMM (tensor cores)
@@ -77,9 +77,9 @@ def _check(x, w, out_dtype) -> None:
         raise ValueError(f"dense_gemv: a decode GEMV takes at most {MAX_M} rows, got {x.shape[0]}")
 
 
-def beats_cublas(x: torch.Tensor) -> bool:
-    """Whether x [M, K] is a decode input at which the fast model takes this GEMV over cuBLAS."""
-    return x.is_cuda and x.dim() == 2 and x.shape[0] <= FASTER_M
+def beats_cublas(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x [M, K] times w [N, K] is a decode GEMV that the fast model takes here rather than to cuBLAS."""
+    return x.is_cuda and x.dim() == 2 and x.shape[0] <= FASTER_M and x.dtype == w.dtype
 
 
 def dense_gemv_reference(x, w, out_dtype):
