@@ -7,12 +7,15 @@ bytes ptxas's log reports spilled; a stack without spills is a local array).
     python bench/registers.py --json     # one JSON object a kernel on stdout, nothing written (the test's form)
 
 A kernel's registers bound how many of its programs an SM holds (65536 a multiprocessor, 255 a thread at most),
-and spills cost: a decode GEMV that spills runs fewer programs, each waiting on local memory. Found this
-way: the gather MoE's dense shared-expert tile took both gather kernels to 255 registers and a stack for every
-program. `tests/fast/test_registers.py` keeps the kernels marked `spills_ok=False` free of spills.
+and spills cost: a decode GEMV that spills runs fewer programs, each waiting on local memory.
+`tests/fast/test_registers.py` keeps the kernels marked `spills_ok=False` free of spills.
 
 The numbers are the installed Triton's (the device's may differ by a few registers); each kernel's tiles come from
-its op's own configuration code, so the table follows the defaults.
+its op's own configuration code, so the table follows the defaults. Each decode kernel is compiled as its batch-1
+launch specializes it (`LAUNCH_INTS`: an int argument of 1 a constant, a multiple of 16 known divisible by 16),
+since a kernel's vector loads and its software pipeline can hinge on those: compiled with its ints left open, the
+gather MoE's up kernel read 255 registers and a 344-byte stack, the mHC pre partial 211 registers, where their
+launches compile to 118 and 95, without a stack (Triton 3.6).
 """
 
 from __future__ import annotations
@@ -106,9 +109,10 @@ def cuobjdump(compiled, *flags: str) -> str:
 
 
 def resources(k: Kernel) -> dict:
-    """{registers, stack, spills, shared} of k compiled for sm_90: registers and stack (spills and local arrays)
-    from the cubin, the bytes spilled from the log of the ptxas run that made it (Triton's own options)."""
-    compiled, log = compile_sm90(k)
+    """{registers, stack, spills, shared} of k compiled for sm_90 as its launch specializes it (`launch_compile`):
+    registers and stack (spills and local arrays) from the cubin, the bytes spilled from the log of the ptxas run
+    that made it (Triton's own options)."""
+    compiled, log = launch_compile(k)
     spills = re.search(r"(\d+) bytes spill stores", log)
     usage = cuobjdump(compiled, "-res-usage")
     fields = dict(item.split(":") for item in next(line for line in usage.splitlines() if "REG:" in line).split())
@@ -164,16 +168,14 @@ def routing_kernels() -> list[Kernel]:
 def moe_kernels() -> list[Kernel]:
     """The gather path's up and down kernels, the shared expert dense bf16: at one token (2 warps) and at the most
     tokens "auto" gives it (4 warps)."""
-    spill_note = ("the dense shared-expert tile; split over 4 programs (111 registers, no stack) the step's up and "
-                  "down kernels took 64 us more over 4 layers (session 30)")
     out = []
-    for N, label, spill in ((1, "", True), (moe_experts.GATHER_MAX_N, f" ({moe_experts.GATHER_MAX_N} tokens)", False)):
+    for N, label in ((1, ""), (moe_experts.GATHER_MAX_N, f" ({moe_experts.GATHER_MAX_N} tokens)")):
         c = moe_experts._cfg(CUDA, N, "gather")
         common = {"STAGES": c["gather_stages"], "IS_BF16": True, "INTERP": False, "SHARED": True, "PDL": True}
         out.append(Kernel(f"moe gather up{label}", moe_experts._gather_up_kernel,
                           {"x_ptr": "*bf16", "ids_ptr": "*i64", "w13_ptr": "*i32", "s13_ptr": "*u8",
                            "sh13_ptr": "*bf16", "limit": "fp32"}, {"BI": c["BI"], "BK": c["BK"], "EVEN_K": D % c["BK"] == 0, **common},
-                          c["gather_warps"], spills_ok=spill, note=spill_note if spill else ""))
+                          c["gather_warps"]))
         out.append(Kernel(f"moe gather down{label}", moe_experts._gather_down_kernel,
                           {"ids_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "sh2_ptr": "*bf16"},
                           {"BD": c["BD"], "BK": c["BK"], "EVEN_K": I % c["BK"] == 0, **common},
@@ -297,6 +299,42 @@ def indexer_query_kernels() -> list[Kernel]:
                     "INTERP": False, "PDL": True}, 1)]
 
 
+_ATTN = {"stride_hn": HC * D, "stride_hk": D, "stride_xn": D}
+# the int arguments a batch-1 V4.1 decode step launches each kernel with, which a launch specializes as Triton does
+# (1 a constant, a multiple of 16 known divisible by 16; an argument a kernel does not take is ignored, one not
+# listed is compiled unspecialized): 80 mHC partials (D / 64), 40 gate partials (D / 128), 20
+# attention splits (window + top-k tiles of 32)
+LAUNCH_INTS = {
+    "mhc_pre partial": {"N": 1, "D": D, "steps_per_prog": 1, "stride_wn": HC, **_ATTN},
+    "mhc_pre finish": {"N": 1, "D": D, "n_split": 80, "d_per_prog": D, **_ATTN},
+    "mhc_post finish": {"N": 1, "D": D, "n_split": 80},
+    "mhc_post partial": {"N": 1, "D": D, "n_split": 80},
+    "moe gate GEMM": {"N": 1, "E": EXPERTS, "D": D, "steps_per_prog": 1, "stride_xn": D, "stride_we": D},
+    "moe route": {"N": 1, "E": EXPERTS, "n_split": 40, "stride_split": EXPERTS, "stride_ln": EXPERTS},
+    **{f"moe gather {part}{tokens}": {"D": D, "I": I, "E": EXPERTS}
+       for part in ("up", "down") for tokens in ("", f" ({moe_experts.GATHER_MAX_N} tokens)")},
+    "sparse_attn combine": {"H": H, "n_splits": 20},
+    **{f"fp8_gemv {name}": {"M": 1, "N": N, "K": K, "KW": K // 4, "KS": K // 32, "block_n": 32,
+                            "G": G}
+       for name, N, K, G in FP8_GEMV_SHAPES},
+    **{f"dense_gemv {name}": {"M": 1, "N": N, "K": K} for name, N, K, _ in DENSE_GEMV_SHAPES},
+}
+
+
+def launch_compile(k: Kernel):
+    """k compiled for sm_90 as its batch-1 launch specializes it (`LAUNCH_INTS`): (the compiled kernel, ptxas's
+    log)."""
+    ints = LAUNCH_INTS.get(k.name, {})
+    sig, constexprs, attrs = signature(k), dict(k.constexprs), launch_attrs(k)
+    for i, p in enumerate(k.fn.params):
+        value = ints.get(p.name)
+        if value == 1:
+            sig[p.name], constexprs[p.name] = "constexpr", 1
+        elif value is not None and value % 16 == 0:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return compile_sm90(k, sig, constexprs, attrs)
+
+
 def kernels() -> list[Kernel]:
     return (mhc_kernels() + routing_kernels() + moe_kernels() + fp8_gemv_kernels() + dense_gemv_kernels()
             + attention_kernels() + topk_kernels() + quant_kernels() + indexer_query_kernels() + batched_moe_kernels())
@@ -323,9 +361,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="one JSON object a kernel, no table")
     args = p.parse_args()
-    rows = ({"kernel": k.name, "num_warps": k.num_warps, "spills_ok": k.spills_ok, "note": k.note, **resources(k)}
-            for k in kernels())
-    report("registers", rows, args.json, [("kernel", "kernel", ""), ("warps", "num_warps", "d"),
+    rows = ({"kernel": k.name, "launch_ints": k.name in LAUNCH_INTS, "num_warps": k.num_warps, "spills_ok": k.spills_ok,
+             "note": k.note, **resources(k)} for k in kernels())
+    report("registers", rows, args.json, [("kernel", "kernel", ""), ("launch ints", "launch_ints", ""),
+                                          ("warps", "num_warps", "d"),
                                           ("regs", "registers", "d"), ("stack", "stack", "d"),
                                           ("spills", "spills", "d"), ("shared", "shared", "d"), ("note", "note", "")])
 

@@ -27,39 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import registers as R
 
-_ATTN = {"stride_hn": R.HC * R.D, "stride_hk": R.D, "stride_xn": R.D}
-# the int arguments a batch-1 V4.1 decode step launches each kernel with (an argument a kernel does not take is
-# ignored; one not listed is compiled unspecialized): 80 mHC partials (D / 64), 40 gate partials (D / 128), 20
-# attention splits (window + top-k tiles of 32)
-LAUNCH_INTS = {
-    "mhc_pre partial": {"N": 1, "D": R.D, "steps_per_prog": 1, "stride_wn": R.HC, **_ATTN},
-    "mhc_pre finish": {"N": 1, "D": R.D, "n_split": 80, "d_per_prog": R.D, **_ATTN},
-    "mhc_post finish": {"N": 1, "D": R.D, "n_split": 80},
-    "mhc_post partial": {"N": 1, "D": R.D, "n_split": 80},
-    "moe gate GEMM": {"N": 1, "E": R.EXPERTS, "D": R.D, "steps_per_prog": 1, "stride_xn": R.D, "stride_we": R.D},
-    "moe route": {"N": 1, "E": R.EXPERTS, "n_split": 40, "stride_split": R.EXPERTS, "stride_ln": R.EXPERTS},
-    **{f"moe gather {part}{tokens}": {"D": R.D, "I": R.I, "E": R.EXPERTS}
-       for part in ("up", "down") for tokens in ("", f" ({R.moe_experts.GATHER_MAX_N} tokens)")},
-    "sparse_attn combine": {"H": R.H, "n_splits": 20},
-    **{f"fp8_gemv {name}": {"M": 1, "N": N, "K": K, "KW": K // 4, "KS": K // 32, "block_n": 32,
-                            "G": G}
-       for name, N, K, G in R.FP8_GEMV_SHAPES},
-    **{f"dense_gemv {name}": {"M": 1, "N": N, "K": K} for name, N, K, _ in R.DENSE_GEMV_SHAPES},
-}
-
-
-def launch_compile(k: R.Kernel):
-    """k compiled as its batch-1 launch specializes it (`LAUNCH_INTS`)."""
-    ints = LAUNCH_INTS.get(k.name, {})
-    sig, constexprs, attrs = R.signature(k), dict(k.constexprs), R.launch_attrs(k)
-    for i, p in enumerate(k.fn.params):
-        value = ints.get(p.name)
-        if value == 1:
-            sig[p.name], constexprs[p.name] = "constexpr", 1
-        elif value is not None and value % 16 == 0:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return R.compile_sm90(k, sig, constexprs, attrs)[0]
-
 
 def loops(sass: str) -> list[dict]:
     """The loops of a kernel's SASS (a branch back to an earlier instruction closes one): instructions, loads
@@ -79,11 +46,11 @@ def loops(sass: str) -> list[dict]:
 
 def kernel_row(k: R.Kernel, sass_dir: Path | None) -> dict:
     """k's loops as its batch-1 launch compiles them (its SASS into sass_dir too, if given)."""
-    sass = R.cuobjdump(launch_compile(k), "-sass")
+    sass = R.cuobjdump(R.launch_compile(k)[0], "-sass")
     if sass_dir is not None:
         sass_dir.mkdir(parents=True, exist_ok=True)
         (sass_dir / f"{re.sub(r'[^A-Za-z0-9]+', '_', k.name)}.sass").write_text(sass)
-    return {"kernel": k.name, "launch_ints": k.name in LAUNCH_INTS, "loops": loops(sass)}
+    return {"kernel": k.name, "launch_ints": k.name in R.LAUNCH_INTS, "loops": loops(sass)}
 
 
 def main() -> None:
