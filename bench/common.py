@@ -194,6 +194,18 @@ def copy_bandwidth(device) -> float:
     return 2 * a.numel() / (us * 1e-6)
 
 
+def own_times(spans: Sequence[tuple[float, float]]) -> list[float]:
+    """Kernels of one stream in launch order, each (start, end) -> the time each ran once every kernel before it had
+    ended. A kernel launched with PDL starts while the one before finishes and waits for it inside, so its span
+    holds that wait; what is left is its own time on the critical path (a start after the last end counts from the
+    start: the gap before it is nobody's)."""
+    out, last_end = [], float("-inf")
+    for start, end in spans:
+        out.append(max(0.0, end - max(start, last_end)))
+        last_end = max(last_end, end)
+    return out
+
+
 def result_path(name: str, smoke: bool, suffix: str = ".json") -> Path:
     """$OUT/<name>.json if OUT is set, else bench/results/<name>.json; <name>-smoke.json with --smoke.
     The folder is created."""

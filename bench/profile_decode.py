@@ -8,8 +8,9 @@ beside the CUDA-graph step time and the roofline's bytes, on full-width layers (
 
 The kernel table is device time per kernel name summed over the step (the same kernels the graph replays,
 without the graph); `graph_step_ms - kernel_sum_ms` is what the graph still spends between kernels. `launches`
-lists the step's kernels in order with the ops that launched them, `by_op` sums them by op (each dsv4 op, cuBLAS,
-inductor's kernels, other aten ops).
+lists the step's kernels in order with the ops that launched them, their starts and own times (the time each ran
+after the kernel before it ended: a PDL kernel's span holds its wait for that one), `by_op` sums them by op (each
+dsv4 op, cuBLAS, inductor's kernels, other aten ops).
 With --prefill-chunk, a cold prefill's kernels too, and its device time by layer module and module-path method
 (`SPANS`: CUDA events around each call, so a span includes the spans inside it).
 """
@@ -65,7 +66,9 @@ def kernel_table(prof) -> list[dict]:
 
 def launches(prof) -> list[dict]:
     """The step's kernels in launch order, each with the ops it was launched under (innermost first): what the
-    table's aten kernels (copies, reductions: glue the compiled step left) belong to."""
+    table's aten kernels (copies, reductions: glue the compiled step left) belong to. With the device's timestamps
+    (kernels of one stream start in launch order) each also gets its start and its own time (`common.own_times`:
+    a PDL kernel's span holds its wait for the one before, which the by-op sums would otherwise count twice)."""
     ops = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.kernels),
                  key=lambda e: e.time_range.start)
     rows = []
@@ -75,13 +78,20 @@ def launches(prof) -> list[dict]:
             chain.append(parent.name)
             parent = parent.cpu_parent
         rows += [{"kernel": k.name[:90], "us": k.duration, "ops": " < ".join(chain)} for k in op.kernels]
+    device = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    if rows and [e.name[:90] for e in device] == [r["kernel"] for r in rows]:
+        spans = [(e.time_range.start, e.time_range.end) for e in device]
+        for r, (start, _), own in zip(rows, spans, common.own_times(spans)):
+            r["start_us"], r["own_us"] = start - spans[0][0], own
     return rows
 
 
 def by_op(rows: list[dict]) -> list[dict]:
     """`launches` grouped by what launched them: each dsv4 op, cuBLAS (aten::mm / bmm), inductor's own kernels, and
-    other aten ops (copies, reductions): launches and microseconds, largest first."""
-    total, calls = defaultdict(float), defaultdict(int)
+    other aten ops (copies, reductions): launches, microseconds and own microseconds (NaN without the device's
+    timestamps), largest first."""
+    total, own, calls = defaultdict(float), defaultdict(float), defaultdict(int)
     for r in rows:
         op = r["ops"].split(" < ")[0]
         if op.startswith("dsv4::"):
@@ -93,8 +103,10 @@ def by_op(rows: list[dict]) -> list[dict]:
         else:
             group = op
         total[group] += r["us"]
+        own[group] += r.get("own_us", float("nan"))
         calls[group] += 1
-    return sorted(({"op": g, "launches": calls[g], "us": total[g]} for g in total), key=lambda r: -r["us"])
+    return sorted(({"op": g, "launches": calls[g], "us": total[g], "own_us": own[g]} for g in total),
+                  key=lambda r: -r["us"])
 
 
 # what the prefill's table by module times, per layer: (attribute path from the block, methods; "" = its forward)
@@ -207,12 +219,21 @@ def main():
               "floor_ms_b1": nbytes / bw * 1e3, "table": rows[: ARGS.top], "launches": launches(prof),
               "prefill": prefill}
     result["by_op"] = by_op(result["launches"])
+    timed_rows = [r for r in result["launches"] if "own_us" in r]
+    if timed_rows:  # the step's span on the device = its kernels' own times + the gaps between them
+        result["device_span_ms"] = max(r["start_us"] + r["us"] for r in timed_rows) / 1e3
+        result["own_sum_ms"] = sum(r["own_us"] for r in timed_rows) / 1e3
     path = common.write_result(f"profile-decode-{ARGS.arch}-b{B}{'-compiled' if ARGS.compile else ''}", ARGS.smoke, result)
     print(path)
     print(f"graph step {step_ms:.3f} ms; kernels {result['kernel_sum_ms']:.3f} ms in {result['kernel_launches']} launches; "
           f"floor (B=1 bytes) {result['floor_ms_b1']:.3f} ms")
     for r in rows[: ARGS.top]:
         print(f"{r['us']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
+    if "own_sum_ms" in result:
+        print(f"device span {result['device_span_ms']:.3f} ms: kernels' own time {result['own_sum_ms']:.3f} ms, gaps "
+              f"{result['device_span_ms'] - result['own_sum_ms']:.3f} ms; by op (us, own us):")
+        for r in result["by_op"]:
+            print(f"{r['us']:9.1f} {r['own_us']:9.1f} {r['launches']:4d}x  {r['op']}")
     print("the step by the ops that launched its kernels:")
     for r in result["by_op"]:
         print(f"{r['us']:9.1f} us {r['launches']:4d}x  {r['op']}")
