@@ -229,6 +229,8 @@ def main():
           f"floor (B=1 bytes) {result['floor_ms_b1']:.3f} ms")
     for r in rows[: ARGS.top]:
         print(f"{r['us']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
+    if device.type == "cuda" and "own_sum_ms" not in result:
+        print("own times: the device's kernels did not line up with the launches (another stream?); not computed")
     if "own_sum_ms" in result:
         print(f"device span {result['device_span_ms']:.3f} ms: kernels' own time {result['own_sum_ms']:.3f} ms, gaps "
               f"{result['device_span_ms'] - result['own_sum_ms']:.3f} ms; by op (us, own us):")
