@@ -229,16 +229,14 @@ def main():
           f"floor (B=1 bytes) {result['floor_ms_b1']:.3f} ms")
     for r in rows[: ARGS.top]:
         print(f"{r['us']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
-    if device.type == "cuda" and "own_sum_ms" not in result:
-        print("own times: the device's kernels did not line up with the launches (another stream?); not computed")
     if "own_sum_ms" in result:
         print(f"device span {result['device_span_ms']:.3f} ms: kernels' own time {result['own_sum_ms']:.3f} ms, gaps "
-              f"{result['device_span_ms'] - result['own_sum_ms']:.3f} ms; by op (us, own us):")
-        for r in result["by_op"]:
-            print(f"{r['us']:9.1f} {r['own_us']:9.1f} {r['launches']:4d}x  {r['op']}")
-    print("the step by the ops that launched its kernels:")
+              f"{result['device_span_ms'] - result['own_sum_ms']:.3f} ms")
+    elif device.type == "cuda":
+        print("own times: the device's kernels did not line up with the launches (another stream?); not computed")
+    print("the step by the ops that launched its kernels (us, own us):")
     for r in result["by_op"]:
-        print(f"{r['us']:9.1f} us {r['launches']:4d}x  {r['op']}")
+        print(f"{r['us']:9.1f} {r['own_us']:9.1f} us {r['launches']:4d}x  {r['op']}")
     print("aten kernels in the step, by the ops that launched them:")
     for r in result["launches"]:
         if r["kernel"].startswith("void at::"):

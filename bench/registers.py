@@ -11,11 +11,11 @@ and spills cost: a decode GEMV that spills runs fewer programs, each waiting on 
 `tests/fast/test_registers.py` keeps the kernels marked `spills_ok=False` free of spills.
 
 The numbers are the installed Triton's (the device's may differ by a few registers); each kernel's tiles come from
-its op's own configuration code, so the table follows the defaults. Each decode kernel is compiled as its batch-1
-launch specializes it (`LAUNCH_INTS`: an int argument of 1 a constant, a multiple of 16 known divisible by 16),
-since a kernel's vector loads and its software pipeline can hinge on those: compiled with its ints left open, the
-gather MoE's up kernel read 255 registers and a 344-byte stack, the mHC pre partial 211 registers, where their
-launches compile to 118 and 95, without a stack (Triton 3.6).
+its op's own configuration code, so the table follows the defaults. The decode kernels `LAUNCH_INTS` lists are
+compiled as their batch-1 launches specialize them (an int argument of 1 a constant, a multiple of 16 known
+divisible by 16), since a kernel's vector loads and its software pipeline can hinge on those: with its ints left
+open, the gather MoE's up kernel read 255 registers and a 344-byte stack, the mHC pre partial 211 registers, where
+their launches compile to 118 and 95, without a stack (Triton 3.6).
 """
 
 from __future__ import annotations
