@@ -1,7 +1,8 @@
 """Fused mHC (dsv4::mhc_pre, dsv4::mhc_post) against the eager twin, at V4.1 width (D = 5120, hc = 4).
 
     python bench/mhc.py            # H200: correctness on CUDA, then timings; < 2 minutes
-    python bench/mhc.py --sweep    # also times a few tile configs of mhc_pre per size (and its finish's at N <= 8)
+    python bench/mhc.py --sweep    # also times a few tile configs of mhc_pre per size (and its finish's at N <= 8),
+                                   # and V4.1's decode pair (two kernels, or mhc_post_partial at 2 / 4 / 8 warps)
     python bench/mhc.py --smoke    # tiny sizes on the CPU under the Triton interpreter (proves the script runs)
 
 Cases, for N = 1, 8, 64, 512, 4096 tokens (bf16 streams h [N, 4, 5120], fn [24, 20480] fp32):
@@ -79,6 +80,35 @@ def check(s) -> dict:
     return {"ok": ok, **worst}
 
 
+def decode_pair_forms(s) -> dict:
+    """V4.1's attention-site post and FFN-site partial pass at decode sizes (the same fn for both sites): its two
+    kernels (mhc_post_finish, then mhc_pre_partial) and mhc_post_partial's one at 2 (the default), 4 and 8 warps,
+    each a call -> (h', x, the next site's workspace)."""
+    args = (s["f"], s["h"], K.mhc_pre_partial(s["h"], s["fn"], s["pre_prev"])[1], s["scale"], s["base"], s["fn"])
+    eps = (1e-20, 1e-6, 20)
+
+    def pieces():
+        out, pre = K.mhc_post_finish(*args[:5], *eps)
+        return (out, *K.mhc_pre_partial(out, args[5], pre))
+
+    return {"finish + partial": pieces, **{
+        f"post_partial {w} warps": lambda w=w: K.mhc_post_partial_triton(*args, *eps, cfg={"num_warps": w})
+        for w in (2, 4, 8)}}
+
+
+def check_decode_pair(s) -> float:
+    """The worst of each decode-pair form's h' and x against the twins (as the GPU tests check them), in bf16 ulps:
+    <= 1 passes."""
+    ws = K.mhc_pre_partial_twin(s["h"], s["fn"], s["pre_prev"])[1]
+    rout, rpre = K.mhc_post_finish_twin(s["f"], s["h"], ws, s["scale"], s["base"], 1e-20, 1e-6, 20)
+    worst = 0.0
+    for form in decode_pair_forms(s).values():
+        out, x, _ = form()
+        rx = K.mhc_pre_twin(out, s["fn"], s["scale"], s["base"], rpre, 1e-20, 1e-6, 20)[0]  # from its own h'
+        worst = max(worst, bf16_tol_ratio(out, rout), bf16_tol_ratio(x, rx))
+    return worst
+
+
 # ------------------------------------------------------------------------------------------------
 
 
@@ -132,6 +162,15 @@ def main():
             # as it goes, so a run cut short by a time limit still shows what it timed
             print(f"N={N} {case}: " + ", ".join(f"{k}={v:.4g}" for k, v in row.items() if k.endswith("_us")), flush=True)
 
+        if ARGS.sweep and N <= K.POST_PARTIAL_MAX_N:
+            checks[N]["decode_pair.tol"] = check_decode_pair(sets[0])
+            checks[N]["ok"] = checks[N]["ok"] and checks[N]["decode_pair.tol"] <= 1.0
+            forms = [decode_pair_forms(s) for s in sets]
+            for name in forms[0]:
+                t = common.time_calls([f[name] for f in forms], max(10, reps // 3), cuda=device == "cuda")
+                sweep.append({"N": N, "case": "decode pair", "form": name, "us": t})
+                print(f"sweep N={N} decode pair {name}: {t:.2f} us", flush=True)
+
         if ARGS.sweep:
             target = 2 * (torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 1)
             # target: the D split's program count, so also how many partials the finish kernel sums (80 at one
@@ -165,6 +204,10 @@ def main():
     common.save_figure(path.with_suffix(".png"), lambda fig, axes: common.plot_fused_vs_baseline(
         axes, results, device, "twin", ("pre_v41", "pre_v4", "post"), f"mHC, {shape}", 1.5))
 
+    pairs = [r for r in sweep if r["case"] == "decode pair"]
+    if pairs:
+        print("\nV4.1's decode pair (attention-site post + FFN-site partial pass), us per call")
+        common.print_table([("N", "N", "d"), ("form", "form", ""), ("us", "us", ".2f")], pairs)
     if sweep:
         print("\nsweep (mhc_pre tiles, us per call; best per N and case marked *)")
         for N in sizes:

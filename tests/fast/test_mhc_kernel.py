@@ -176,13 +176,13 @@ def check_finish_in_post(h, fn, scale, base, pre_prev, f, iters):
     assert_fp32_close(pre, rpre, "pre")
 
 
-def check_post_then_partial(h, fn, scale, base, pre_prev, f, fn_next, iters):
+def check_post_then_partial(h, fn, scale, base, pre_prev, f, fn_next, iters, post_partial=K.mhc_post_partial):
     """mhc_post_partial (a site's post, then the next site's partial pass in the same kernel) gives the twins' h'
     (mhc_post_finish's), and from that h' (its own: one bf16 rounding of it may land on the other neighbour) the
     twins' x (collapsed with this site's pre) and, through mhc_post_finish at the next site, its pre (the only
-    reader of the partial sums)."""
+    reader of the partial sums). `post_partial`: the op, or its Triton path at a launch configuration."""
     ws = K.mhc_pre_partial(h, fn, pre_prev)[1]
-    out, x, ws_next = K.mhc_post_partial(f, h, ws, scale, base, fn_next, 1e-20, 1e-6, iters)
+    out, x, ws_next = post_partial(f, h, ws, scale, base, fn_next, 1e-20, 1e-6, iters)
     rout, rpre = K.mhc_post_finish_twin(f, h, K.mhc_pre_partial_twin(h, fn, pre_prev)[1], scale, base, 1e-20, 1e-6,
                                         iters)
     rx, rnext_pre = K.mhc_pre_twin(out, fn_next, scale, base, rpre, 1e-20, 1e-6, iters)[:2]
@@ -304,6 +304,25 @@ def test_v41_decode_ops_gpu(N, dtype):
     f = torch.randn(N, 5120, generator=torch.Generator().manual_seed(N + 1)).to(dtype).cuda()
     check_finish_in_post(h, fn, scale, base, pre_prev, f, 20)
     check_post_then_partial(h, fn, scale, base, pre_prev, f, fn * 0.5, 20)
+
+
+def check_post_partial_at(warps, D, device):
+    """mhc_post_partial's kernel launched at `warps` (what `bench/mhc.py --sweep` times) against the twins."""
+    h, fn, scale, base, pre_prev = make_inputs(1, 4, D, torch.bfloat16, True, warps, device=device)
+    f = torch.randn(1, D, generator=torch.Generator().manual_seed(warps)).bfloat16().to(device)
+    check_post_then_partial(h, fn, scale, base, pre_prev, f, fn * 0.5, 20, post_partial=lambda *a: (
+        K.mhc_post_partial_triton(*a, cfg={"num_warps": warps})))
+
+
+def test_post_partial_takes_a_launch_config():
+    check_post_partial_at(4, 64, "cpu")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("warps", [2, 4, 8])
+def test_post_partial_at_other_warps_gpu(warps):
+    check_post_partial_at(warps, 5120, "cuda")
 
 
 @gpu

@@ -639,7 +639,8 @@ def mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters
     return out, pre
 
 
-def mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters):
+def mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, cfg: dict | None = None):
+    """The Triton path of mhc_post_partial; `cfg` (num_warps) overrides the launch's warps (2)."""
     if residual.shape[0] > POST_PARTIAL_MAX_N:
         out, pre = mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters)
         return (out, *mhc_pre_partial_triton(out, fn_next, pre))
@@ -660,7 +661,7 @@ def mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_
         f.stride(0), residual.stride(0), residual.stride(1), out.stride(0), out.stride(1), x.stride(0),
         HC=hc, M=M, MP=triton.next_power_of_2(M), BD=D // S, SB=min(triton.next_power_of_2(split), 32),
         ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, 1), INTERP=not f.is_cuda, PDL=pdl(f),
-        num_warps=2, launch_pdl=pdl(f),
+        num_warps=(cfg or {}).get("num_warps", 2), launch_pdl=pdl(f),
     )
     return out, x, ws_next
 
