@@ -22,15 +22,17 @@ one chunk (up to RESIDENT_MAX columns) stays in registers and is bisected bit by
 reduction a bit (on the H200: 12 us at 2K-4K columns with all 32 bits, where the histogram passes take 17, 19 us
 against 31 at 8K), stopping once the bits left cannot change the answer (some 18 rounds on random scores).
 A longer row is streamed: four passes of 8-bit digit histograms (tl.histogram over the row, chunk by
-chunk). A last pass compacts the row with prefix sums: keys > thr, plus the first `need` keys == thr.
+chunk). A last pass compacts the row with one prefix sum a chunk, of the keys > thr and the keys == thr
+packed in one int32: a tie is a pick while fewer than `need` ties precede it, so a column's output position is
+the keys above before it plus min(ties before it, need).
 Dense: columns are visited in order, so the output comes out ascending and the tie rule is "first `need` in
 column order"; picks that are -inf/NaN are written as the leading -1s. Pool: when the tie at `thr` is
 actually cut, a second search of the same kind finds the need-th smallest entry id among the tied keys;
 the compacted entry ids (k of them) are then sorted in-kernel (tl.sort).
 Long rows go in stages (`_select`): programs per (row, chunk) keep each chunk's top k, ids and scores, read
 straight from the row (no padded or gathered copies), and the next launch selects among those candidates.
-No host syncs: capturable in CUDA graphs. Work per row: 2 reads of a resident row (pool with a cut tie: 3);
-5 of a streamed one (9), which after the first come from L2 for rows up to a few MB.
+No host syncs: capturable in CUDA graphs. Work per row: 1 read of a resident row (searched and compacted from
+the same registers); 5 of a streamed one (9), which after the first come from L2 for rows up to a few MB.
 """
 
 from __future__ import annotations
@@ -107,16 +109,14 @@ def _select_values(key, ent, inb, thr_key, ID_MODE: tl.constexpr):
 
 
 @triton.jit
-def _bisect_select(s_ptr, id_ptr, col0, width, n, block_size, k_rem, thr_key,
-                   ID_MODE: tl.constexpr, IDS: tl.constexpr, BLOCK: tl.constexpr):
-    """_radix_select for a part of at most BLOCK columns, held in registers: the k_rem-th largest value is
+def _bisect_select(key, ent, inb, k_rem, thr_key, ID_MODE: tl.constexpr):
+    """_radix_select for a part held in registers (`_chunk_keys` of its one chunk): the k_rem-th largest value is
     built from the top bit down, keeping a bit when at least k_rem values reach the prefix with it.
 
     The search stops early once the values reaching the prefix are k_rem, or all but one of them reach the
     bound the rejected bits set (prefix + 2 * bit): either way the k_rem-th largest is the least of them. One
     round is one reduction across the program; on distinct scores the gap around the k_rem-th is found after
     some 15-20 of the 32 rounds (ties, all 32)."""
-    key, ent, inb = _chunk_keys(s_ptr, id_ptr, col0, tl.arange(0, BLOCK), width, n, block_size, IDS)
     v, ok = _select_values(key, ent, inb, thr_key, ID_MODE)
     w = v ^ INT_MIN  # signed, in the order of v as unsigned
     prefix = tl.zeros((), tl.int32)
@@ -145,14 +145,11 @@ def _bisect_select(s_ptr, id_ptr, col0, width, n, block_size, k_rem, thr_key,
 
 @triton.jit
 def _radix_select(s_ptr, id_ptr, col0, width, n, block_size, k_rem, thr_key,
-                  ID_MODE: tl.constexpr, IDS: tl.constexpr, BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
-    """The k_rem-th largest value v over the part, by four 8-bit digit passes (most significant first), or
-    by bisection when the part is RESIDENT (one chunk). Values: v = key ^ INT_MIN (keys as unsigned) or,
-    ID_MODE, v = 0x7FFFFFFF - entry id over the columns whose key == thr_key (the largest v = the smallest
-    id). Returns (v as int32 bits, the rank left within the values equal to it, how many values equal it,
-    how many keys are NaN (not ID_MODE))."""
-    if RESIDENT:
-        return _bisect_select(s_ptr, id_ptr, col0, width, n, block_size, k_rem, thr_key, ID_MODE, IDS, BLOCK)
+                  ID_MODE: tl.constexpr, IDS: tl.constexpr, BLOCK: tl.constexpr):
+    """The k_rem-th largest value v over a streamed part, by four 8-bit digit passes (most significant first).
+    Values: v = key ^ INT_MIN (keys as unsigned) or, ID_MODE, v = 0x7FFFFFFF - entry id over the columns whose
+    key == thr_key (the largest v = the smallest id). Returns (v as int32 bits, the rank left within the values
+    equal to it, how many values equal it, how many keys are NaN (not ID_MODE))."""
     prefix = tl.zeros((), tl.int32)
     cnt = tl.zeros((), tl.int32)
     n_nan = tl.zeros((), tl.int32)
@@ -197,11 +194,14 @@ def _topk_kernel(s_ptr, id_ptr, out_ptr, out_s_ptr, T, part, K, block_size, stri
     n = T - col0  # loadable columns of this part
     out = out_ptr + row.to(tl.int64) * stride_o + tl.program_id(1) * K
     out_s = out_s_ptr + row.to(tl.int64) * stride_o + tl.program_id(1) * K
-    u, need, cnt_eq, n_nan = _radix_select(s_row, id_row, col0, part, n, block_size, K, 0,
-                                           False, IDS, BLOCK, RESIDENT)
+    ar = tl.arange(0, BLOCK)
+    if RESIDENT:  # one chunk, loaded once: searched and compacted from the same registers
+        res_key, res_ent, res_inb = _chunk_keys(s_row, id_row, col0, ar, part, n, block_size, IDS)
+        u, need, cnt_eq, n_nan = _bisect_select(res_key, res_ent, res_inb, K, 0, False)
+    else:
+        u, need, cnt_eq, n_nan = _radix_select(s_row, id_row, col0, part, n, block_size, K, 0, False, IDS, BLOCK)
     thr = u ^ INT_MIN  # the k-th largest key; `need` of the keys equal to it are picks
     thr_valid = (thr != NEG_KEY) & (thr != NAN_KEY)
-    ar = tl.arange(0, BLOCK)
     v_thr = tl.zeros((), tl.int32)
     use_id = tl.zeros((), tl.int32)
     m = 0  # leading -1s
@@ -213,29 +213,44 @@ def _topk_kernel(s_ptr, id_ptr, out_ptr, out_s_ptr, T, part, K, block_size, stri
                 tl.store(out + pos, tl.full((BLOCK,), -1, out_ptr.dtype.element_ty), mask=pos < m)
     elif thr_valid & (cnt_eq > need):
         # a cut tie at a selectable threshold goes to the lowest entry ids: find the need-th smallest
-        v_thr, _r, _c, _n = _radix_select(s_row, id_row, col0, part, n, block_size, need, thr,
-                                          True, IDS, BLOCK, RESIDENT)
+        if RESIDENT:
+            v_thr, _r, _c, _n = _bisect_select(res_key, res_ent, res_inb, need, thr, True)
+        else:
+            v_thr, _r, _c, _n = _radix_select(s_row, id_row, col0, part, n, block_size, need, thr, True, IDS, BLOCK)
         use_id = tl.full((), 1, tl.int32)
-    eq_carry = tl.zeros((), tl.int32)
-    carry = tl.zeros((), tl.int32)
+    # the compaction, one scan a chunk: the keys above the threshold and the ties at it, counted in one int32 as
+    # (ties << 16) + above (a chunk has at most 2^13 columns). A tie is a pick while fewer than `need` ties came
+    # before it, or by its entry id (use_id: no limit then), so the picks before a column are the keys above before
+    # it plus min(ties before it, the limit): no second scan over the picks themselves
+    tl.static_assert(BLOCK < 65536, "a chunk's counts share one int32 in 16-bit halves")
+    limit = tl.where(use_id != 0, 2147483647, need)
+    above_carry = tl.zeros((), tl.int32)
+    tie_carry = tl.zeros((), tl.int32)
     for c in range(0, part, BLOCK):
-        cols = c + ar
-        key, ent, inb = _chunk_keys(s_row, id_row, col0, cols, part, n, block_size, IDS)
-        eq = (inb & (key == thr)).to(tl.int32)
-        rank = eq_carry + tl.cumsum(eq, axis=0) - eq
-        tie_ok = tl.where(use_id != 0, (0x7FFFFFFF - ent) >= v_thr, rank < need)
-        sel = (inb & (key > thr)) | ((eq != 0) & tie_ok)
+        if RESIDENT:  # the one chunk (c = 0)
+            key, ent, inb = res_key, res_ent, res_inb
+        else:
+            key, ent, inb = _chunk_keys(s_row, id_row, col0, c + ar, part, n, block_size, IDS)
         valid = (key != NEG_KEY) & (key != NAN_KEY)
-        if DENSE and not STAGE:
-            sel = sel & valid  # the -inf/NaN picks are the leading -1s
-        si = sel.to(tl.int32)
-        pos = m + carry + tl.cumsum(si, axis=0) - si
+        above = inb & (key > thr)
+        tie = inb & (key == thr)
+        if not DENSE:
+            tie = tie & ((use_id == 0) | ((0x7FFFFFFF - ent) >= v_thr))
+        if DENSE and not STAGE:  # the -inf/NaN picks are the leading -1s
+            above = above & valid
+            tie = tie & valid
+        packed = above.to(tl.int32) + (tie.to(tl.int32) << 16)
+        before = tl.cumsum(packed, axis=0) - packed
+        ties_before = tie_carry + (before >> 16)
+        sel = above | (tie & (ties_before < limit))
+        pos = m + above_carry + (before & 0xFFFF) + tl.minimum(ties_before, limit)
         picked = ent if STAGE else tl.where(valid, ent, -1)
         tl.store(out + pos, picked.to(out_ptr.dtype.element_ty), mask=sel)
         if STAGE:
             tl.store(out_s + pos, _key_score(key), mask=sel)
-        eq_carry += tl.sum(eq, axis=0)
-        carry += tl.sum(si, axis=0)
+        total = tl.sum(packed, axis=0)
+        above_carry += total & 0xFFFF
+        tie_carry += total >> 16
     if not DENSE and not STAGE:
         tl.debug_barrier()  # the compaction's stores, made by other threads of this program
         kk = tl.arange(0, KP)
