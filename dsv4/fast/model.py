@@ -264,7 +264,8 @@ class FastIndexer(Indexer):
         if not self.narrow_pool(pool.shape[-1], T):
             return super()._top_in_pool(q, keys, w, visible, candidate_mask(pool, T, block))
         return torch.stack([mqa_index_topk(qb, *mxfp4_quant(kb.contiguous(), 32), wb.float(), visible, self.topk, pb,
-                                           block) for qb, kb, wb, pb in zip(q, keys, w, pool)])
+                                           block, ascending=True)  # the pool of `_candidate_blocks`: ascending ids
+                            for qb, kb, wb, pb in zip(q, keys, w, pool)])
 
 
 class StepRows(NamedTuple):
@@ -432,7 +433,9 @@ class FastAttention(Attention):
         if role.candidate_role == "consumer" and narrow:
             k_data, k_scale = keys.flat()
             blocks = torch.where(pool >= 0, slots[:, None] * (stride // block) + pool, -1)
-            ids = mqa_index_topk(q, k_data, k_scale, w.float(), ends, ix.topk, blocks, block)[:, -min(ix.topk, cap):]
+            # the source's pool (select_candidate_block_ids) ascends, and the slot's offset keeps it so
+            ids = mqa_index_topk(q, k_data, k_scale, w.float(), ends, ix.topk, blocks, block,
+                                 ascending=True)[:, -min(ix.topk, cap):]
             return torch.where(ids >= 0, ids - slots[:, None] * stride, -1), pool
         if keys.fmt == "mxfp4":
             k_data, k_scale = keys.flat()

@@ -220,6 +220,50 @@ def test_two_stage_select_pool_matches_twin(S, nb, bs, k, chunks, kind, neg_inf,
     assert torch.equal(tk._select(x, blocks, bs, K, chunk=chunk), tk.twin_topk_select_pool(x, blocks, bs, k))
 
 
+def ascending_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """Each row's block ids in ascending order where they were, its -1s left in place."""
+    out = blocks.clone()
+    for row, b in zip(out, blocks):
+        row[b >= 0] = b[b >= 0].sort().values
+    return out
+
+
+@needs_interp
+@PROPERTY
+@given(S=st.integers(1, 3), nb=st.integers(1, 40), bs=st.sampled_from([1, 3, 8]), k=st.integers(1, 300),
+       chunks=st.sampled_from([0, 1, 3]), kind=KINDS, neg_inf=st.sampled_from([0.0, 0.5]),
+       nan=st.sampled_from([0.0, 0.05]), seed=st.integers(0, 2**31 - 1))
+def test_ascending_pool_is_selected_as_a_dense_row(S, nb, bs, k, chunks, kind, neg_inf, nan, seed):
+    """A pool whose blocks ascend along each row (as select_candidate_block_ids gives them; -1s anywhere) selected
+    as a dense row, without the cut tie's id search and the sort: the twin's picks, in one pass and in stages."""
+    x, blocks = make_pool(S, nb + 13, nb, bs, kind, seed, neg_inf)
+    blocks = ascending_blocks(blocks)
+    if nan:
+        x[torch.rand(x.shape, generator=torch.Generator().manual_seed(seed)) < nan] = float("nan")
+    want = tk.twin_topk_select_pool(x, blocks, bs, k)
+    assert torch.equal(tk.topk_select_pool(x, blocks, bs, k, ascending=True), want)
+    if chunks:
+        assert torch.equal(tk._select(x, blocks, bs, min(k, x.shape[1]), chunk=chunks * 16 * bs, ascending=True), want)
+
+
+@needs_interp
+def test_ascending_pool_takes_the_dense_launch(monkeypatch):
+    launches = []
+    real = tk._launch
+    monkeypatch.setattr(tk, "_launch", lambda s, K, dense, *a, **kw: launches.append(dense) or real(s, K, dense, *a, **kw))
+    x, blocks = make_pool(1, 40, 30, 8, "dups", 5)
+    blocks = ascending_blocks(blocks)
+    assert torch.equal(tk.topk_select_pool(x, blocks, 8, 50, ascending=True), tk.twin_topk_select_pool(x, blocks, 8, 50))
+    assert launches == [True]
+
+
+def test_topk_select_pool_opcheck():
+    x, blocks = make_pool(2, 20, 7, 8, "ints", 3)
+    for ascending in (False, True):
+        torch.library.opcheck(torch.ops.dsv4.topk_select_pool.default, (x, ascending_blocks(blocks), 8, 16, ascending),
+                              test_utils=("test_schema", "test_faketensor"))
+
+
 def _gpu_check(T: int, k: int, S: int, kind: str, neg_inf: float = 0.0):
     x = make_scores(S, T, kind, T + S, neg_inf=neg_inf, device="cuda")
     want = top_entries(x.cpu(), k)

@@ -501,11 +501,13 @@ def mqa_index_topk(
     k: int,
     blocks: torch.Tensor | None = None,
     block_size: int = 8,
+    ascending: bool = False,
 ) -> torch.Tensor:
     """The k best visible entries per query (inside its pool when `blocks` is given): [S, min(k, T)] int64
     entry ids in position order, -1 for picks that are not selectable. Equals the twin's
     `top_entries(score masked to visible [and pool], k)` exactly, ties to the lower entry id included (given
-    the same scores); a pool must list each block once. Selection: dsv4::topk_select / topk_select_pool.
+    the same scores); a pool must list each block once, and with `ascending` in ascending order
+    (`topk_select_pool`'s). Selection: dsv4::topk_select / topk_select_pool.
 
     No host syncs: safe to capture in a CUDA graph.
     """
@@ -514,7 +516,7 @@ def mqa_index_topk(
     if blocks is None:
         return topk_select(mqa_index_scores(q, k_packed, k_scale, weights, visible), k)
     score = mqa_index_scores_pool(q, k_packed, k_scale, weights, visible, blocks, block_size)
-    ids = topk_select_pool(score, blocks, block_size, k)
+    ids = topk_select_pool(score, blocks, block_size, k, ascending)
     extra = ids.shape[-1] - width
     if extra > 0:  # the pool is wider than T: the surplus picks are all -1 and sort first
         ids = ids[..., extra:]

@@ -318,15 +318,16 @@ def first_stage_chunk(T: int, K: int, block_size: int = 1, rows: int | None = No
 
 
 def _select(scores: torch.Tensor, blocks: torch.Tensor | None, block_size: int, K: int,
-            chunk: int | None = None) -> torch.Tensor:
+            chunk: int | None = None, ascending: bool = False) -> torch.Tensor:
     """The kernel's selection, in stages for long rows (`chunk` overrides `first_stage_chunk` at every stage).
+    `ascending`: the pool's blocks ascend along each row, so its columns' entry ids do, as a dense row's.
 
     A stage cuts each row into chunks of `chunk` columns (whole blocks; the tail's missing columns at -inf)
     and keeps each chunk's top K, -inf and NaN picks included, with their entry ids and scores; the next
     selects over those candidates, so ties still go to the lower entry id and -inf/NaN picks still come out
     as -1. Exact: the row's top K (a total order: score, then entry id) is among the union of its chunks'
     top K. Candidates stay in the order of their columns, so a dense row's stay a dense row."""
-    dense = blocks is None
+    dense = blocks is None or ascending
     rows, ids = scores.shape[0] if dense else None, None
     while True:
         T = scores.shape[1]
@@ -381,18 +382,22 @@ def twin_topk_select_pool(scores: torch.Tensor, blocks: torch.Tensor, block_size
 
 
 @torch.library.custom_op("dsv4::topk_select_pool", mutates_args=())
-def topk_select_pool(scores: torch.Tensor, blocks: torch.Tensor, block_size: int, k: int) -> torch.Tensor:
+def topk_select_pool(scores: torch.Tensor, blocks: torch.Tensor, block_size: int, k: int,
+                     ascending: bool = False) -> torch.Tensor:
     """[S, min(k, E)] int64 entry ids: the k best pool columns, ties to the lower entry id, -1 for -inf/NaN
-    picks, ascending (see the module docstring). A row must list each block once."""
+    picks, ascending (see the module docstring). A row must list each block once. `ascending`: the caller's word
+    that each row's block ids ascend (the -1s anywhere), as `select_candidate_block_ids` returns them; the columns
+    are then in entry order, so the picks are selected as a dense row's (ties to the first columns) and come out
+    in order, without the cut tie's second search and the sort of the picks."""
     _check_scores(scores, k)
     S, E = scores.shape
     if blocks.dim() != 2 or blocks.shape[0] != S or blocks.shape[1] * block_size < E or block_size < 1:
         raise ValueError(f"blocks {tuple(blocks.shape)} x {block_size} do not cover scores {tuple(scores.shape)}")
     if not use_triton(scores):
         return twin_topk_select_pool(scores, blocks, block_size, k)
-    return _select(scores, blocks, block_size, min(k, E))
+    return _select(scores, blocks, block_size, min(k, E), ascending=ascending)
 
 
 @topk_select_pool.register_fake
-def _(scores, blocks, block_size, k):
+def _(scores, blocks, block_size, k, ascending=False):
     return scores.new_empty((scores.shape[0], min(k, scores.shape[1])), dtype=torch.int64)
