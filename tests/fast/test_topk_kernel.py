@@ -279,11 +279,13 @@ def test_gpu_topk_select(T, kind):
 
 
 @gpu
+@pytest.mark.parametrize("ascending", [False, True])
 @pytest.mark.parametrize("kind", ["randn", "relu", "ints"])
-def test_gpu_topk_select_pool(kind):
+def test_gpu_topk_select_pool(kind, ascending):
     S, nb, bs, k = 2, 2048, 8, 512
     x, blocks = make_pool(S, 16384, nb, bs, kind, 3, neg_inf=0.1, drop=0.05)
-    got = tk.topk_select_pool(x.cuda(), blocks.cuda(), bs, k).cpu()
+    blocks = ascending_blocks(blocks) if ascending else blocks
+    got = tk.topk_select_pool(x.cuda(), blocks.cuda(), bs, k, ascending=ascending).cpu()
     assert torch.equal(got, tk.twin_topk_select_pool(x, blocks, bs, k))
 
 
