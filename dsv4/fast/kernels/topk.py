@@ -28,7 +28,8 @@ the keys above before it plus min(ties before it, need).
 Dense: columns are visited in order, so the output comes out ascending and the tie rule is "first `need` in
 column order"; picks that are -inf/NaN are written as the leading -1s. Pool: when the tie at `thr` is
 actually cut, a second search of the same kind finds the need-th smallest entry id among the tied keys;
-the compacted entry ids (k of them) are then sorted in-kernel (tl.sort).
+the compacted entry ids (k of them) are then sorted in-kernel (tl.sort). A pool whose blocks ascend along the
+row (`ascending`) has its columns in entry order already and is selected as a dense row.
 Long rows go in stages (`_select`): programs per (row, chunk) keep each chunk's top k, ids and scores, read
 straight from the row (no padded or gathered copies), and the next launch selects among those candidates.
 No host syncs: capturable in CUDA graphs. Work per row: 1 read of a resident row (searched and compacted from
