@@ -235,8 +235,8 @@ def _topk_kernel(s_ptr, id_ptr, out_ptr, out_s_ptr, T, part, K, block_size, stri
         valid = (key != NEG_KEY) & (key != NAN_KEY)
         above = inb & (key > thr)
         tie = inb & (key == thr)
-        if not DENSE:
-            tie = tie & ((use_id == 0) | ((0x7FFFFFFF - ent) >= v_thr))
+        if not DENSE:  # a cut tie: the ids from the second search
+            tie = tie & tl.where(use_id != 0, (0x7FFFFFFF - ent) >= v_thr, True)
         if DENSE and not STAGE:  # the -inf/NaN picks are the leading -1s
             above = above & valid
             tie = tie & valid
