@@ -1,7 +1,7 @@
 """Can the decode step's latency-bound chains run beside its weight-streaming GEMVs? Two streams of one CUDA graph
 against one stream, at V4.1 widths, batch 1.
 
-    python bench/overlap.py               # H200: checks, then the table; about a minute
+    python bench/overlap.py               # H200: checks, then the table
     python bench/overlap.py --chain 1 2   # top-k selects in the chain (default 1 2 4)
     python bench/overlap.py --smoke       # tiny sizes on the CPU under the Triton interpreter (one stream there)
 
