@@ -72,8 +72,8 @@ def selects(inputs: dict, s: dict) -> list[torch.Tensor]:
 
 
 def two_streams(a, b, side):
-    """b on `side`, forked from the current stream and joined back, while a runs on the current stream; one stream
-    (a then b) where there is no CUDA."""
+    """b on `side`, forked from the current stream and joined back, while a runs on the current stream; without a
+    side stream (or CUDA), a then b on the current one."""
     if side is None:
         return a(), b()
     side.wait_stream(torch.cuda.current_stream())
@@ -91,17 +91,19 @@ def cases(inputs: dict, s: dict, side, urgent) -> dict:
     return {
         "A alone": [lambda i=i: gemv(inputs, i, s) for i in sets],
         "B alone": [lambda: selects(inputs, s) for _ in sets],
-        "A then B": [lambda i=i: (gemv(inputs, i, s), selects(inputs, s)) for i in sets],
-        **{name: [lambda i=i, st=st: two_streams(lambda: gemv(inputs, i, s), lambda: selects(inputs, s), st)
-                  for i in sets]
-           for name, st in (("two streams", side), ("B urgent", urgent))},
+        **{name: [lambda i=i, st=st: both(inputs, i, s, st) for i in sets]
+           for name, st in (("A then B", None), ("two streams", side), ("B urgent", urgent))},
     }
+
+
+def both(inputs: dict, i: int, s: dict, side):
+    """A with weight set i and B, through `two_streams`."""
+    return two_streams(lambda: gemv(inputs, i, s), lambda: selects(inputs, s), side)
 
 
 def same_outputs(inputs: dict, s: dict, side) -> bool:
     """The two-stream calls give what the one-stream calls give, bit for bit."""
-    one = (gemv(inputs, 0, s), selects(inputs, s))
-    two = two_streams(lambda: gemv(inputs, 0, s), lambda: selects(inputs, s), side)
+    one, two = both(inputs, 0, s, None), both(inputs, 0, s, side)
     if side is not None:
         torch.cuda.synchronize()
     return torch.equal(one[0], two[0]) and all(torch.equal(a, b) for a, b in zip(one[1], two[1]))
