@@ -60,9 +60,10 @@ The shared expert is one more slot (expert id E) in every path, so the layer's e
 FP4 decoding. gather: the codes are read as int32 words (eight K positions); each code's sign and magnitude
 bits placed as an FP8 e4m3 byte are its value times 2^-6, which one cvt per two codes widens to fp16x2
 (`_WORD_DOT_PTX`), and the activations come as eight planes (plane j holds elements 8c + j), so the eight that
-meet a word are one vector load per plane and nothing is split across threads; in sm_90 SASS the up loop
-runs ~41 instructions per word (4 rows x 512 K, 2 warps, two stages), 55 with the earlier nibble-to-fp16
-decode and the activations split into even and odd halves through shared memory. Tensor-core paths: the codes are read as
+meet a word are one vector load per plane and nothing is split across threads; in sm_90 SASS (Triton 3.6) the
+batch-1 up loop runs ~35 instructions per word (16 rows x 256 K, 2 warps, two stages; 27 of them the decode and the
+FMAs), 55 with the earlier nibble-to-fp16 decode and the activations split into even and odd halves through shared
+memory. Tensor-core paths: the codes are read as
 16-bit words (four K positions each) and decoded straight to scaled bf16 MMA operands, one per K phase (k mod 4), by byte-permute lookups and one
 bf16x2 FMA per pair (`_E2M1_BF16_PTX`); the activations are split into the same phases (`_quarters`). In sm_90
 SASS (Triton 3.9) gather_tc's up / down loops run ~4.6 / ~5.3 instructions per weight value per thread, MMA and
