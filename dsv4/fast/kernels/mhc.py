@@ -183,10 +183,12 @@ def _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, nor
     BN: tl.constexpr = rows64.shape[0]
     c = tl.arange(0, HC)
     jk = c[:, None] * HC + c[None, :]  # comb[j, k] sits at mixes[2 hc + j hc + k]
-    ss = tl.zeros((BN,), dtype=tl.float32)
-    pre_raw = tl.zeros((BN, HC), dtype=tl.float32)
-    post_raw = tl.zeros((BN, HC), dtype=tl.float32)
-    comb_raw = tl.zeros((BN, HC, HC), dtype=tl.float32)
+    # sums a split lane [SB, ...], added across the loop's steps and over the lanes once after it: a sum over the
+    # lanes a step crossed threads (shuffles, shared memory and barriers) in every step
+    ss = tl.zeros((SB, BN), dtype=tl.float32)
+    pre_raw = tl.zeros((SB, BN, HC), dtype=tl.float32)
+    post_raw = tl.zeros((SB, BN, HC), dtype=tl.float32)
+    comb_raw = tl.zeros((SB, BN, HC, HC), dtype=tl.float32)
     # the site's scales and biases first: after the loop their round trip would stand between it and the Sinkhorn
     s_pre = tl.load(scale_ptr)
     s_post = tl.load(scale_ptr + 1)
@@ -201,12 +203,15 @@ def _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, nor
         s = s0 + sb
         row = ws_ptr + (s[:, None] * N + rows64[None, :]) * (M + 1)  # [SB, BN]
         live = (s < n_split)[:, None] & rmask[None, :]
-        ss += tl.sum(tl.load(row + M, mask=live, other=0.0), axis=0)
-        pre_raw += tl.sum(tl.load(row[:, :, None] + c[None, None, :], mask=live[:, :, None], other=0.0), axis=0)
-        post_raw += tl.sum(tl.load(row[:, :, None] + HC + c[None, None, :], mask=live[:, :, None], other=0.0),
-                           axis=0)
-        comb_raw += tl.sum(tl.load(row[:, :, None, None] + 2 * HC + jk[None, None, :, :], mask=live[:, :, None, None],
-                                   other=0.0), axis=0)
+        ss += tl.load(row + M, mask=live, other=0.0)
+        pre_raw += tl.load(row[:, :, None] + c[None, None, :], mask=live[:, :, None], other=0.0)
+        post_raw += tl.load(row[:, :, None] + HC + c[None, None, :], mask=live[:, :, None], other=0.0)
+        comb_raw += tl.load(row[:, :, None, None] + 2 * HC + jk[None, None, :, :], mask=live[:, :, None, None],
+                            other=0.0)
+    ss = tl.sum(ss, axis=0)
+    pre_raw = tl.sum(pre_raw, axis=0)
+    post_raw = tl.sum(post_raw, axis=0)
+    comb_raw = tl.sum(comb_raw, axis=0)
 
     rs = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, (HC * D) * 1.0) + norm_eps))
 
