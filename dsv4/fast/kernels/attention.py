@@ -256,7 +256,8 @@ def _combine_kernel(
     INTERP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge the splits' partials for BLOCK_H heads x BLOCK_D dims of one query row, then finish. BLOCK_S splits
-    a load: one split per loop step put an L2 round trip per split in series."""
+    a load: one split per loop step put an L2 round trip per split in series. The maxima and sums are kept a split
+    lane each across the steps and taken over the lanes once after each loop (across threads: shuffles a step)."""
     wait_for_predecessor(PDL)
     s = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -264,19 +265,21 @@ def _combine_kernel(
     d0 = tl.program_id(2) * BLOCK_D
     cols = d0 + tl.arange(0, BLOCK_D)
     sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
-    top = sink
+    top = tl.zeros([BLOCK_S, BLOCK_H], dtype=tl.float32) + sink[None, :]
     for j0 in tl.range(0, n_splits, BLOCK_S, num_stages=2):
         part, pmask = _split_rows(s, j0, n_splits, heads, hmask, H, BLOCK_S)
-        top = tl.maximum(top, tl.max(tl.load(part_ml_ptr + part * 2, mask=pmask, other=float("-inf")), axis=0))
-    denom = tl.exp2(sink - top)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        top = tl.maximum(top, tl.load(part_ml_ptr + part * 2, mask=pmask, other=float("-inf")))
+    top = tl.max(top, axis=0)
+    denom = tl.zeros([BLOCK_S, BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_S, BLOCK_H, BLOCK_D], dtype=tl.float32)
     for j0 in tl.range(0, n_splits, BLOCK_S, num_stages=2):
         part, pmask = _split_rows(s, j0, n_splits, heads, hmask, H, BLOCK_S)
         w = tl.exp2(tl.load(part_ml_ptr + part * 2, mask=pmask, other=float("-inf")) - top[None, :])  # [BLOCK_S, BLOCK_H]
-        denom += tl.sum(w * tl.load(part_ml_ptr + part * 2 + 1, mask=pmask, other=0.0), axis=0)
+        denom += w * tl.load(part_ml_ptr + part * 2 + 1, mask=pmask, other=0.0)
         o = tl.load(part_o_ptr + part[:, :, None] * D + cols[None, None, :], mask=pmask[:, :, None], other=0.0)
-        acc += tl.sum(w[:, :, None] * o, axis=0)
-    _store_out(o_ptr, cos_ptr, sin_ptr, acc, denom, s, heads, hmask, d0, H, D, R, INTERP)
+        acc += w[:, :, None] * o
+    denom = tl.exp2(sink - top) + tl.sum(denom, axis=0)
+    _store_out(o_ptr, cos_ptr, sin_ptr, tl.sum(acc, axis=0), denom, s, heads, hmask, d0, H, D, R, INTERP)
 
 
 @triton.jit
