@@ -18,7 +18,7 @@ row of scales, and each int32 word lies in one K block (bk is a multiple of 4): 
 (exact: powers of two). The codes are read as int32 words, four K positions each, and two cvt instructions (sm_89)
 widen a word to two fp16x2, exact; the products accumulate elementwise in registers ([BM, BN, BK/4]) and are
 summed once after the loop. Under the Triton interpreter the codes are decoded arithmetically, the same values
-and sums in the same order.
+and sums in the same order; `tests/fast/test_inline_ptx.py` runs the PTX in an emulator against that.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ _DOT4_PTX = tl.constexpr("\n".join([
     "mov.b32 {h2, h3}, p1;",
 ] + [f"cvt.f32.f16 f{j}, h{j};" for j in range(4)]
   + [f"fma.rn.f32 $0, f{j}, ${j + 3}, {'$1' if j == 0 else '$0'};" for j in range(4)] + ["}"]))
+_DOT4_OPERANDS = tl.constexpr("=f,f,r,f,f,f,f")  # $0 the sum; $1 acc, $2 the word, $3..$6 the activations
 
 
 @triton.jit
@@ -62,7 +63,7 @@ def _dot4(acc, w, x0, x1, x2, x3, INTERP: tl.constexpr):
         acc += _e4m3_to_f32((w >> 16) & 255) * x2
         return acc + _e4m3_to_f32((w >> 24) & 255) * x3
     else:
-        return tl.inline_asm_elementwise(_DOT4_PTX, "=f,f,r,f,f,f,f", [acc, w, x0, x1, x2, x3],
+        return tl.inline_asm_elementwise(_DOT4_PTX, _DOT4_OPERANDS, [acc, w, x0, x1, x2, x3],
                                          dtype=tl.float32, is_pure=True, pack=1)
 
 

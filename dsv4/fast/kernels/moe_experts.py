@@ -67,8 +67,10 @@ memory. Tensor-core paths: the codes are read as
 16-bit words (four K positions each) and decoded straight to scaled bf16 MMA operands, one per K phase (k mod 4), by byte-permute lookups and one
 bf16x2 FMA per pair (`_E2M1_BF16_PTX`); the activations are split into the same phases (`_quarters`). In sm_90
 SASS (Triton 3.9) gather_tc's up / down loops run ~4.6 / ~5.3 instructions per weight value per thread, MMA and
-activation handling included (BN 64, K step 128, 4 warps). The interpreter computes the same values arithmetically. Under the Triton interpreter (TRITON_INTERPRET=1) all dots run in fp32
-and bf16 rounding is done on the bits (the interpreter mishandles bf16 arithmetic and truncates casts).
+activation handling included (BN 64, K step 128, 4 warps). The interpreter computes the same values arithmetically
+(`tests/fast/test_inline_ptx.py` runs both PTX snippets in an emulator against that). Under the Triton interpreter
+(TRITON_INTERPRET=1) all dots run in fp32 and bf16 rounding is done on the bits (the interpreter mishandles bf16
+arithmetic and truncates casts).
 Scales are assumed in 2^-126 .. 2^127 (what dsv4.quant writes); the tensor-core decode is exact up to 2^123.
 The tensor-core paths step K by a power of two dividing D (and I), at least 64 on the GPU.
 """
@@ -210,6 +212,7 @@ _WORD_DOT_PTX = tl.constexpr("\n".join([
     "mov.b32 {x5, x7}, p3;",
 ] + [f"cvt.f32.f16 f{j}, x{j};" for j in range(8)] + ["mul.f32 $0, f0, $2;"]
   + [f"fma.rn.f32 $0, f{j}, ${j + 2}, $0;" for j in range(1, 8)] + ["}"]))
+_WORD_DOT_OPERANDS = tl.constexpr("=f,r,f,f,f,f,f,f,f,f")  # $0 the sum; $1 the word, $2..$9 the activations
 _WORD_DOT_UNIT = tl.constexpr(64.0)  # `_word_dot` returns the dot product divided by this
 
 
@@ -226,7 +229,7 @@ def _word_dot(w, a0, a1, a2, a3, a4, a5, a6, a7, INTERP: tl.constexpr):
         s += _e2m1_values((w >> 24) & 15) * a6 / _WORD_DOT_UNIT
         return s + _e2m1_values((w >> 28) & 15) * a7 / _WORD_DOT_UNIT
     else:
-        return tl.inline_asm_elementwise(_WORD_DOT_PTX, "=f,r,f,f,f,f,f,f,f,f", [w, a0, a1, a2, a3, a4, a5, a6, a7],
+        return tl.inline_asm_elementwise(_WORD_DOT_PTX, _WORD_DOT_OPERANDS, [w, a0, a1, a2, a3, a4, a5, a6, a7],
                                          dtype=tl.float32, is_pure=True, pack=1)
 
 
@@ -263,6 +266,8 @@ _E2M1_BF16_PTX = tl.constexpr("\n".join([
     "and.b32 a, a, 0x41FF41FF;",
     f"fma.rn.bf16x2 ${k}, a, $5, c;",
 )] + ["}"]))
+# $0..$3 the four K phases (bf16 pairs); $4 two int16 words of codes, $5 their two bf16 scales (pack=2)
+_E2M1_BF16_OPERANDS = tl.constexpr("=r,=r,=r,=r,r,r")
 
 
 @triton.jit
@@ -275,7 +280,7 @@ def _e2m1_quads(q, s, INTERP: tl.constexpr):
         return (_e2m1_values(q & 15) * s, _e2m1_values((q >> 4) & 15) * s, _e2m1_values((q >> 8) & 15) * s,
                 _e2m1_values((q >> 12) & 15) * s)
     else:
-        return tl.inline_asm_elementwise(_E2M1_BF16_PTX, "=r,=r,=r,=r,r,r", [q, s], dtype=(tl.bfloat16,) * 4,
+        return tl.inline_asm_elementwise(_E2M1_BF16_PTX, _E2M1_BF16_OPERANDS, [q, s], dtype=(tl.bfloat16,) * 4,
                                          is_pure=True, pack=2)
 
 
