@@ -118,9 +118,11 @@ def slots(W, s):
 
 # the tile sweeps (graph mode, for tuning): the configs each path is timed at, keyed by their values
 GATHER_SWEEP = [{"BI": BI, "BD": BD, "BK": BK}
-                for BI, BD, BK in [(4, 16, 512), (8, 8, 256), (4, 4, 512), (16, 16, 256), (8, 16, 256), (32, 16, 256)]]
+                for BI, BD, BK in [(4, 16, 512), (8, 8, 256), (4, 4, 512), (16, 16, 256), (8, 16, 256), (32, 16, 256),
+                                   (16, 32, 256)]]
 # the default tiles one pipeline stage deeper, and in 4 warps (the one-token default is 2): since the 16-byte copies
-# of session 40 (a thread holds a scale group's four words) neither was timed
+# of session 40 (a thread holds a scale group's four words) neither was timed, nor 32 down rows (sm_90 SASS, Triton
+# 3.6: 34 instructions a word against 38.5 at 16 rows, 158 registers at 2 warps)
 GATHER_SWEEP += [{"BI": 16, "BD": 16, "BK": 256, "gather_stages": 3}, {"BI": 16, "BD": 16, "BK": 256, "gather_warps": 4}]
 # gather_tc's 2 warps spill registers, 4 warps less, yet 4 warps ran 1.7x slower at 8 tokens (session 30)
 GATHER_TC_SWEEP = [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w}
