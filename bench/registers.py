@@ -15,7 +15,8 @@ its op's own configuration code, so the table follows the defaults. The decode k
 compiled as their batch-1 launches specialize them (an int argument of 1 a constant, a multiple of 16 known
 divisible by 16), since a kernel's vector loads and its software pipeline can hinge on those: with its ints left
 open, the gather MoE's up kernel read 255 registers and a 344-byte stack, the mHC pre partial 211 registers, where
-their launches compile to 118 and 95, without a stack (Triton 3.6).
+their launches compile to 118 and 95, without a stack (Triton 3.6); the prefill's grouped MoE kernels 255 registers
+and ~450 spilled bytes, where an 8K-token chunk's launch compiles them to 159 / 125 and none.
 """
 
 from __future__ import annotations
@@ -192,9 +193,10 @@ def batched_moe_kernels() -> list[Kernel]:
     c = moe_experts._cfg(CUDA, 8192, "grouped")
     constexprs = {"BM": moe_experts.grouped_block_m(8192, TOP_K + 1, EXPERTS), "BN": c["BN"], "BK": c["BKG"],
                   "IS_BF16": True, "INTERP": False, "SH_LOW": True, "FIND": 0, "SHARED": True}
-    note = "4 warps at 64 x 64 tiles: 22.4 ms at 8192 tokens, 8 warps 73.5 ms without a stack (254 / 244 registers)"
-    return [Kernel(f"moe grouped (prefill) {part}", fn, types, constexprs, c["warps"], c["stages"], spills_ok=True,
-                   note=note)
+    # an open-int compile spilled at these tiles (255 registers, ~450 bytes), which is why they were marked known
+    # spills; as the launch specializes D, I, E and R (`LAUNCH_INTS`) they compile to 159 / 125 registers, no stack
+    note = "4 warps at 64 x 64 tiles: 22.4 ms at 8192 tokens, 8 warps 73.5 ms"
+    return [Kernel(f"moe grouped (prefill) {part}", fn, types, constexprs, c["warps"], c["stages"], note=note)
             for part, fn, types in (("up", moe_experts._grouped_up_kernel, up_types),
                                     ("down", moe_experts._grouped_down_kernel, down_types))]
 
@@ -314,10 +316,18 @@ LAUNCH_INTS = {
     **{f"moe gather {part}{tokens}": {"D": D, "I": I, "E": EXPERTS}
        for part in ("up", "down") for tokens in ("", f" ({moe_experts.GATHER_MAX_N} tokens)")},
     "sparse_attn combine": {"H": H, "n_splits": 20},
+    # one query row: a tile a split (plan_splits on the H200); an 8K prefill chunk: one split of its 20 tiles; a lone
+    # row over 2^18 entries in 64-row tiles: 4098 tiles in 132 splits
+    "sparse_attn_fp4": {"kw": WINDOW, "kg": INDEX_TOPK, "H": H, "tiles_per_split": 1},
+    "sparse_attn_fp4 (prefill)": {"kw": WINDOW, "kg": INDEX_TOPK, "H": H, "tiles_per_split": 20},
+    "sparse_attn_fp4 (long list)": {"kw": WINDOW, "kg": 1 << 18, "H": H, "tiles_per_split": 32},
     **{f"fp8_gemv {name}": {"M": 1, "N": N, "K": K, "KW": K // 4, "KS": K // 32, "block_n": 32,
                             "G": G}
        for name, N, K, G in FP8_GEMV_SHAPES},
     **{f"dense_gemv {name}": {"M": 1, "N": N, "K": K} for name, N, K, _ in DENSE_GEMV_SHAPES},
+    # the prefill's grouped MoE at its 8K-token chunk (`batched_moe_kernels`): R = 8192 tokens x 7 slots
+    **{f"moe grouped (prefill) {part}": {"D": D, "I": I, "S": TOP_K + 1, "E": EXPERTS, "R": 8192 * (TOP_K + 1)}
+       for part in ("up", "down")},
 }
 
 
