@@ -124,8 +124,8 @@ GATHER_SWEEP = [{"BI": BI, "BD": BD, "BK": BK}
 # of session 40 (a thread holds a scale group's four words) neither was timed, nor 32 down rows (sm_90 SASS, Triton
 # 3.6: 34 instructions a word against 38.5 at 16 rows, 158 registers at 2 warps)
 GATHER_SWEEP += [{"BI": 16, "BD": 16, "BK": 256, "gather_stages": 3}, {"BI": 16, "BD": 16, "BK": 256, "gather_warps": 4}]
-# gather_tc: 4 warps ran 1.7x slower than 2 at 8 tokens (session 30), chosen then against 2 warps' spills, which
-# were an open-int compile's: as launched (V4.1 widths) 2 / 4 warps take 150 / 138 registers, none spilled
+# gather_tc: 4 warps ran 1.7x slower than 2 at 8 tokens (session 30); the spills 2 warps seemed to have then were an
+# open-int compile's: as launched (V4.1 widths) 2 / 4 warps take 150 / 138 registers, none spilled
 GATHER_TC_SWEEP = [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w}
                    for BM, BN, BKG, w in [(16, 32, 128, 2), (16, 32, 128, 4), (16, 64, 64, 4)]]
 # 64 x 64 tiles (a prefill chunk's, grouped_block_m at 8K tokens): 8 warps ran 3.3x slower than 4 at 8192 tokens
