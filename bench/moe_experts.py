@@ -117,12 +117,12 @@ def slots(W, s):
 
 
 # the tile sweeps (graph mode, for tuning): the configs each path is timed at, keyed by their values
+# the last four are untimed since session 40's 16-byte copies (a thread holds a scale group's four words): 32 up or
+# down rows (the down loop at 32 rows: 34 sm_90 instructions a word against 38.5 at 16, 158 registers at 2 warps),
+# and the default tiles one pipeline stage deeper or in 4 warps (the one-token default is 2)
 GATHER_SWEEP = [{"BI": BI, "BD": BD, "BK": BK}
                 for BI, BD, BK in [(4, 16, 512), (8, 8, 256), (4, 4, 512), (16, 16, 256), (8, 16, 256), (32, 16, 256),
                                    (16, 32, 256)]]
-# the default tiles one pipeline stage deeper, and in 4 warps (the one-token default is 2): since the 16-byte copies
-# of session 40 (a thread holds a scale group's four words) neither was timed, nor 32 down rows (sm_90 SASS, Triton
-# 3.6: 34 instructions a word against 38.5 at 16 rows, 158 registers at 2 warps)
 GATHER_SWEEP += [{"BI": 16, "BD": 16, "BK": 256, "gather_stages": 3}, {"BI": 16, "BD": 16, "BK": 256, "gather_warps": 4}]
 # gather_tc: 4 warps ran 1.7x slower than 2 at 8 tokens (session 30); the spills 2 warps seemed to have then were an
 # open-int compile's: as launched (V4.1 widths) 2 / 4 warps take 150 / 138 registers, none spilled

@@ -193,8 +193,6 @@ def batched_moe_kernels() -> list[Kernel]:
     c = moe_experts._cfg(CUDA, 8192, "grouped")
     constexprs = {"BM": moe_experts.grouped_block_m(8192, TOP_K + 1, EXPERTS), "BN": c["BN"], "BK": c["BKG"],
                   "IS_BF16": True, "INTERP": False, "SH_LOW": True, "FIND": 0, "SHARED": True}
-    # an open-int compile spilled at these tiles (255 registers, ~450 bytes), which is why they were marked known
-    # spills; as the launch specializes D, I, E and R (`LAUNCH_INTS`) they compile to 159 / 125 registers, no stack
     note = "4 warps at 64 x 64 tiles: 22.4 ms at 8192 tokens, 8 warps 73.5 ms"
     return [Kernel(f"moe grouped (prefill) {part}", fn, types, constexprs, c["warps"], c["stages"], note=note)
             for part, fn, types in (("up", moe_experts._grouped_up_kernel, up_types),
@@ -302,10 +300,10 @@ def indexer_query_kernels() -> list[Kernel]:
 
 
 _ATTN = {"stride_hn": HC * D, "stride_hk": D, "stride_xn": D}
-# the int arguments a batch-1 V4.1 decode step launches each kernel with, which a launch specializes as Triton does
-# (1 a constant, a multiple of 16 known divisible by 16; an argument a kernel does not take is ignored, one not
-# listed is compiled unspecialized): 80 mHC partials (D / 64), 40 gate partials (D / 128), 20
-# attention splits (window + top-k tiles of 32)
+# the int arguments a batch-1 V4.1 decode step launches each kernel with (the prefill kernels: an 8K-token chunk's),
+# which a launch specializes as Triton does (1 a constant, a multiple of 16 known divisible by 16; an argument a
+# kernel does not take is ignored, one not listed is compiled unspecialized): 80 mHC partials (D / 64), 40 gate
+# partials (D / 128), 20 attention splits (window + top-k tiles of 32)
 LAUNCH_INTS = {
     "mhc_pre partial": {"N": 1, "D": D, "steps_per_prog": 1, "stride_wn": HC, **_ATTN},
     "mhc_pre finish": {"N": 1, "D": D, "n_split": 80, "d_per_prog": D, **_ATTN},

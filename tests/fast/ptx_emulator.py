@@ -146,6 +146,6 @@ def run(ptx: str, constraints: str, inputs: list[int]) -> list[int]:
                 a, b, c = (bf16_value(x >> half) for x in v)
                 r |= round_bf16(a * b + c) << half
         else:
-            raise NotImplementedError(f"PTX instruction {op!r} is not emulated")
+            raise ValueError(f"PTX instruction {op!r}: the emulator knows only the instructions its docstring lists")
         regs[d] = r & MASK32
     return [get(f"${i}") for i in range(n_out)]

@@ -16,25 +16,21 @@ import pytest
 
 pytest.importorskip("triton")
 
+import torch
 from ptx_emulator import bf16_value, f32_bits, f32_value, round_bf16, round_f32, run
 
 from dsv4.fast.kernels import fp8_gemv as G
 from dsv4.fast.kernels import moe_experts as M
-
-E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+from dsv4.quant import E2M1_VALUES
 
 
 def e2m1(code: int) -> Fraction:
-    return Fraction(E2M1[code & 7]) * (-1 if code & 8 else 1)
+    return Fraction(E2M1_VALUES[code & 15].item())
 
 
 def e4m3(byte: int) -> Fraction:
     """An e4m3fn byte's value (no NaN bytes are drawn)."""
-    sign = -1 if byte & 0x80 else 1
-    exp, man = (byte >> 3) & 15, byte & 7
-    if exp == 0:
-        return sign * Fraction(man, 8) * Fraction(2) ** -6
-    return sign * (1 + Fraction(man, 8)) * Fraction(2) ** (exp - 7)
+    return Fraction(torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).item())
 
 
 def bf16_activation(rng: random.Random) -> int:
