@@ -431,14 +431,15 @@ def random_ids(config: Dsv4Config, shape, generator: torch.Generator | None = No
 def decode_bytes(model: Dsv4Model, state, context: int) -> int:
     """Bytes one batch-1 decode step reads: every weight a token touches as the model holds it (routed
     experts: top-k of them; shared expert bf16 copy and attention weights dequantized at load, except those
-    the step reads as stored FP8 in their place: `FastAttention.fp8_pairs`), plus the cache rows attended or
-    scored at `context`, at the sizes `state` (a fast SlotState) stores them."""
+    the step reads as stored FP8 in their place: `FastAttention.fp8_pairs`, `FastMoE.fp8_pairs`), plus the
+    cache rows attended or scored at `context`, at the sizes `state` (a fast SlotState) stores them."""
     c = model.config
     row = lambda rows: rows.data[0, 0].nbytes + (0 if rows.scale is None else rows.scale[0, 0].nbytes)
     total = model.head.weight.nbytes + model.embed.weight[0].nbytes
     for layer, weights in zip(model.layers, layer_bytes(model)):
         total += weights["total"] - weights["routed_experts"] + weights["routed_active"]
-        total -= sum(w.nbytes - c.weight.nbytes - c.scale.nbytes for w, c in layer.attn.fp8_pairs())
+        stored = layer.attn.fp8_pairs() + layer.ffn.fp8_pairs()
+        total -= sum(w.nbytes - c.weight.nbytes - c.scale.nbytes for w, c in stored)
         role = layer.role
         total += c.sliding_window * row(state.windows[role.layer_id])
         if role.compress_ratio:

@@ -3,13 +3,16 @@
     python bench/moe_experts.py          # H200: correctness on CUDA, then timings; < 3 minutes, ~8 GB
     python bench/moe_experts.py --smoke  # tiny sizes on the CPU under the Triton interpreter
 
-V4.1: E = 384 experts, top-6, D = 5120, I = 2304, swiglu limit 10, one shared expert (dense bf16);
+V4.1: E = 384 experts, top-6, D = 5120, I = 2304, swiglu limit 10, one shared expert (dense bf16, its values FP8
+in 32 x 32 blocks);
 N = 1, 8, 16, 64, 256 tokens. Weights random (uint8 codes, e8m0 scales 2^-9 .. 2^-5), one layer's worth.
 - naive:   for each selected expert: dequantize its w1/w3/w2 (dsv4.quant) to bf16, bf16 matmuls, SwiGLU,
            index_add in fp32; plus the shared expert (what a straightforward implementation does; host syncs).
 - gather, gather_tc (N <= 16: every program scans the batch's ids), grouped: the kernel's paths (forced).
 - slots (N <= GATHER_MAX_N): dsv4::moe_gather_slots, the gather kernels as the batch-1 decode step calls them (the
-           activation planes made, and the slots summed, by the step's compiled code: not timed here).
+           activation planes made, and the slots summed, by the step's compiled code: not timed here); slots_fp8
+           (N = 1) the same with the shared expert's FP8 rows, as the fast model passes them at one token (its
+           bytes: the FP8 codes and a scale a row and 32 in place of the bf16 copy).
 Bytes: the expert weights the call must touch at least: each distinct selected expert's w13 + w2 at 4.25
 bits/weight (e2m1 + one e8m0 per 32) and the shared expert's bf16 weights (3 * I * D * 2 bytes); GB/s is
 those bytes over the time, and `roofline` their fraction of 4.3 TB/s (the batch-1 memory ceiling).
@@ -22,6 +25,7 @@ with --smoke). The table is printed last.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
@@ -40,10 +44,11 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.fast.kernels import moe_experts as M
-from dsv4.quant import dequantize_mxfp4
+from dsv4.quant import dequantize_fp8, dequantize_mxfp4, quantize_fp8
 
 PEAK_BPS = 4.3e12
 LIMIT = 10.0
+SHARED_BLOCK = (32, 32)
 
 
 def time_calls(fns, reps: int, graph: bool, device: str) -> float:
@@ -57,14 +62,18 @@ def time_calls(fns, reps: int, graph: bool, device: str) -> float:
 def make_weights(E, D, I, device, seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
     u8 = {"generator": g, "device": device, "dtype": torch.uint8}
-    return {
+    W = {
         "w13": torch.randint(0, 256, (E, 2 * I, D // 2), **u8),
         "s13": torch.randint(118, 123, (E, 2 * I, D // 32), **u8),
         "w2": torch.randint(0, 256, (E, D, I // 2), **u8),
         "s2": torch.randint(118, 123, (E, D, I // 32), **u8),
-        "sh13": (torch.randn(2 * I, D, generator=g, device=device) / D**0.5).bfloat16(),
-        "sh2": (torch.randn(D, I, generator=g, device=device) / I**0.5).bfloat16(),
     }
+    # the shared expert as V4.1 stores it (FP8 in 32 x 32 blocks) and its exact bf16 copy, as the fast model holds both
+    for name, rows, cols in (("sh13", 2 * I, D), ("sh2", D, I)):
+        q, e = quantize_fp8(torch.randn(rows, cols, generator=g, device=device) / cols**0.5, SHARED_BLOCK)
+        W[name] = dequantize_fp8(q, e, SHARED_BLOCK).bfloat16()
+        W[name + "_rows"] = M.fp8_rows(q, e, SHARED_BLOCK)
+    return W
 
 
 def make_set(N, E, D, k, device, seed):
@@ -110,10 +119,12 @@ def kernel(W, s, path):
                                    W["sh13"], W["sh2"], LIMIT, path)
 
 
-def slots(W, s):
-    """The batch-1 decode step's call: the slots' outputs of moe_gather_slots on the set's activation planes."""
+def slots(W, s, fp8: bool = False):
+    """The batch-1 decode step's call: the slots' outputs of moe_gather_slots on the set's activation planes;
+    `fp8`: with the shared expert's FP8 rows, as the step passes them at one token."""
+    stored = (*W["sh13_rows"], *W["sh2_rows"]) if fp8 else ()
     return M.moe_gather_slots(s["x"], s["planes"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"], W["s2"],
-                              W["sh13"], W["sh2"], LIMIT)
+                              W["sh13"], W["sh2"], LIMIT, *stored)
 
 
 # the tile sweeps (graph mode, for tuning): the configs each path is timed at, keyed by their values
@@ -156,6 +167,8 @@ def check(W, s) -> dict:
     runs = [(p, kernel(W, s, p)) for p in paths]
     if s["x"].shape[0] <= M.GATHER_MAX_N:
         runs.append(("slots", slots(W, s).sum(dim=1)))
+    if s["x"].shape[0] == 1:
+        runs.append(("slots_fp8", slots(W, s, fp8=True).sum(dim=1)))
     for name, y in runs + [("naive", naive(W, s))]:
         err = (y - ref).abs() / scale
         out[f"{name}_max_rel"] = err.max().item()
@@ -179,6 +192,7 @@ def main():
     W = make_weights(E, D, I, device)
     expert_bytes = 3 * I * D * 4.25 / 8
     shared_bytes = 3 * I * D * 2
+    fp8_shared_bytes = 3 * I * D * (1 + 1 / 32)  # e4m3 codes, a scale a row and 32 (`fp8_rows`)
     results, checks = [], {}
     for N in sizes:
         sets = [make_set(N, E, D, k, device, 7919 * N + i) for i in range(nsets)]
@@ -198,11 +212,13 @@ def main():
                 row[f"{mode}_{path}_GBps"] = nbytes / t / 1e3
                 row[f"{mode}_{path}_roofline"] = nbytes / t / 1e-6 / PEAK_BPS
                 row[f"{mode}_{path}_speedup_vs_naive"] = row["eager_naive_us"] / t
-        for mode in common.modes(device) if N <= M.GATHER_MAX_N else ():
-            t = time_calls([lambda s=s: slots(W, s) for s in sets], reps, mode == "graph", device)
-            row[f"{mode}_slots_us"] = t
-            row[f"{mode}_slots_GBps"] = nbytes / t / 1e3
-            row[f"{mode}_slots_roofline"] = nbytes / t / 1e-6 / PEAK_BPS
+        variants = [("slots", False, nbytes)] if N <= M.GATHER_MAX_N else []
+        variants += [("slots_fp8", True, nbytes - shared_bytes + fp8_shared_bytes)] if N == 1 else []
+        for (name, fp8, touched), mode in itertools.product(variants, common.modes(device)):
+            t = time_calls([lambda s=s, f=fp8: slots(W, s, f) for s in sets], reps, mode == "graph", device)
+            row[f"{mode}_{name}_us"] = t
+            row[f"{mode}_{name}_GBps"] = touched / t / 1e3
+            row[f"{mode}_{name}_roofline"] = touched / t / 1e-6 / PEAK_BPS
         if device == "cuda" and N <= 16:
             row["gather_sweep"] = tile_sweep(W, sets, "gather", GATHER_SWEEP, reps, device)
         if device == "cuda" and 2 < N <= 16:
@@ -214,7 +230,8 @@ def main():
                                      for kk, v in row.items() if kk.endswith(("_us", "roofline", "sweep"))),
               flush=True)
 
-    shape = {"E": E, "D": D, "I": I, "topk": k, "limit": LIMIT, "shared": "dense bf16", "expert_bits_per_weight": 4.25}
+    shape = {"E": E, "D": D, "I": I, "topk": k, "limit": LIMIT, "shared": "dense bf16 (slots_fp8: FP8 rows)",
+             "shared_block": list(SHARED_BLOCK), "expert_bits_per_weight": 4.25}
     meta, path = common.write_timed_result("moe_experts", device, ARGS.smoke, t_start, reps, checks, results,
                                            shape=shape, peak_bytes_per_s=PEAK_BPS)
 
@@ -226,7 +243,7 @@ def main():
                         ("MB", lambda r: r["weight_bytes"] / 1e6, ".1f"), ("naive us", "eager_naive_us", ".1f"),
                         ("gather us", f"{mode}_gather_us", ".1f"), ("GB/s", f"{mode}_gather_GBps", ".0f"),
                         ("roof", f"{mode}_gather_roofline", ".2f"), ("slots us", f"{mode}_slots_us", ".1f"),
-                        ("roof", f"{mode}_slots_roofline", ".2f"),
+                        ("roof", f"{mode}_slots_roofline", ".2f"), ("fp8 shared us", f"{mode}_slots_fp8_us", ".1f"),
                         ("tc us", f"{mode}_gather_tc_us", ".1f"),
                         ("roof", f"{mode}_gather_tc_roofline", ".2f"), ("grouped us", f"{mode}_grouped_us", ".1f"),
                         ("GB/s", f"{mode}_grouped_GBps", ".0f"), ("roof", f"{mode}_grouped_roofline", ".2f")],

@@ -167,18 +167,21 @@ def routing_kernels() -> list[Kernel]:
 
 
 def moe_kernels() -> list[Kernel]:
-    """The gather path's up and down kernels, the shared expert dense bf16: at one token (2 warps) and at the most
-    tokens "auto" gives it (4 warps)."""
+    """The gather path's up and down kernels: at one token (2 warps) with the shared expert's FP8 rows, as the
+    batch-1 decode step launches them, and at the most tokens "auto" gives it (4 warps), the shared expert dense
+    bf16."""
     out = []
     for N, label in ((1, ""), (moe_experts.GATHER_MAX_N, f" ({moe_experts.GATHER_MAX_N} tokens)")):
         c = moe_experts._cfg(CUDA, N, "gather")
-        common = {"STAGES": c["gather_stages"], "IS_BF16": True, "INTERP": False, "SHARED": True, "PDL": True}
+        common = {"STAGES": c["gather_stages"], "IS_BF16": True, "INTERP": False, "SHARED": True, "SH_FP8": N == 1,
+                  "PDL": True}
         out.append(Kernel(f"moe gather up{label}", moe_experts._gather_up_kernel,
                           {"x_ptr": "*bf16", "ids_ptr": "*i64", "w13_ptr": "*i32", "s13_ptr": "*u8",
-                           "sh13_ptr": "*bf16", "limit": "fp32"}, {"BI": c["BI"], "BK": c["BK"], "EVEN_K": D % c["BK"] == 0, **common},
-                          c["gather_warps"]))
+                           "sh13_ptr": "*bf16", "shq13_ptr": "*i64", "she13_ptr": "*u8", "limit": "fp32"},
+                          {"BI": c["BI"], "BK": c["BK"], "EVEN_K": D % c["BK"] == 0, **common}, c["gather_warps"]))
         out.append(Kernel(f"moe gather down{label}", moe_experts._gather_down_kernel,
-                          {"ids_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "sh2_ptr": "*bf16"},
+                          {"ids_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "sh2_ptr": "*bf16",
+                           "shq2_ptr": "*i64", "she2_ptr": "*u8"},
                           {"BD": c["BD"], "BK": c["BK"], "EVEN_K": I % c["BK"] == 0, **common},
                           c["gather_warps"]))
     return out

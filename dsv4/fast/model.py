@@ -10,9 +10,10 @@ modules (so the same checkpoints load), with forward methods that run the Triton
   views into the stacked tensors, so names and bytes stay those of the checkpoint);
 - the attention's linears that read one input (x, or the query latent) are concatenated the same way, so
   that a decode step runs one GEMM per input and output dtype (`SharedInput`);
-- on CUDA the attention's FP8 weights are also kept as stored (`Fp8Copy`, half the bytes of the bf16 copies,
-  which prefill's GEMMs read): a batch-1 decode step reads those (`dsv4::fp8_gemv`) for the query latent's
-  linears, wo_a and wo_b, the step's largest weight streams after the head and the experts.
+- on CUDA the attention's and the shared experts' FP8 weights are also kept as stored (`Fp8Copy`, half the
+  bytes of the bf16 copies, which prefill's GEMMs read): a batch-1 decode step reads those (`dsv4::fp8_gemv`) for
+  the query latent's linears, wo_a and wo_b, the step's largest weight streams after the head and the experts,
+  and the MoE's gather kernels read the shared expert's (its scales laid out per row as the routed experts').
 The indexer's scores are the MQA kernel's on both paths: fp32 sums of exact products, where the reference in
 bf16 rounds each head's dot product to bf16 first.
 
@@ -55,6 +56,7 @@ from dsv4.fast.kernels.indexer_query import indexer_query
 from dsv4.fast.kernels.mhc import mhc_post, mhc_post_finish, mhc_post_partial, mhc_pre, mhc_pre_partial
 from dsv4.fast.kernels.moe_experts import (
     activation_planes,
+    fp8_rows,
     moe_gather_slots,
     moe_mxfp4_with_shared,
     stack_expert_weights,
@@ -109,7 +111,7 @@ class Fp8Copy:
 
     weight: torch.Tensor  # [N, K] float8_e4m3fn
     scale: torch.Tensor  # [N / bn, K / bk] float8_e8m0fnu
-    block: tuple[int, int]
+    block: tuple[int, int]  # (bn, bk); (1, 32) for the MoE's shared expert, its scales laid out per row (`fp8_rows`)
 
     @staticmethod
     def serves(x: torch.Tensor) -> bool:
@@ -177,12 +179,15 @@ class SharedInput:
 class FastMoE(MoE):
     """Routing in one kernel (gate GEMM included), routed MXFP4 experts and the shared expert in one op."""
 
-    def prepare(self) -> None:
+    def prepare(self, fp8: dict[Linear, Fp8Copy]) -> None:
+        """Stack the experts for the kernels; keep the shared expert's FP8 weights (`fp8`, by linear) for the
+        batch-1 decode (`shared_fp8`), where there are."""
         if any(e.w1.fmt != "fp4" for e in self.experts):
             raise ValueError("the fast model runs MXFP4 routed experts; this checkpoint's experts are not MXFP4")
         stacked = stack_expert_weights(self, shared_dtype=self.gate.weight.dtype)
         self.limit = stacked.pop("limit")
         self.stacked = stacked
+        self.shared_fp8 = self._shared_rows([fp8.get(getattr(self.shared_experts, n)) for n in ("w1", "w3", "w2")])
         inter = stacked["w2"].shape[-1] * 2
         for e, expert in enumerate(self.experts):  # the checkpoint's names now view the stacked bytes
             for name, data, scale, rows in (("w1", "w13", "s13", slice(0, inter)), ("w3", "w13", "s13", slice(inter, None)),
@@ -190,6 +195,9 @@ class FastMoE(MoE):
                 lin = getattr(expert, name)
                 lin.weight.data = stacked[data][e, rows].view(lin.weight.dtype)
                 lin.scale.data = stacked[scale][e, rows].view(lin.scale.dtype)
+        sh = self.shared_experts
+        if sh.w1.weight.dtype == stacked["shared13"].dtype:  # w1 and w3 view their stacked copy, not a second one
+            sh.w1.weight.data, sh.w3.weight.data = stacked["shared13"].split(inter)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x: [B, S, D], input_ids: [B, S] -> [B, S, D]."""
@@ -201,10 +209,26 @@ class FastMoE(MoE):
         s = self.stacked
         experts = (ids, weights, s["w13"], s["s13"], s["w2"], s["s2"], s["shared13"], s["shared2"], self.limit)
         if flat.shape[0] == 1:  # the decode step's token: the planes and the slots' sum fuse into compiled kernels
-            y = moe_gather_slots(flat, activation_planes(flat), *experts).sum(dim=1)
+            stored = [t for c in self.shared_fp8 or () for t in (c.weight, c.scale)]
+            y = moe_gather_slots(flat, activation_planes(flat), *experts, *stored).sum(dim=1)
         else:
             y = moe_mxfp4_with_shared(flat, *experts)
         return y.to(x.dtype).view_as(x)
+
+    @staticmethod
+    def _shared_rows(copies: list[Fp8Copy | None]) -> tuple[Fp8Copy, Fp8Copy] | None:
+        """The shared expert's w1 / w3 / w2 as stored, re-laid out as the gather kernels read them (`fp8_rows`: a
+        scale a row and 32 elements, block (1, 32)): w1 and w3 stacked as shared13's rows are, then w2. None
+        unless all three are FP8 in blocks of whole 32-element groups."""
+        if any(c is None or c.block[1] % 32 for c in copies):
+            return None
+        typed = lambda codes, exps: Fp8Copy(codes.view(torch.float8_e4m3fn), exps.view(torch.float8_e8m0fnu), (1, 32))
+        rows = [typed(*fp8_rows(c.weight, c.scale, c.block)) for c in copies]
+        return Fp8Copy.stacked(rows[:2]), rows[2]
+
+    def fp8_pairs(self) -> list[tuple[torch.Tensor, Fp8Copy]]:
+        """(bf16 copy, FP8 copy of the same rows) of each weight a batch-1 decode step reads as stored FP8."""
+        return list(zip((self.stacked["shared13"], self.stacked["shared2"]), self.shared_fp8 or ()))
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -781,8 +805,8 @@ def make_fast(model: Dsv4Model, packed_kv: bool = True, fp8_decode: bool | None 
     every module, name and tensor of the checkpoint where the loader put it. Move the model to its
     device first: the re-laid-out weights and RoPE frequencies are made where the weights are.
 
-    `fp8_decode` (default: on CUDA) keeps the attention's FP8 weights as stored beside their bf16 copies for the
-    batch-1 decode step (`Fp8Copy`): ~0.12 GB a V4.1-Flash layer more. Off the GPU the op runs its twin, which
+    `fp8_decode` (default: on CUDA) keeps the attention's and the shared expert's FP8 weights as stored beside their
+    bf16 copies for the batch-1 decode step (`Fp8Copy`): ~0.16 GB a V4.1-Flash layer more. Off the GPU the op runs its twin, which
     dequantizes every call: correct, not faster."""
     if isinstance(model, FastModel):  # already converted: its weights are laid out; only the KV formats change
         _attach_engram_prefetch(model)
@@ -806,16 +830,18 @@ def make_fast(model: Dsv4Model, packed_kv: bool = True, fp8_decode: bool | None 
     dtype = model.embed.weight.dtype
     if fp8_decode is None:
         fp8_decode = device.type == "cuda"
-    # the attention's FP8 linears as stored, by linear; what share_inputs does not keep goes with this function
+    # the attention's and the shared experts' FP8 linears as stored, by linear; what share_inputs and prepare do
+    # not keep goes with this function
     stored = {m: Fp8Copy(m.weight.detach(), m.scale.detach(), m.block) for block in model.layers
-              for m in block.attn.modules() if isinstance(m, Linear) and m.fmt == "fp8"} if fp8_decode else {}
+              for part in (block.attn, block.ffn.shared_experts) for m in part.modules()
+              if isinstance(m, Linear) and m.fmt == "fp8"} if fp8_decode else {}
     for m in model.modules():
         if isinstance(m, Linear) and m.fmt == "fp8":
             _dequantize_in_place(m, torch.float32 if m.fp32 else dtype)
         if isinstance(m, Linear) and m.fp32 and m.fmt == "dense":
             m.__class__ = FastLinear
     for block in model.layers:
-        block.ffn.prepare()
+        block.ffn.prepare(stored)
         block.attn.share_inputs(stored)
     _attach_engram_prefetch(model)
     model.set_quant_sim(packed_kv, activations=False)

@@ -267,6 +267,60 @@ def test_gather_slots_are_the_fused_ops_terms(N, bf16):
         M.moe_gather_slots(x, M.activation_planes(x).bfloat16(), *args)
 
 
+@pytest.mark.parametrize("K, block, bk", [(64, (32, 32), 64), (256, (32, 32), 128), (256, (128, 128), 128),
+                                          (256, (64, 128), 256)])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_gather_slots_read_the_shared_expert_as_stored(K, block, bk, bf16):
+    """moe_gather_slots with the shared expert's FP8 rows (`fp8_rows`: codes and a scale per row and 32 elements)
+    gives the shared slot of the dense rows they hold, and leaves the routed slots as they were, bit for bit; at
+    K steps that divide the rows (256) the scales come as words and the K masks go (the EVEN path). Each weight
+    block carries its own power of two (2^-3 .. 2^3), so a row or group read with another block's scale is off
+    by a factor of 2 or more."""
+    E, k, N = 4, 2, 1
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    g = torch.Generator().manual_seed(K + block[0] + bk)
+
+    def blocked(rows, cols):  # an FP8 linear whose blocks span 2^-3 .. 2^3
+        spread = 2.0 ** torch.randint(-3, 4, (rows // block[0], 1, cols // block[1], 1), generator=g)
+        w = torch.randn(rows // block[0], block[0], cols // block[1], block[1], generator=g) * spread
+        return quantize_fp8(w.view(rows, cols) / cols**0.5, block)
+
+    w13, s13, w2, s2, _, _ = rand_experts(E, K, K, 31)
+    (q13, e13), (q2, e2) = blocked(2 * K, K), blocked(K, K)
+    sh13, sh2 = (dequantize_fp8(q, e, block).to(dtype) for q, e in ((q13, e13), (q2, e2)))
+    rows13, rows2 = M.fp8_rows(q13, e13, block), M.fp8_rows(q2, e2, block)
+    for (codes, exps), dense in ((rows13, sh13), (rows2, sh2)):  # the same values, a scale per row and group
+        per_row = 2.0 ** (exps.float() - 127).repeat_interleave(32, dim=1)
+        assert torch.equal(codes.view(torch.float8_e4m3fn).float() * per_row, dense.float())
+    x = (torch.randn(N, K, generator=g) * 4).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    weights = torch.rand(N, k, generator=g) + 0.1
+    args = (ids, weights, w13, s13.view(torch.uint8), w2, s2.view(torch.uint8))
+    dense = M._gather(x, M.activation_planes(x), *args, sh13, sh2, 1.0, True, {**M._cfg(x, N, "gather"), "BK": bk})
+    stored = M._gather(x, M.activation_planes(x), *args, sh13, sh2, 1.0, True, {**M._cfg(x, N, "gather"), "BK": bk},
+                       (*rows13, *rows2))
+    assert M._even_k(K, bk, rows13[1]) == (K == 256)
+    assert torch.equal(stored[:, :k], dense[:, :k])
+    check_close(stored[:, k], M.moe_slots_twin(x, *args, 1.0, sh13, sh2)[:, k], dtype)
+    if bk == 64:  # the op, at its own tiles
+        op = M.moe_gather_slots(x, M.activation_planes(x), *args, sh13, sh2, 1.0, *rows13, *rows2)
+        assert torch.equal(op, stored)
+
+
+def test_gather_slots_refuse_partial_or_misshapen_fp8_rows():
+    E, k, D, I = 4, 2, 64, 64
+    w13, s13, w2, s2, sh13, sh2 = rand_experts(E, D, I, 5)
+    x = torch.randn(1, D)
+    args = (x, M.activation_planes(x), torch.tensor([[0, 1]]), torch.ones(1, k), w13, s13, w2, s2, sh13, sh2, 1.0)
+    (q13, e13), (q2, e2) = (M.fp8_rows(*quantize_fp8(w, (32, 32)), (32, 32)) for w in (sh13, sh2))
+    with pytest.raises(ValueError, match="all four"):
+        M.moe_gather_slots(*args, q13, e13, q2)
+    with pytest.raises(ValueError, match="shapes"):
+        M.moe_gather_slots(*args, q13, e13, q2, e2[:, :1])
+    with pytest.raises(ValueError, match="bk % 32"):
+        M.fp8_rows(*quantize_fp8(sh2, (32, 16)), (32, 16))
+
+
 def test_tile_table():
     """Tiles cover each expert's sorted rows exactly once, never straddle experts; padding tiles are -1."""
     g = torch.Generator().manual_seed(0)
@@ -364,6 +418,28 @@ def test_gpu_gather_slots_sum_to_the_fused_op(N):
     args = (ids, wts, w13, s13, w2, s2, sh13, sh2, 10.0)
     slots = M.moe_gather_slots(x, M.activation_planes(x), *args)
     assert torch.equal(slots.sum(dim=1), M.moe_mxfp4_with_shared(x, *args, "gather"))
+
+
+@gpu
+@needs_cuda
+def test_gpu_gather_slots_read_the_shared_expert_as_stored():
+    """The batch-1 decode step's form at V4.1 shapes with the shared expert's FP8 rows (V4.1's 32 x 32 blocks): the
+    routed slots bit for bit those of the dense run, the shared slot the twin's on the same values (bf16 tolerance
+    as in test_gpu_v41_shapes)."""
+    x, ids, wts, w13, s13, w2, s2, _, _ = _v41_inputs(1, seed=4)
+    g = torch.Generator().manual_seed(4)
+    D, I = V41["D"], V41["I"]
+    stored = [quantize_fp8(torch.randn(rows, cols, generator=g) / cols**0.5, (32, 32)) for rows, cols in
+              ((2 * I, D), (D, I))]
+    sh13, sh2 = (dequantize_fp8(q, e, (32, 32)).bfloat16().cuda() for q, e in stored)
+    rows = [t.cuda() for q, e in stored for t in M.fp8_rows(q, e, (32, 32))]
+    args = (ids, wts, w13, s13, w2, s2, sh13, sh2, 10.0)
+    dense = M.moe_gather_slots(x, M.activation_planes(x), *args)
+    fp8 = M.moe_gather_slots(x, M.activation_planes(x), *args, *rows)
+    assert torch.equal(fp8[:, :-1], dense[:, :-1])
+    ref = M.moe_slots_twin(x, ids, wts, w13, s13, w2, s2, 10.0, sh13, sh2)[:, -1]
+    err = (fp8[:, -1] - ref).abs() / ref.abs().max()
+    assert err.max().item() <= 2**-7 and err.median().item() <= 1e-4
 
 
 @gpu

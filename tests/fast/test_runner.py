@@ -22,6 +22,7 @@ from torch._dynamo.utils import counters
 from dsv4.engine.llm import LLM
 from dsv4.engine.request import SamplingParams
 from dsv4.fast import engram_prefetch
+from dsv4.fast import model as model_module
 from dsv4.fast.engram_prefetch import HostEngramEmbedding, keep_engram_on_host
 from dsv4.fast.model import FastIndexer, FastLinear, Fp8Copy, compile_options, make_fast
 from dsv4.fast.runner import OutOfSlots, Runner, write_padded
@@ -620,6 +621,38 @@ def test_a_batch_1_decode_reads_the_attention_weights_as_stored(arch_dir, monkey
     rows.clear()
     runner.decode(slots, tokens)
     assert rows == []
+
+
+def test_a_batch_1_decode_reads_the_shared_experts_as_stored(arch_dir, monkeypatch):
+    """make_fast(fp8_decode=True) also keeps each MoE's shared expert as stored, its scales laid out a row and 32
+    elements (`fp8_rows`), holding the bf16 copy's values; w1 and w3 view that copy (no second one). A decode step
+    of one sequence hands them to the gather op; a batch of two takes the other path, which reads the bf16 copy."""
+    ref, fast = models(arch_dir, packed=False, fp8_decode=True)
+    for block in fast.layers:
+        pairs = block.ffn.fp8_pairs()
+        assert [tuple(w.shape) for w, _ in pairs] == [tuple(block.ffn.stacked[n].shape) for n in ("shared13", "shared2")]
+        for weight, stored in pairs:
+            assert stored.weight.dtype == torch.float8_e4m3fn and stored.block == (1, 32)
+            per_row = 2.0 ** (stored.scale.view(torch.uint8).float() - 127).repeat_interleave(32, dim=1)
+            assert torch.equal(stored.weight.float() * per_row, weight.float())
+        sh, stacked = block.ffn.shared_experts, block.ffn.stacked["shared13"]
+        assert sh.w1.weight.data_ptr() == stacked.data_ptr() and sh.w3.weight.data_ptr() > stacked.data_ptr()
+    assert all(block.ffn.fp8_pairs() == [] for block in models(arch_dir, packed=False)[1].layers)
+
+    passed = []
+    gather = model_module.moe_gather_slots
+    monkeypatch.setattr(model_module, "moe_gather_slots", lambda *a: passed.append(len(a) - 11) or gather(*a))
+    runner = Runner(fast, max_seqs=2, max_len=96, compile=False)
+    slots, seqs = [runner.allocate() for _ in range(2)], [ReferenceSequence(ref) for _ in range(2)]
+    tokens = torch.stack([(runner.prefill(s, prompt(30 + i, i)), seq.run(prompt(30 + i, i)))[1].argmax()
+                          for i, (s, seq) in enumerate(zip(slots, seqs))])
+    passed.clear()  # a prefill's last chunk of one token may decode through the gather op too
+    got, want = runner.decode(slots[:1], tokens[:1])[0], seqs[0].run([int(tokens[0])])
+    assert_close(got, want, EXACT)
+    assert passed == [4] * len(fast.layers)  # the codes and exponents of shared13 and of shared2
+    passed.clear()
+    runner.decode(slots, tokens)
+    assert passed == []
 
 
 @pytest.mark.gpu

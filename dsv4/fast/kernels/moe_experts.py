@@ -84,12 +84,14 @@ import torch.nn.functional as F
 
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.attention import _to_bf16
+from dsv4.fast.kernels.fp8_gemv import _dot4
 from dsv4.fast.kernels.quant import _e2m1_values
 from dsv4.quant import dequantize_mxfp4
 
 __all__ = [
     "GATHER_MAX_N",
     "activation_planes",
+    "fp8_rows",
     "moe_experts_mxfp4",
     "moe_experts_twin",
     "moe_gather_slots",
@@ -357,11 +359,23 @@ def _sum_eights(p):
 
 
 @triton.jit
+def _code_dot(w, a0, a1, a2, a3, a4, a5, a6, a7, FP8: tl.constexpr, INTERP: tl.constexpr):
+    """Eight codes and the eight activations they meet -> their exact products summed in K order, fp32: packed
+    FP4 (w an int32 word; the sum over _WORD_DOT_UNIT) or FP8 e4m3 (w an int64, lowest byte first)."""
+    if FP8:
+        lo = _dot4(tl.zeros(w.shape, tl.float32), w.to(tl.int32), a0, a1, a2, a3, INTERP)
+        return _dot4(lo, (w >> 32).to(tl.int32), a4, a5, a6, a7, INTERP)
+    else:
+        return _word_dot(w, a0, a1, a2, a3, a4, a5, a6, a7, INTERP)
+
+
+@triton.jit
 def _gemv_words(acc, w_ptr, s_ptr, rows64, rmask, row_words, row_scales, planes, k0, NW: tl.constexpr,
-                INTERP: tl.constexpr, EVEN: tl.constexpr):
-    """acc [R, NW/4] + packed FP4 rows `rows64` (int32 words, eight codes each) . activations k0 .. k0 + 8 NW - 1
-    (`planes`: see `activation_planes`), per 32-element scale group: the four words' exact products summed
-    unscaled, then scaled. The caller sums over the groups once, after its K loop (a sum per step crossed threads
+                INTERP: tl.constexpr, EVEN: tl.constexpr, FP8: tl.constexpr):
+    """acc [R, NW/4] + rows `rows64` of eight-code words . activations k0 .. k0 + 8 NW - 1 (`planes`: see
+    `activation_planes`), per 32-element scale group: the four words' exact products summed unscaled, then scaled.
+    The words are packed FP4 (int32, `_word_dot`'s units) or FP8 e4m3 with a scale per row and 32 elements (int64,
+    `fp8_rows`): either way a row is K / 8 words and word c meets column c of the eight planes. The caller sums over the groups once, after its K loop (a sum per step crossed threads
     every step: on the H200 the routed down GEMV took 36.0 us with it, 28.0 without). EVEN: the step lies in the
     row (no K masks) and the scales come as words (`_group_exponents`); rows then start on multiples of 16 words
     (K % 128 == 0), said to the compiler: it knew K // 8 only as even, so it copied 8 bytes at a time and split
@@ -376,10 +390,11 @@ def _gemv_words(acc, w_ptr, s_ptr, rows64, rmask, row_words, row_scales, planes,
         w = tl.load(w_ptr + rows64[:, None] * row_words + c[None, :], mask=rmask[:, None] & (c < row_words)[None, :],
                     other=0)
     n = row_words
-    p = _word_dot(w, _activation_plane(planes, 0, n, c, R, EVEN), _activation_plane(planes, 1, n, c, R, EVEN),
+    p = _code_dot(w, _activation_plane(planes, 0, n, c, R, EVEN), _activation_plane(planes, 1, n, c, R, EVEN),
                   _activation_plane(planes, 2, n, c, R, EVEN), _activation_plane(planes, 3, n, c, R, EVEN),
                   _activation_plane(planes, 4, n, c, R, EVEN), _activation_plane(planes, 5, n, c, R, EVEN),
-                  _activation_plane(planes, 6, n, c, R, EVEN), _activation_plane(planes, 7, n, c, R, EVEN), INTERP)
+                  _activation_plane(planes, 6, n, c, R, EVEN), _activation_plane(planes, 7, n, c, R, EVEN), FP8,
+                  INTERP)
     part = tl.sum(tl.reshape(p, (R, NW // 4, 4)), axis=2)  # [R, NW/4]: a scale group is four words
     e = _group_exponents(s_ptr, rows64, rmask, row_scales, k0, NW // 4, EVEN)
     return acc + part * (e << 23).to(tl.float32, bitcast=True)
@@ -412,15 +427,35 @@ def _slot_expert(ids_ptr, t, slot, K, E):
 
 
 @triton.jit
+def _up_sums(w_ptr, s_ptr, rows_g, rows_u, imask, D, planes, BK: tl.constexpr, STAGES: tl.constexpr,
+             INTERP: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr):
+    """x . w1 rows and x . w3 rows ([BI] fp32 each) of eight-code words (`_gemv_words`), x as its planes."""
+    BI: tl.constexpr = rows_g.shape[0]
+    part_g = tl.zeros((BI, BK // 32), dtype=tl.float32)
+    part_u = tl.zeros((BI, BK // 32), dtype=tl.float32)
+    # software-pipelined: the next steps' weights are in flight while this one is decoded (a plain loop issued
+    # each step's loads after the last step's math; on the H200, with the word decode, the routed up GEMV alone
+    # 50.8 -> 38.5 us)
+    for k0 in tl.range(0, D, BK, num_stages=STAGES):
+        part_g = _gemv_words(part_g, w_ptr, s_ptr, rows_g, imask, D // 8, D // 32, planes, k0, BK // 8, INTERP,
+                             EVEN_K, FP8)
+        part_u = _gemv_words(part_u, w_ptr, s_ptr, rows_u, imask, D // 8, D // 32, planes, k0, BK // 8, INTERP,
+                             EVEN_K, FP8)
+    unit = 1.0 if FP8 else _WORD_DOT_UNIT
+    return tl.sum(part_g, axis=1) * unit, tl.sum(part_u, axis=1) * unit
+
+
+@triton.jit
 def _gather_up_kernel(
-    x_ptr, xp_ptr, ids_ptr, wts_ptr, w13_ptr, s13_ptr, sh13_ptr, hp_ptr,
+    x_ptr, xp_ptr, ids_ptr, wts_ptr, w13_ptr, s13_ptr, sh13_ptr, shq13_ptr, she13_ptr, hp_ptr,
     D, I, S, K, E, limit,
     BI: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr,
-    SHARED: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
+    SHARED: tl.constexpr, SH_FP8: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """Program (t, slot, i tile): h[t, slot, i] = swiglu(x[t] . w1[e, i], x[t] . w3[e, i]) * weight, rounded,
     written as activation planes (`activation_planes`) for the down kernel. x [N, D] as given (the shared
-    expert's dense rows read it) and as planes xp [N, 8, D/8]; w13 as int32 words."""
+    expert's dense rows read it) and as planes xp [N, 8, D/8]; w13 as int32 words; SH_FP8: the shared expert's
+    rows as FP8 words (shq13, int64) and their scales (she13, `fp8_rows`), not its dense rows."""
     wait_for_predecessor(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1)
@@ -431,21 +466,14 @@ def _gather_up_kernel(
     acc_g = tl.zeros((BI,), dtype=tl.float32)
     acc_u = tl.zeros((BI,), dtype=tl.float32)
     x_row = x_ptr + t * D
+    planes = xp_ptr + t * D
     if e < E:
         rows_g = e * 2 * I + i.to(tl.int64)
-        part_g = tl.zeros((BI, BK // 32), dtype=tl.float32)
-        part_u = tl.zeros((BI, BK // 32), dtype=tl.float32)
-        planes = xp_ptr + t * D
-        # software-pipelined: the next steps' weights are in flight while this one is decoded (a plain loop
-        # issued each step's loads after the last step's math; on the H200, with the word decode, the routed up
-        # GEMV alone 50.8 -> 38.5 us)
-        for k0 in tl.range(0, D, BK, num_stages=STAGES):
-            part_g = _gemv_words(part_g, w13_ptr, s13_ptr, rows_g, imask, D // 8, D // 32, planes, k0, BK // 8,
-                                 INTERP, EVEN_K)
-            part_u = _gemv_words(part_u, w13_ptr, s13_ptr, rows_g + I, imask, D // 8, D // 32, planes, k0, BK // 8,
-                                 INTERP, EVEN_K)
-        acc_g = tl.sum(part_g, axis=1) * _WORD_DOT_UNIT
-        acc_u = tl.sum(part_u, axis=1) * _WORD_DOT_UNIT
+        acc_g, acc_u = _up_sums(w13_ptr, s13_ptr, rows_g, rows_g + I, imask, D, planes, BK, STAGES, INTERP, EVEN_K,
+                                False)
+    elif SHARED and SH_FP8:
+        acc_g, acc_u = _up_sums(shq13_ptr, she13_ptr, i.to(tl.int64), i.to(tl.int64) + I, imask, D, planes, BK,
+                                STAGES, INTERP, EVEN_K, True)
     elif SHARED:  # the shared expert, dense (see SHARED in moe_triton)
         i64 = i.to(tl.int64)
         sh_g = tl.zeros((BI, BK // 8), dtype=tl.float32)
@@ -466,14 +494,25 @@ def _gather_up_kernel(
 
 
 @triton.jit
+def _down_sum(w_ptr, s_ptr, rows, dmask, I, planes, BK: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr,
+              EVEN_K: tl.constexpr, FP8: tl.constexpr):
+    """h . w2 rows ([BD] fp32) of eight-code words (`_gemv_words`), h as its planes."""
+    part = tl.zeros((rows.shape[0], BK // 32), dtype=tl.float32)
+    for k0 in tl.range(0, I, BK, num_stages=STAGES):
+        part = _gemv_words(part, w_ptr, s_ptr, rows, dmask, I // 8, I // 32, planes, k0, BK // 8, INTERP, EVEN_K,
+                           FP8)
+    return tl.sum(part, axis=1) * (1.0 if FP8 else _WORD_DOT_UNIT)
+
+
+@triton.jit
 def _gather_down_kernel(
-    hp_ptr, ids_ptr, w2_ptr, s2_ptr, sh2_ptr, out_ptr,
+    hp_ptr, ids_ptr, w2_ptr, s2_ptr, sh2_ptr, shq2_ptr, she2_ptr, out_ptr,
     D, I, S, K, E,
     BD: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr,
-    SHARED: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
+    SHARED: tl.constexpr, SH_FP8: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """Program (t, d tile, slot): out[t, slot, d] = round(h[t, slot] . w2[e, d]) (the caller sums the slots);
-    h as the up kernel's planes, w2 as int32 words."""
+    h as the up kernel's planes, w2 as int32 words; SH_FP8 as in the up kernel (shq2, she2)."""
     wait_for_predecessor(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -484,11 +523,9 @@ def _gather_down_kernel(
     planes = hp_ptr + (t * S + slot) * I
     acc = tl.zeros((BD,), dtype=tl.float32)
     if e < E:
-        rows = e * D + d64
-        part = tl.zeros((BD, BK // 32), dtype=tl.float32)
-        for k0 in tl.range(0, I, BK, num_stages=STAGES):
-            part = _gemv_words(part, w2_ptr, s2_ptr, rows, dmask, I // 8, I // 32, planes, k0, BK // 8, INTERP, EVEN_K)
-        acc = tl.sum(part, axis=1) * _WORD_DOT_UNIT
+        acc = _down_sum(w2_ptr, s2_ptr, e * D + d64, dmask, I, planes, BK, STAGES, INTERP, EVEN_K, False)
+    elif SHARED and SH_FP8:
+        acc = _down_sum(shq2_ptr, she2_ptr, d64, dmask, I, planes, BK, STAGES, INTERP, EVEN_K, True)
     elif SHARED:
         sh_part = tl.zeros((BD, BK // 8), dtype=tl.float32)
         for k0 in tl.range(0, I, BK, num_stages=STAGES):
@@ -658,6 +695,34 @@ def _check(x, ids, weights, w13, s13, w2, s2, shared13, shared2):
     return N, D, E, I
 
 
+def fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block-scaled FP8 weight (e4m3 [N, K], e8m0 scales [ceil(N / bn), ceil(K / bk)]) -> (its codes [N, K]
+    uint8, each row's scale exponents a 32-element group [N, K / 32] uint8): the MXFP4 experts' scale layout, so
+    the gather kernels read it the way they read theirs. Exact: every 32-element group lies in one scale block."""
+    (N, K), (bn, bk) = weight.shape, block
+    if weight.dtype != torch.float8_e4m3fn or K % 32 or bk % 32:
+        raise ValueError(f"fp8_rows: needs an e4m3 weight of K % 32 == 0 in blocks of bk % 32 == 0, got {weight.dtype} "
+                         f"{tuple(weight.shape)} in {tuple(block)} blocks")
+    exps = _u8(scale).repeat_interleave(bn, dim=0)[:N].repeat_interleave(bk // 32, dim=1)[:, : K // 32]
+    return _u8(weight).contiguous(), exps.contiguous()
+
+
+def _check_fp8_rows(tensors, shared13, shared2) -> tuple | None:
+    """moe_gather_slots' shared expert as stored (`fp8_rows` of shared13's and shared2's rows): all four or none,
+    in those shapes, byte-sized."""
+    if all(t is None for t in tensors):
+        return None
+    if any(t is None for t in tensors):
+        raise ValueError("moe_gather_slots: the shared expert's FP8 rows come as all four of codes and exponents of "
+                         "shared13 and shared2, or none")
+    want = [shape for w in (shared13, shared2) for shape in (tuple(w.shape), (w.shape[0], w.shape[1] // 32))]
+    got = [tuple(t.shape) for t in tensors]
+    if got != want or any(t.element_size() != 1 for t in tensors):
+        raise ValueError(f"moe_gather_slots: the shared expert's FP8 rows must be byte tensors of shapes {want} "
+                         f"(fp8_rows), got {got}, {[t.dtype for t in tensors]}")
+    return tensors
+
+
 def _u8(t):
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
@@ -752,23 +817,29 @@ def _even_k(K: int, BK: int, scales: torch.Tensor) -> bool:
     return K % BK == 0 and BK % 128 == 0 and scales.data_ptr() % 4 == 0
 
 
-def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, has_shared: bool, c: dict):
+def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, has_shared: bool, c: dict,
+            shared_fp8: tuple | None = None):
     """The gather path's kernels on prepared operands (x contiguous, planes = activation_planes(x), expert bytes
-    uint8): each slot's output [N, S, D] fp32. The router's ids and weights go in as they are."""
+    uint8): each slot's output [N, S, D] fp32. The router's ids and weights go in as they are. `shared_fp8`: the
+    shared expert's rows as `fp8_rows` gives them (codes and exponents of w1 / w3, then of w2), read in place of
+    sh13 / sh2."""
     (N, D), (E, I2, _) = x.shape, w13.shape
     I, S = I2 // 2, ids.shape[1] + has_shared
     ids_r, wts_r = ids.contiguous(), weights.float().contiguous()
     hp = torch.empty(N, S, I, dtype=torch.float32, device=x.device)  # h as planes, rounded to x's dtype
     is_bf16 = x.dtype == torch.bfloat16
+    q13, e13, q2, e2 = shared_fp8 or (w13, s13, w2, s2)  # the routed bytes stand in where the branch is compiled out
+    words = lambda q: q.view(torch.int64 if shared_fp8 else torch.int32)
+    even = lambda K, *scales: all(_even_k(K, c["BK"], t) for t in scales)
+    kw = {"BK": c["BK"], "STAGES": c["gather_stages"], "IS_BF16": is_bf16, "INTERP": _INTERP, "SHARED": has_shared,
+          "SH_FP8": shared_fp8 is not None, "PDL": pdl(x), "num_warps": c["gather_warps"], "launch_pdl": pdl(x)}
     _gather_up_kernel[(N, S, triton.cdiv(I, c["BI"]))](
-        x, planes, ids_r, wts_r, w13.view(torch.int32), s13, sh13, hp, D, I, S, ids.shape[1], E, limit,
-        BI=c["BI"], BK=c["BK"], STAGES=c["gather_stages"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared,
-        PDL=pdl(x), EVEN_K=_even_k(D, c["BK"], s13), num_warps=c["gather_warps"], launch_pdl=pdl(x))
+        x, planes, ids_r, wts_r, w13.view(torch.int32), s13, sh13, words(q13), e13, hp, D, I, S, ids.shape[1], E,
+        limit, BI=c["BI"], EVEN_K=even(D, s13, e13), **kw)
     out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
     _gather_down_kernel[(N, triton.cdiv(D, c["BD"]), S)](
-        hp, ids_r, w2.view(torch.int32), s2, sh2, out, D, I, S, ids.shape[1], E,
-        BD=c["BD"], BK=c["BK"], STAGES=c["gather_stages"], IS_BF16=is_bf16, INTERP=_INTERP, SHARED=has_shared,
-        PDL=pdl(x), EVEN_K=_even_k(I, c["BK"], s2), num_warps=c["gather_warps"], launch_pdl=pdl(x))
+        hp, ids_r, w2.view(torch.int32), s2, sh2, words(q2), e2, out, D, I, S, ids.shape[1], E, BD=c["BD"],
+        EVEN_K=even(I, s2, e2), **kw)
     return out
 
 
@@ -862,25 +933,33 @@ def moe_gather_slots(
     x: torch.Tensor, planes: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
     shared13: torch.Tensor, shared2: torch.Tensor, limit: float,
+    shared13_fp8: torch.Tensor | None = None, shared13_exp: torch.Tensor | None = None,
+    shared2_fp8: torch.Tensor | None = None, shared2_exp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gather path of moe_mxfp4_with_shared for a token or two (decode): x [N, D] and its activation planes
     (`activation_planes(x)`) -> each slot's output [N, k + 1, D] fp32, the routed experts in the router's order
     (weighted), then the shared expert; the op's y is their sum over slots. A compiled caller that makes the
     planes and sums the slots fuses both into its own kernels, where the op spends a copy and a reduction launch
-    on them."""
+    on them. shared13_fp8 .. shared2_exp, all or none: the shared expert's weights as stored, per row (`fp8_rows`
+    of the rows of shared13 and of shared2: the same values), which the kernels then read instead, in half the
+    bytes."""
     N, D, _, _ = _check(x, ids, weights, w13, s13, w2, s2, shared13, shared2)
     if tuple(planes.shape) != (N, 8, D // 8) or planes.dtype != torch.float32:
         raise ValueError(f"moe_gather_slots: planes must be [{N}, 8, {D // 8}] float32 (activation_planes(x)), got "
                          f"{tuple(planes.shape)} {planes.dtype}")
+    shared_fp8 = _check_fp8_rows((shared13_fp8, shared13_exp, shared2_fp8, shared2_exp), shared13, shared2)
     if not use_triton(x):
         return moe_slots_twin(x, ids, weights, _u8(w13), _u8(s13), _u8(w2), _u8(s2), limit, shared13, shared2)
     if N == 0:
         return x.new_zeros((0, ids.shape[1] + 1, D), dtype=torch.float32)
     x, w13, s13, w2, s2, sh13, sh2 = _operands(x, w13, s13, w2, s2, shared13, shared2)
+    if shared_fp8 is not None:
+        shared_fp8 = tuple(_u8(t).contiguous() for t in shared_fp8)
     return _gather(x, planes.contiguous(), ids, weights, w13, s13, w2, s2, sh13, sh2, float(limit), True,
-                   _cfg(x, N, "gather"))
+                   _cfg(x, N, "gather"), shared_fp8)
 
 
 @moe_gather_slots.register_fake
-def _(x, planes, ids, weights, w13, s13, w2, s2, shared13, shared2, limit):
+def _(x, planes, ids, weights, w13, s13, w2, s2, shared13, shared2, limit, shared13_fp8=None, shared13_exp=None,
+      shared2_fp8=None, shared2_exp=None):
     return x.new_empty((x.shape[0], ids.shape[1] + 1, x.shape[1]), dtype=torch.float32)
