@@ -135,6 +135,9 @@ GATHER_SWEEP = [{"BI": BI, "BD": BD, "BK": BK}
                 for BI, BD, BK in [(4, 16, 512), (8, 8, 256), (4, 4, 512), (16, 16, 256), (8, 16, 256), (32, 16, 256),
                                    (16, 32, 256)]]
 GATHER_SWEEP += [{"BI": 16, "BD": 16, "BK": 256, "gather_stages": 3}, {"BI": 16, "BD": 16, "BK": 256, "gather_warps": 4}]
+# more bytes in flight a program (session 41): at one token the up grid is 7 x 144 programs, under one wave, so only a
+# deeper pipeline or a longer K step puts more of the expert bytes in flight (all compile without spills, Triton 3.6)
+GATHER_SWEEP += [{"BI": 16, "BD": 16, "BK": 256, "gather_stages": 4}, {"BI": 16, "BD": 16, "BK": 512}]
 # gather_tc: 4 warps ran 1.7x slower than 2 at 8 tokens (session 30); the spills 2 warps seemed to have then were an
 # open-int compile's: as launched (V4.1 widths) 2 / 4 warps take 150 / 138 registers, none spilled
 GATHER_TC_SWEEP = [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w}
@@ -148,11 +151,19 @@ KEY_NAMES = {"BKG": "BK", "warps": "w", "gather_stages": "st", "gather_warps": "
 
 
 def tile_sweep(W, sets, path: str, configs: list[dict], reps: int, device: str) -> dict[str, float]:
-    """Microseconds per call of `path` at each config (a CUDA graph over the sets), keyed like BI16_BD16_BK256."""
+    """Microseconds per call of `path` at each config (a CUDA graph over the sets), keyed like BI16_BD16_BK256; the
+    gather path at one token as the batch-1 decode step runs it (the slots from the planes, the shared expert's FP8
+    rows)."""
     times = {}
     for cfg in configs:
-        calls = [lambda s=s, c=cfg: M.moe_triton(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"], W["s2"],
-                                                 LIMIT, W["sh13"], W["sh2"], path, c) for s in sets]
+        if path == "gather" and sets[0]["x"].shape[0] == 1:
+            calls = [lambda s=s, c=cfg: M._gather(s["x"], s["planes"], s["ids"], s["wts"], W["w13"], W["s13"],
+                                                  W["w2"], W["s2"], W["sh13"], W["sh2"], LIMIT, True,
+                                                  {**M._cfg(s["x"], 1, "gather"), **c},
+                                                  (*W["sh13_rows"], *W["sh2_rows"])) for s in sets]
+        else:
+            calls = [lambda s=s, c=cfg: M.moe_triton(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"],
+                                                     W["s2"], LIMIT, W["sh13"], W["sh2"], path, c) for s in sets]
         times["_".join(f"{KEY_NAMES.get(k, k)}{v}" for k, v in cfg.items())] = time_calls(calls, reps, True, device)
     return times
 
