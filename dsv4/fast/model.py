@@ -805,9 +805,9 @@ def make_fast(model: Dsv4Model, packed_kv: bool = True, fp8_decode: bool | None 
     every module, name and tensor of the checkpoint where the loader put it. Move the model to its
     device first: the re-laid-out weights and RoPE frequencies are made where the weights are.
 
-    `fp8_decode` (default: on CUDA) keeps the attention's and the shared expert's FP8 weights as stored beside their
-    bf16 copies for the batch-1 decode step (`Fp8Copy`): ~0.16 GB a V4.1-Flash layer more. Off the GPU the op runs its twin, which
-    dequantizes every call: correct, not faster."""
+    `fp8_decode` (default: on CUDA) keeps the attention's and the shared expert's FP8 weights as stored beside
+    their bf16 copies for the batch-1 decode step (`Fp8Copy`): ~0.16 GB a V4.1-Flash layer more. Off the GPU the ops
+    run their twins, which read the bf16 copies (fp8_gemv's dequantizes every call): correct, not faster."""
     if isinstance(model, FastModel):  # already converted: its weights are laid out; only the KV formats change
         _attach_engram_prefetch(model)
         model.set_quant_sim(packed_kv, activations=False)

@@ -630,7 +630,7 @@ def test_a_batch_1_decode_reads_the_shared_experts_as_stored(arch_dir, monkeypat
     ref, fast = models(arch_dir, packed=False, fp8_decode=True)
     for block in fast.layers:
         pairs = block.ffn.fp8_pairs()
-        assert [tuple(w.shape) for w, _ in pairs] == [tuple(block.ffn.stacked[n].shape) for n in ("shared13", "shared2")]
+        assert [w.shape for w, _ in pairs] == [block.ffn.stacked[n].shape for n in ("shared13", "shared2")]
         for weight, stored in pairs:
             assert stored.weight.dtype == torch.float8_e4m3fn and stored.block == (1, 32)
             per_row = 2.0 ** (stored.scale.view(torch.uint8).float() - 127).repeat_interleave(32, dim=1)

@@ -375,8 +375,9 @@ def _gemv_words(acc, w_ptr, s_ptr, rows64, rmask, row_words, row_scales, planes,
     """acc [R, NW/4] + rows `rows64` of eight-code words . activations k0 .. k0 + 8 NW - 1 (`planes`: see
     `activation_planes`), per 32-element scale group: the four words' exact products summed unscaled, then scaled.
     The words are packed FP4 (int32, `_word_dot`'s units) or FP8 e4m3 with a scale per row and 32 elements (int64,
-    `fp8_rows`): either way a row is K / 8 words and word c meets column c of the eight planes. The caller sums over the groups once, after its K loop (a sum per step crossed threads
-    every step: on the H200 the routed down GEMV took 36.0 us with it, 28.0 without). EVEN: the step lies in the
+    `fp8_rows`): either way a row is K / 8 words and word c meets column c of the eight planes. The caller sums
+    over the groups once, after its K loop (a sum per step crossed threads every step: on the H200 the routed down
+    GEMV took 36.0 us with it, 28.0 without). EVEN: the step lies in the
     row (no K masks) and the scales come as words (`_group_exponents`); rows then start on multiples of 16 words
     (K % 128 == 0), said to the compiler: it knew K // 8 only as even, so it copied 8 bytes at a time and split
     each scale group's four words over two threads (a shuffle a group); told, 16-byte copies and a group a thread
