@@ -290,8 +290,8 @@ def test_gather_slots_read_the_shared_expert_as_stored(K, block, bk, bf16):
     sh13, sh2 = (dequantize_fp8(q, e, block).to(dtype) for q, e in ((q13, e13), (q2, e2)))
     rows13, rows2 = M.fp8_rows(q13, e13, block), M.fp8_rows(q2, e2, block)
     for (codes, exps), dense in ((rows13, sh13), (rows2, sh2)):  # the same values, a scale per row and group
-        per_row = 2.0 ** (exps.float() - 127).repeat_interleave(32, dim=1)
-        assert torch.equal(codes.view(torch.float8_e4m3fn).float() * per_row, dense.float())
+        values = dequantize_fp8(codes.view(torch.float8_e4m3fn), exps.view(torch.float8_e8m0fnu), (32,))
+        assert torch.equal(values, dense.float())
     x = (torch.randn(N, K, generator=g) * 4).to(dtype)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
     weights = torch.rand(N, k, generator=g) + 0.1

@@ -587,6 +587,15 @@ def test_the_attention_linears_reading_one_input_run_as_one_gemm_per_output_dtyp
     assert {"compressor.wgate", "indexer.weights_proj", "indexer.wq_b"} <= grouped
 
 
+def prefill_two(runner: Runner, ref) -> tuple[list[int], list[ReferenceSequence], torch.Tensor]:
+    """Two sequences' prompts through the runner and the reference: their slots, the reference sequences and the
+    reference's greedy next tokens [2]."""
+    slots, seqs = [runner.allocate() for _ in range(2)], [ReferenceSequence(ref) for _ in range(2)]
+    tokens = torch.stack([(runner.prefill(s, prompt(30 + i, i)), seq.run(prompt(30 + i, i)))[1].argmax()
+                          for i, (s, seq) in enumerate(zip(slots, seqs))])
+    return slots, seqs, tokens
+
+
 def fp8_copies(fast) -> list[tuple[torch.Tensor, Fp8Copy]]:
     """(bf16 copy, FP8 copy of the same rows) of every attention weight a batch-1 decode step reads as FP8."""
     return [pair for block in fast.layers for pair in block.attn.fp8_pairs()]
@@ -608,9 +617,7 @@ def test_a_batch_1_decode_reads_the_attention_weights_as_stored(arch_dir, monkey
     monkeypatch.setattr(Fp8Copy, "__call__", lambda self, x, *a, _call=Fp8Copy.__call__, **k: rows.append(x.shape[0])
                         or _call(self, x, *a, **k))
     runner = Runner(fast, max_seqs=2, max_len=96, compile=False)
-    slots, seqs = [runner.allocate() for _ in range(2)], [ReferenceSequence(ref) for _ in range(2)]
-    tokens = torch.stack([(runner.prefill(s, prompt(30 + i, i)), seq.run(prompt(30 + i, i)))[1].argmax()
-                          for i, (s, seq) in enumerate(zip(slots, seqs))])
+    slots, seqs, tokens = prefill_two(runner, ref)
     assert rows == []  # the prefill reads the bf16 copies
     for _ in range(3):
         got, want = runner.decode(slots[:1], tokens[:1])[0], seqs[0].run([int(tokens[0])])
@@ -633,8 +640,7 @@ def test_a_batch_1_decode_reads_the_shared_experts_as_stored(arch_dir, monkeypat
         assert [w.shape for w, _ in pairs] == [block.ffn.stacked[n].shape for n in ("shared13", "shared2")]
         for weight, stored in pairs:
             assert stored.weight.dtype == torch.float8_e4m3fn and stored.block == (1, 32)
-            per_row = 2.0 ** (stored.scale.view(torch.uint8).float() - 127).repeat_interleave(32, dim=1)
-            assert torch.equal(stored.weight.float() * per_row, weight.float())
+            assert torch.equal(dequantize_fp8(stored.weight, stored.scale, stored.block).to(weight.dtype), weight)
         sh, stacked = block.ffn.shared_experts, block.ffn.stacked["shared13"]
         assert sh.w1.weight.data_ptr() == stacked.data_ptr() and sh.w3.weight.data_ptr() > stacked.data_ptr()
     assert all(block.ffn.fp8_pairs() == [] for block in models(arch_dir, packed=False)[1].layers)
@@ -643,9 +649,7 @@ def test_a_batch_1_decode_reads_the_shared_experts_as_stored(arch_dir, monkeypat
     gather = model_module.moe_gather_slots
     monkeypatch.setattr(model_module, "moe_gather_slots", lambda *a: passed.append(len(a) - 11) or gather(*a))
     runner = Runner(fast, max_seqs=2, max_len=96, compile=False)
-    slots, seqs = [runner.allocate() for _ in range(2)], [ReferenceSequence(ref) for _ in range(2)]
-    tokens = torch.stack([(runner.prefill(s, prompt(30 + i, i)), seq.run(prompt(30 + i, i)))[1].argmax()
-                          for i, (s, seq) in enumerate(zip(slots, seqs))])
+    slots, seqs, tokens = prefill_two(runner, ref)
     passed.clear()  # a prefill's last chunk of one token may decode through the gather op too
     got, want = runner.decode(slots[:1], tokens[:1])[0], seqs[0].run([int(tokens[0])])
     assert_close(got, want, EXACT)
