@@ -794,8 +794,11 @@ def _cfg(x, N, path):
     # gather tiles measured on the H200 at V4.1 widths (the whole op, shared expert included, graph), K pipelined
     # two steps deep: for one or two tokens 16 up rows and 16 down rows x 256 K in 2 warps (74.1 / 128.0 us at one
     # / two tokens, against 81.7 / 140.0 for 4 up rows x 512 K and 83.0-89.1 / 141.7-157.1 for the other tiles
-    # tried; the batch-1 step 1.312 -> 1.275 ms), the same in 4 warps above
-    BI, BD, BK, warps = (16, 16, 256, 2 if N <= 2 else 4)
+    # tried; the batch-1 step 1.312 -> 1.275 ms), the same in 4 warps above. Then on the H100 (session 42,
+    # dev/moe_experts-318eddd-h100-s42.json): at one token 512-wide K steps, 64.2 us against 68.5 (its up grid is
+    # under one wave, so only a program's bytes in flight can grow; at two tokens 142.7 against 135.1), and at 8 and
+    # 16 tokens 32 down rows a program, 467.7 / 903.8 us against 507.0 / 979.8
+    BI, BD, BK, warps = (16, 16 if N <= 2 else 32, 512 if N == 1 else 256, 2 if N <= 2 else 4)
     return {"BI": BI, "BK": BK, "BD": BD, "BM": None, "BN": 64, "BKG": 64, "gather_warps": warps, "gather_stages": 2,
             "warps": 4, "stages": 3}
 
