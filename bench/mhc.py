@@ -82,8 +82,8 @@ def check(s) -> dict:
 
 def decode_pair_forms(s) -> dict:
     """V4.1's attention-site post and FFN-site partial pass at decode sizes (the same fn for both sites): its two
-    kernels (mhc_post_finish, then mhc_pre_partial) and mhc_post_partial's one at 2 (the default), 4 and 8 warps,
-    each a call -> (h', x, the next site's workspace)."""
+    kernels (mhc_post_finish, then mhc_pre_partial) and mhc_post_partial's one at 2, 4 and 8 warps (its default:
+    `post_partial_warps`), each a call -> (h', x, the next site's workspace)."""
     args = (s["f"], s["h"], K.mhc_pre_partial(s["h"], s["fn"], s["pre_prev"])[1], s["scale"], s["base"], s["fn"])
     eps = (1e-20, 1e-6, 20)
 

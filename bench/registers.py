@@ -148,7 +148,7 @@ def mhc_kernels() -> list[Kernel]:
     post_partial = Kernel("mhc_post partial", mhc._post_partial_kernel,
                           {**post_finish.types, "x_ptr": "*bf16"},
                           {"HC": HC, "M": M, "MP": c["MP"], "BD": D // splits, "SB": f["SB"], "ACCURATE": True,
-                           "THREAD_SINKHORN": True, "INTERP": False, "PDL": True}, 2)
+                           "THREAD_SINKHORN": True, "INTERP": False, "PDL": True}, mhc.post_partial_warps(1))
     return [partial, finish, post, post_finish, post_partial]
 
 

@@ -509,6 +509,12 @@ def pre_config(N: int, D: int, hc: int, elt: int, target: int, cfg: dict | None 
 POST_PARTIAL_MAX_N = 4
 
 
+def post_partial_warps(N: int) -> int:
+    """mhc_post_partial's warps: at one token 4 (8.2 us against 8.9 at 2 and 11.5 at 8, V4.1's decode pair on the
+    H100, `bench/mhc.py --sweep`, session 42), at 4 tokens 2 (11.9 against 13.2 at 4)."""
+    return 4 if N == 1 else 2
+
+
 def partial_splits(D: int, elt: int) -> int:
     """The D splits of `mhc_pre_partial`'s workspace: one d step of pre_config's (BD at few tokens) a program, so the
     count depends on D and the element size alone and the op's fake knows its shape."""
@@ -642,7 +648,7 @@ def mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters
 
 
 def mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, cfg: dict | None = None):
-    """The Triton path of mhc_post_partial; `cfg` (num_warps) overrides the launch's warps (2)."""
+    """The Triton path of mhc_post_partial; `cfg` (num_warps) overrides the launch's warps (`post_partial_warps`)."""
     if residual.shape[0] > POST_PARTIAL_MAX_N:
         out, pre = mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters)
         return (out, *mhc_pre_partial_triton(out, fn_next, pre))
@@ -663,7 +669,7 @@ def mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_
         f.stride(0), residual.stride(0), residual.stride(1), out.stride(0), out.stride(1), x.stride(0),
         HC=hc, M=M, MP=triton.next_power_of_2(M), BD=D // S, SB=min(triton.next_power_of_2(split), 32),
         ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, 1), INTERP=not f.is_cuda, PDL=pdl(f),
-        num_warps=(cfg or {}).get("num_warps", 2), launch_pdl=pdl(f),
+        num_warps=(cfg or {}).get("num_warps", post_partial_warps(N)), launch_pdl=pdl(f),
     )
     return out, x, ws_next
 
