@@ -558,17 +558,25 @@ class FastBlock(Block):
         flat = mhc_post(f.flatten(0, 1), flat, post, comb)
         return flat.view_as(h), ffn_pre.view(B, S, -1)
 
-    def decode(self, h, pre, ids, pos, slots, rows, view: LayerSlots, picks, pool, engram_rows, compress=True):
-        """One token per row: h [B, hc, D], pre [B, hc] (V4.1), the step's cache rows, the layer's buffers `view`,
-        the top-k and candidate blocks it takes and `compress` (FastAttention.decode), its Engram rows [B, C,
-        head_dim] -> (h, pre, picks, pool). Everything layer-specific comes in as arguments, so layers of one kind
-        share compiled code."""
+    def decode(self, h, pre, ids, pos, slots, rows, view: LayerSlots, picks, pool, engram_rows, compress=True,
+               next_fn=None):
+        """One token per row: h [B, hc, D], pre (V4.1: the collapse weights [B, hc] the previous layer left, or its
+        pass over this layer's attention site, (x [B, D], partial sums), where it took that pass), the step's cache
+        rows, the layer's buffers `view`, the top-k and candidate blocks it takes and `compress`
+        (FastAttention.decode), its Engram rows [B, C, head_dim] -> (h, pre, picks, pool). With `next_fn` (V4.1:
+        the next layer's hc_attn_fn) the FFN site's post takes the next layer's attention-site pass too, and the
+        returned pre is that pass. Everything layer-specific comes in as arguments, so layers of one kind share
+        compiled code."""
         if self.role.engram:
             h = self.engram.mix(h[:, None], engram_rows[:, None])[:, 0]
-        x, coefficients = self.decode_pre_site(h, "attn", pre)
+        x, coefficients = pre if isinstance(pre, tuple) else self.decode_pre_site(h, "attn", pre)
         a, picks, pool = self.attn.decode(self.attn_norm(x), pos, slots, rows, view, picks, pool, compress)
         h, x, coefficients = self.decode_between_sites(a, h, coefficients)
-        h, pre = self.decode_post_site(self.ffn(self.ffn_norm(x)[:, None], ids[:, None])[:, 0], h, "ffn", coefficients)
+        f = self.ffn(self.ffn_norm(x)[:, None], ids[:, None])[:, 0]
+        if next_fn is not None:
+            h, x, coefficients = self.decode_post_partial(f, h, "ffn", coefficients, next_fn)
+            return h, (x, coefficients), picks, pool
+        h, pre = self.decode_post_site(f, h, "ffn", coefficients)
         return h, pre, picks, pool
 
     def decode_pre_site(self, h: torch.Tensor, site: str, pre: torch.Tensor | None):
@@ -581,14 +589,21 @@ class FastBlock(Block):
         return x, (post, comb)
 
     def decode_between_sites(self, a: torch.Tensor, h: torch.Tensor, coefficients):
-        """The attention site's post, then the FFN site's pre pass: (h', x, the FFN site's coefficients). V4.1 in one
-        kernel (`mhc_post_partial`: the new streams' partial sums and collapse taken while they are in registers)."""
-        c = self.config
-        if c.is_v41:
-            return mhc_post_partial(a, h, coefficients, self.hc_attn_scale, self.hc_attn_base, self.hc_ffn_fn,
-                                    c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        """The attention site's post, then the FFN site's pre pass: (h', x, the FFN site's coefficients)."""
+        if self.config.is_v41:
+            return self.decode_post_partial(a, h, "attn", coefficients, self.hc_ffn_fn)
         h, pre = self.decode_post_site(a, h, "attn", coefficients)
         return (h, *self.decode_pre_site(h, "ffn", pre))
+
+    def decode_post_partial(self, f: torch.Tensor, h: torch.Tensor, site: str, coefficients, fn_next: torch.Tensor):
+        """V4.1: a site's post, then the pre pass of the site fn_next mixes for (this layer's FFN site, or the next
+        layer's attention site) in one kernel (`mhc_post_partial`: the new streams' partial sums and collapse taken
+        while they are in registers; at one token 8-9 us where mhc_post_finish and mhc_pre_partial took 18, H100,
+        `bench/mhc.py --sweep`) -> (h', x, that site's coefficients)."""
+        c = self.config
+        scale, base = getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base")
+        return mhc_post_partial(f, h, coefficients, scale, base, fn_next, c.rms_norm_eps, c.hc_eps,
+                                c.hc_sinkhorn_iters)
 
     def decode_post_site(self, f: torch.Tensor, h: torch.Tensor, site: str, coefficients):
         """The sub-layer's output f [B, D] spread over the streams h [B, hc, D] -> (h', this site's pre: V4.1's next
@@ -629,19 +644,27 @@ class FastModel(Dsv4Model):
         if self.engram_prefetch is not None:
             self.engram_prefetch.start(hash_ids[:, None])  # [B, 1, L, C]: one position per row
         topk, candidates = {}, None  # the indexers' top-k by layer id; the candidate source's blocks
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             role = layer.role
             picks = None if role.owns_indexer else topk.get(role.index_source)
             pool = candidates if role.candidate_role == "consumer" else None
             engram_rows = self._engram_rows(layer, hash_ids) if role.engram else None
             view = state.layer_slots[role.layer_id]
             h, pre, picks, pool = block(layer, h, pre, ids, pos, slots, step_rows, view, picks, pool, engram_rows,
-                                        replay_from is None)
+                                        replay_from is None, self._next_attn_fn(i))
             if role.owns_indexer:
                 topk[role.layer_id] = picks
             if role.candidate_role == "source":
                 candidates = pool
         return leave(h, pre) if replay_from is None else None
+
+    def _next_attn_fn(self, i: int) -> torch.Tensor | None:
+        """V4.1: the attention-site fn of self.layers[i + 1], whose pre pass the FFN post of self.layers[i] then
+        takes (one kernel for the two); None after the last layer and before an Engram layer (it mixes its rows
+        into the streams before that pass)."""
+        if not self.config.is_v41 or i + 1 == len(self.layers) or self.layers[i + 1].role.engram:
+            return None
+        return self.layers[i + 1].hc_attn_fn
 
     def decode_enter(self, ids: torch.Tensor, slots: torch.Tensor, state: SlotState,
                      replay_from: torch.Tensor | None = None):

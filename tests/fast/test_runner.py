@@ -449,6 +449,27 @@ def test_candidate_consumers_score_only_a_narrow_pool(tiny_v41_dir, monkeypatch)
     assert torch.equal(pooled, masked)
 
 
+def test_a_v41_layer_takes_the_next_layers_attention_site_pass_but_before_an_engram_layer(tiny_v41_dir, monkeypatch):
+    """V4.1's decode step hands a layer's FFN post the next layer's attention-site pass (one mhc_post_partial for
+    the two), except before an Engram layer (its rows join the streams first) and after the last: of the tiny
+    model's 8 layers 1 and 3 are Engram layers, so 5 of its 7 boundaries fuse, and a step launches
+    mhc_post_partial 13 times (8 between a layer's attention and FFN sites, 5 boundaries). The logits are bit for
+    bit those of every layer taking its own pass."""
+    calls = []
+    post_partial = model_module.mhc_post_partial
+    monkeypatch.setattr(model_module, "mhc_post_partial", lambda *a: calls.append(a[0].shape[0]) or post_partial(*a))
+    fast = models(tiny_v41_dir, packed=True)[1]
+    assert [i for i, layer in enumerate(fast.layers) if layer.role.engram] == [1, 3] and len(fast.layers) == 8
+    fused, fed = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
+    assert len(calls) == 2 * 13
+    monkeypatch.setattr(model_module.FastModel, "_next_attn_fn", lambda self, i: None)
+    calls.clear()
+    unfused = models(tiny_v41_dir, packed=True)[1]
+    apart, _ = decode_steps(Runner(unfused, max_seqs=4, max_len=128, compile=False), 2, fed)
+    assert len(calls) == 2 * 8
+    assert torch.equal(fused, apart)
+
+
 def test_compiled_decode_step_and_prefill_trace_without_graph_breaks_and_change_nothing(tiny_v41_dir):
     """torch.compile traces the decode step's parts and the prefill's pieces without a graph break (every kernel
     op has a fake), and the traced graphs compute what the eager model does, bit for bit (aot_eager: the host's
