@@ -138,6 +138,9 @@ GATHER_SWEEP += [{"BI": 16, "BD": 16, "BK": 256, "gather_stages": 3}, {"BI": 16,
 # more bytes in flight a program (session 41): at one token the up grid is 7 x 144 programs, under one wave, so only a
 # deeper pipeline or a longer K step puts more of the expert bytes in flight (all compile without spills, Triton 3.6)
 GATHER_SWEEP += [{"BI": 16, "BD": 16, "BK": 256, "gather_stages": 4}, {"BI": 16, "BD": 16, "BK": 512}]
+# the one-token default since session 42 is 512-wide K steps in both kernels; at 512 the down loop waits on 4 of its
+# loads a step (sm_90 SASS, Triton 3.6 and 3.8), at 256 on none: 512 up with 256 down, and 512 three stages deep
+GATHER_SWEEP += [{"BI": 16, "BD": 16, "BK": 512, "BKD": 256}, {"BI": 16, "BD": 16, "BK": 512, "gather_stages": 3}]
 # gather_tc: 4 warps ran 1.7x slower than 2 at 8 tokens (session 30); the spills 2 warps seemed to have then were an
 # open-int compile's: as launched (V4.1 widths) 2 / 4 warps take 150 / 138 registers, none spilled
 GATHER_TC_SWEEP = [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w}

@@ -182,7 +182,8 @@ def moe_kernels() -> list[Kernel]:
         out.append(Kernel(f"moe gather down{label}", moe_experts._gather_down_kernel,
                           {"ids_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "sh2_ptr": "*bf16",
                            "shq2_ptr": "*i64", "she2_ptr": "*u8"},
-                          {"BD": c["BD"], "BK": c["BK"], "EVEN_K": I % c["BK"] == 0, **common},
+                          {"BD": c["BD"], "BK": c.get("BKD") or c["BK"], "EVEN_K": I % (c.get("BKD") or c["BK"]) == 0,
+                           **common},
                           c["gather_warps"]))
     return out
 

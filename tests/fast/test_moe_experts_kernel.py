@@ -222,6 +222,27 @@ def test_gather_whole_k_steps(K, offset):
                 torch.float32)
 
 
+@pytest.mark.parametrize("bk, bkd", [(256, 128), (128, 256)])
+def test_gather_down_kernel_takes_its_own_k_step(bk, bkd, monkeypatch):
+    """A config's BKD sets the down kernel's K step apart from the up kernel's BK (what `bench/moe_experts.py`
+    sweeps at one token: 512 up, 256 down): each kernel tests its own step for the EVEN path, and the slots match
+    the twin's."""
+    E, k, D, I, N = 4, 2, 256, 256, 1
+    w13, s13, w2, s2, sh13, sh2 = rand_experts(E, D, I, 17)
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(N, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+    weights = torch.rand(N, k, generator=g) + 0.1
+    args = (ids, weights, w13, s13.view(torch.uint8), w2, s2.view(torch.uint8))
+    steps = []
+    even_k = M._even_k
+    monkeypatch.setattr(M, "_even_k", lambda K, BK, scales: steps.append(BK) or even_k(K, BK, scales))
+    out = M._gather(x, M.activation_planes(x), *args, sh13, sh2, 1.0, True,
+                    {**M._cfg(x, N, "gather"), "BK": bk, "BKD": bkd})
+    assert steps == [bk, bk, bkd, bkd]  # up: the routed and the shared scales, then down's
+    check_close(out, M.moe_slots_twin(x, *args, 1.0, sh13, sh2), torch.float32)
+
+
 def test_clamp_active_and_paths_agree():
     """Large activations: the clamp changes the result (against limit 0), and gather == grouped == gather_tc ==
     twin."""

@@ -834,16 +834,17 @@ def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, 
     is_bf16 = x.dtype == torch.bfloat16
     q13, e13, q2, e2 = shared_fp8 or (w13, s13, w2, s2)  # the routed bytes stand in where the branch is compiled out
     words = lambda q: q.view(torch.int64 if shared_fp8 else torch.int32)
-    even = lambda K, *scales: all(_even_k(K, c["BK"], t) for t in scales)
-    kw = {"BK": c["BK"], "STAGES": c["gather_stages"], "IS_BF16": is_bf16, "INTERP": _INTERP, "SHARED": has_shared,
+    bk_down = c.get("BKD") or c["BK"]  # the down kernel's K step: the up kernel's unless the config sets its own
+    even = lambda K, BK, *scales: all(_even_k(K, BK, t) for t in scales)
+    kw = {"STAGES": c["gather_stages"], "IS_BF16": is_bf16, "INTERP": _INTERP, "SHARED": has_shared,
           "SH_FP8": shared_fp8 is not None, "PDL": pdl(x), "num_warps": c["gather_warps"], "launch_pdl": pdl(x)}
     _gather_up_kernel[(N, S, triton.cdiv(I, c["BI"]))](
         x, planes, ids_r, wts_r, w13.view(torch.int32), s13, sh13, words(q13), e13, hp, D, I, S, ids.shape[1], E,
-        limit, BI=c["BI"], EVEN_K=even(D, s13, e13), **kw)
+        limit, BI=c["BI"], BK=c["BK"], EVEN_K=even(D, c["BK"], s13, e13), **kw)
     out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
     _gather_down_kernel[(N, triton.cdiv(D, c["BD"]), S)](
         hp, ids_r, w2.view(torch.int32), s2, sh2, words(q2), e2, out, D, I, S, ids.shape[1], E, BD=c["BD"],
-        EVEN_K=even(I, s2, e2), **kw)
+        BK=bk_down, EVEN_K=even(I, bk_down, s2, e2), **kw)
     return out
 
 
