@@ -173,6 +173,21 @@ def plot(result: dict, path) -> None:
     common.save_figure(path, draw)
 
 
+def print_fast(result: dict) -> None:
+    """The fast model's lines: decode, prefill, roofline and the per-layer extrapolation."""
+    print(f"{ARGS.arch} {len(result['layers'])} layers {result['layers']}, context {result['context']}")
+    for B, r in result["fast_decode"].items():
+        print(f"fast decode B={B:3d}: {r['step_ms']:.3f} ms/step, {r['tokens_per_s']:.0f} tok/s")
+    print(f"fast prefill {result['context']}: {result['fast_prefill']['tokens_per_s']:.0f} tok/s")
+    rf = result["roofline"]
+    print(f"roofline B=1: {rf['bytes_per_step'] / 1e6:.1f} MB/step at {rf['copy_bandwidth_Bps'] / 1e12:.2f} TB/s = "
+          f"{rf['floor_ms']:.3f} ms; measured fraction {rf['fraction_at_batch1']:.2%}")
+    wm = result["whole_model"]
+    print(f"per layer: {wm['layer_ms']:.3f} ms for {wm['layer_bytes'] / 1e6:.1f} MB ({wm['layer_fraction']:.2%} of the "
+          f"copy rate); head {wm['head_ms']:.3f} ms; {wm['layers']} layers: {wm['step_ms']:.2f} ms/step, "
+          f"{wm['tokens_per_s']:.0f} tok/s, roofline {wm['fraction_at_batch1']:.2%}", flush=True)
+
+
 def main():
     if ARGS.replot:
         return common.replot(ARGS.replot, plot)
@@ -183,8 +198,16 @@ def main():
     result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": [role.layer_id for role in config.layer_roles],
               "context": context, "chunk": ARGS.chunk}
     t0 = time.time()
+
+    def save(*keys):  # each part's lines and the JSON once it is measured: a run cut short keeps what it timed
+        for key in keys:
+            print(key, result[key], flush=True)
+        result["wall_s"] = time.time() - t0
+        return common.write_result(f"runner-{ARGS.arch}", ARGS.smoke, result)
+
     result.update(fast_results(config, device, context, ref_context, batches))
-    rows = result["fast_decode"]
+    print_fast(result)
+    save(*(["fast_at_ref_context"] if not ARGS.no_reference else []))
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if not ARGS.no_reference:
@@ -192,34 +215,18 @@ def main():
         ref.set_quant_sim(True, activations=False)
         result["reference"] = reference_rows(ref, device, ref_context)
         del ref
-    path = common.write_result(f"runner-{ARGS.arch}", ARGS.smoke, result)  # kept should transformers fail
+        save("reference")
     if ARGS.transformers:
         from full_width import transformers_model
 
         if device.type == "cuda":
             torch.cuda.empty_cache()
         hf = transformers_model(build_random_model(config, device, torch.bfloat16, seed=0))
-        result["transformers"] = transformers_rows(hf, device, context, config)
-        result["transformers_at_ref_context"] = transformers_rows(hf, device, ref_context, config)
-    result["wall_s"] = time.time() - t0
-    path = common.write_result(f"runner-{ARGS.arch}", ARGS.smoke, result)
+        for key, length in (("transformers", context), ("transformers_at_ref_context", ref_context)):
+            result[key] = transformers_rows(hf, device, length, config)
+            save(key)
+    path = save()
     plot(result, path.with_suffix(".png"))
     print(path)
-    n = len(config.layer_roles)
-    print(f"{ARGS.arch} {n} layers {result['layers']}, context {context}")
-    for B, r in rows.items():
-        print(f"fast decode B={B:3d}: {r['step_ms']:.3f} ms/step, {r['tokens_per_s']:.0f} tok/s")
-    print(f"fast prefill {context}: {result['fast_prefill']['tokens_per_s']:.0f} tok/s")
-    rf = result["roofline"]
-    print(f"roofline B=1: {rf['bytes_per_step'] / 1e6:.1f} MB/step at {rf['copy_bandwidth_Bps'] / 1e12:.2f} TB/s = "
-          f"{rf['floor_ms']:.3f} ms; measured fraction {rf['fraction_at_batch1']:.2%}")
-    wm = result["whole_model"]
-    print(f"per layer: {wm['layer_ms']:.3f} ms for {wm['layer_bytes'] / 1e6:.1f} MB ({wm['layer_fraction']:.2%} of the "
-          f"copy rate); head {wm['head_ms']:.3f} ms; {wm['layers']} layers: {wm['step_ms']:.2f} ms/step, "
-          f"{wm['tokens_per_s']:.0f} tok/s, roofline {wm['fraction_at_batch1']:.2%}")
-    for key in ("fast_at_ref_context", "reference", "transformers", "transformers_at_ref_context"):
-        if key in result:
-            print(key, result[key])
-
 
 main()
