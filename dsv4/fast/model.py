@@ -701,7 +701,9 @@ class FastModel(Dsv4Model):
         """decode_step with its entry, block and exit compiled (torch.compile fuses the torch glue between the
         kernels). Shapes are automatic dynamic: each part compiles for batch 1 and then once with the batch as
         a symbol, which serves every larger size. The block compiles per layer kind, not per layer (V4.1-Flash:
-        8 kinds in 40 layers, V4-Flash: 4 in 43), so the start-up does not grow with depth.
+        8 kinds in 40 layers, V4-Flash: 4 in 43), so the start-up does not grow with depth; V4.1's kinds split a
+        little further by whether the layer's attention-site pass came from the layer before and whether it takes
+        the next one's (`_next_attn_fn`: not around an Engram layer or at the ends).
 
         Compiled code lives on the functions' code objects, shared by every model in the process (a second
         runner of other slot sizes compiles again, with those sizes symbolic too). Past a code object's limit of
