@@ -7,10 +7,11 @@ beside the CUDA-graph step time and the roofline's bytes, on full-width layers (
     python bench/profile_decode.py --smoke
 
 The kernel table is device time per kernel name summed over the step (the same kernels the graph replays,
-without the graph); `graph_step_ms - kernel_sum_ms` is what the graph still spends between kernels. `launches`
-lists the step's kernels in order with the ops that launched them, their starts and own times (the time each ran
-after the kernel before it ended: a PDL kernel's span holds its wait for that one), `by_op` sums them by op (each
-dsv4 op, cuBLAS, inductor's kernels, other aten ops).
+without the graph, each kernel alone); `graph_step_ms - kernel_sum_ms` is what the graph still spends between
+kernels. `launches` lists the step's kernels in order with the ops that launched them, and on a GPU their starts,
+spans and own times in one replay of the step's graph (own: the time each ran after the kernel before it ended; a
+PDL kernel's span holds its wait for that one); `by_op` sums both by op (each dsv4 op, cuBLAS, inductor's
+kernels, other aten ops).
 With --prefill-chunk, a cold prefill's kernels too, and its device time by layer module and module-path method
 (`SPANS`: CUDA events around each call, so a span includes the spans inside it).
 """
@@ -66,9 +67,8 @@ def kernel_table(prof) -> list[dict]:
 
 def launches(prof) -> list[dict]:
     """The step's kernels in launch order, each with the ops it was launched under (innermost first): what the
-    table's aten kernels (copies, reductions: glue the compiled step left) belong to. With the device's timestamps
-    (kernels of one stream start in launch order) each also gets its start and its own time (`common.own_times`:
-    a PDL kernel's span holds its wait for the one before, which the by-op sums would otherwise count twice)."""
+    table's aten kernels (copies, reductions: glue the compiled step left) belong to, and its time run alone (the
+    host launches them tens of microseconds apart, so none waits for another)."""
     ops = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.kernels),
                  key=lambda e: e.time_range.start)
     rows = []
@@ -78,13 +78,25 @@ def launches(prof) -> list[dict]:
             chain.append(parent.name)
             parent = parent.cpu_parent
         rows += [{"kernel": k.name[:90], "us": k.duration, "ops": " < ".join(chain)} for k in op.kernels]
+    return rows
+
+
+def replay_times(prof, rows: list[dict]) -> bool:
+    """The step as its CUDA graph replays it (the profiler reports a replayed graph's kernels one by one): each of
+    `rows` (`launches`, in order) gets its start, its span in the replay (`replay_us`: a PDL kernel's holds its
+    wait for the one before) and its own time (`common.own_times`: what it adds to the step, the by-op sums'
+    second column). False, and nothing set, where the replay's kernels are not the launches in order."""
     device = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
-    if rows and [e.name[:90] for e in device] == [r["kernel"] for r in rows]:
-        spans = [(e.time_range.start, e.time_range.end) for e in device]
-        for r, (start, _), own in zip(rows, spans, common.own_times(spans)):
-            r["start_us"], r["own_us"] = start - spans[0][0], own
-    return rows
+    names, want = [e.name[:90] for e in device], [r["kernel"] for r in rows]
+    # the replay's kernels, among the copies of the step's inputs and logits around them
+    first = next((i for i in range(len(names) - len(want) + 1) if names[i : i + len(want)] == want), None)
+    if not want or first is None:
+        return False
+    spans = [(e.time_range.start, e.time_range.end) for e in device[first : first + len(want)]]
+    for r, (start, end), own in zip(rows, spans, common.own_times(spans)):
+        r["start_us"], r["replay_us"], r["own_us"] = start - spans[0][0], end - start, own
+    return True
 
 
 def by_op(rows: list[dict]) -> list[dict]:
@@ -209,6 +221,12 @@ def main():
             if device.type == "cuda":
                 torch.cuda.synchronize()
     rows = kernel_table(prof)
+    steps = launches(prof)
+    if device.type == "cuda":
+        with profile(activities=[ProfilerActivity.CUDA]) as replay:
+            runner.decode(slots, next_ids)
+            torch.cuda.synchronize()
+        replay_times(replay, steps)
     prefill = profile_prefill(runner, activities, device, context) if ARGS.prefill_chunk else None
     nbytes = decode_bytes(fast, runner.state, context)
     bw = common.copy_bandwidth(device)
@@ -216,12 +234,12 @@ def main():
               "slots": len(held), "warm_up": ARGS.warm_up,
               "graph_step_ms": step_ms, "kernel_sum_ms": sum(r["us"] for r in rows) / 1e3, "kernels": len(rows),
               "kernel_launches": sum(r["calls"] for r in rows), "bytes_per_step_b1": nbytes,
-              "floor_ms_b1": nbytes / bw * 1e3, "table": rows[: ARGS.top], "launches": launches(prof),
+              "floor_ms_b1": nbytes / bw * 1e3, "table": rows[: ARGS.top], "launches": steps,
               "prefill": prefill}
     result["by_op"] = by_op(result["launches"])
     timed_rows = [r for r in result["launches"] if "own_us" in r]
-    if timed_rows:  # the step's span on the device = its kernels' own times + the gaps between them
-        result["device_span_ms"] = max(r["start_us"] + r["us"] for r in timed_rows) / 1e3
+    if timed_rows:  # the replay's span on the device = its kernels' own times + the gaps between them
+        result["device_span_ms"] = max(r["start_us"] + r["replay_us"] for r in timed_rows) / 1e3
         result["own_sum_ms"] = sum(r["own_us"] for r in timed_rows) / 1e3
     path = common.write_result(f"profile-decode-{ARGS.arch}-b{B}{'-compiled' if ARGS.compile else ''}", ARGS.smoke, result)
     print(path)
@@ -230,11 +248,11 @@ def main():
     for r in rows[: ARGS.top]:
         print(f"{r['us']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
     if "own_sum_ms" in result:
-        print(f"device span {result['device_span_ms']:.3f} ms: kernels' own time {result['own_sum_ms']:.3f} ms, gaps "
-              f"{result['device_span_ms'] - result['own_sum_ms']:.3f} ms")
+        print(f"graph replay: device span {result['device_span_ms']:.3f} ms, kernels' own time "
+              f"{result['own_sum_ms']:.3f} ms, gaps {result['device_span_ms'] - result['own_sum_ms']:.3f} ms")
     elif device.type == "cuda":
-        print("own times: the device's kernels did not line up with the launches (another stream?); not computed")
-    print("the step by the ops that launched its kernels (us, own us):")
+        print("own times: the graph replay's kernels did not line up with the launches (another stream?); not computed")
+    print("the step by the ops that launched its kernels (us alone, own us in the graph replay):")
     for r in result["by_op"]:
         print(f"{r['us']:9.1f} {r['own_us']:9.1f} us {r['launches']:4d}x  {r['op']}")
     print("aten kernels in the step, by the ops that launched them:")
