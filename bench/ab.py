@@ -73,11 +73,14 @@ def run(tree: Path, script: str, args: list[str], out: Path, label: str) -> tupl
 
 
 def numbers(result: dict) -> dict[str, float]:
-    """A result's top-level numbers, its by_op microseconds (bench/profile_decode.py) and the `*_us` times of its
-    `results` rows (the kernel benches'), each row named by its case or N, by name."""
+    """A result's top-level numbers, its by_op microseconds alone and own in the graph replay where measured
+    (bench/profile_decode.py) and the `*_us` times of its `results` rows (the kernel benches'), each row named by
+    its case or N, by name."""
     number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     row = {k: v for k, v in result.items() if number(v)}
     row.update({f"us {op['op']}": op["us"] for op in result.get("by_op", [])})
+    row.update({f"own us {op['op']}": op["own_us"] for op in result.get("by_op", [])
+                if number(op.get("own_us")) and op["own_us"] == op["own_us"]})  # NaN: no replay times
     for i, r in enumerate(result.get("results", [])):
         name = r.get("case", r.get("N", i))
         row.update({f"{name} {k}": v for k, v in r.items() if k.endswith("_us") and number(v)})

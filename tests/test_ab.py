@@ -18,7 +18,9 @@ from mark import STEP_MS
 with open(sys.argv[1], "a") as order:
     order.write(Path.cwd().name + " " + os.environ["DSV4_COMMIT"] + "\\n")
 Path(os.environ["OUT"], "step.json").write_text(json.dumps(
-    {"graph_step_ms": STEP_MS, "gpu": "none", "by_op": [{"op": "dsv4::mhc_pre", "launches": 2, "us": STEP_MS * 10}],
+    {"graph_step_ms": STEP_MS, "gpu": "none", "by_op": [
+        {"op": "dsv4::mhc_pre", "launches": 2, "us": STEP_MS * 10, "own_us": STEP_MS * 8},
+        {"op": "dsv4::mhc_post", "launches": 2, "us": STEP_MS * 10, "own_us": float("nan")}],
      "results": [{"case": "wo_a", "graph_fused_us": STEP_MS * 4, "graph_fused_GBps": 1.0}]}))
 print("ran")
 """
@@ -47,6 +49,8 @@ def test_runs_alternate_in_their_trees_and_results_line_up(tmp_path, monkeypatch
     step = summary["results"]["step.json"]
     assert step["graph_step_ms"] == {"base-0": 1.5, "main-0": 1.25, "base-1": 1.5, "main-1": 1.25}
     assert step["us dsv4::mhc_pre"]["main-1"] == 12.5
+    assert step["own us dsv4::mhc_pre"]["main-1"] == 10.0
+    assert "own us dsv4::mhc_post" not in step  # no replay times (NaN)
     assert step["wo_a graph_fused_us"] == {"base-0": 6.0, "main-0": 5.0, "base-1": 6.0, "main-1": 5.0}
     assert "wo_a graph_fused_GBps" not in step  # rows: their times
     assert "gpu" not in step  # numbers only
