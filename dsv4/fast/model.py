@@ -560,13 +560,14 @@ class FastBlock(Block):
 
     def decode(self, h, pre, ids, pos, slots, rows, view: LayerSlots, picks, pool, engram_rows, compress=True,
                next_fn=None):
-        """One token per row: h [B, hc, D], pre (V4.1: the collapse weights [B, hc] the previous layer left, or its
-        pass over this layer's attention site, (x [B, D], partial sums), where it took that pass), the step's cache
-        rows, the layer's buffers `view`, the top-k and candidate blocks it takes and `compress`
-        (FastAttention.decode), its Engram rows [B, C, head_dim] -> (h, pre, picks, pool). With `next_fn` (V4.1:
-        the next layer's hc_attn_fn) the FFN site's post takes the next layer's attention-site pass too, and the
-        returned pre is that pass. Everything layer-specific comes in as arguments, so layers of one kind share
-        compiled code."""
+        """One token per row: h [B, hc, D], pre, the step's cache rows, the layer's buffers `view`, the top-k and
+        candidate blocks it takes and `compress` (FastAttention.decode), its Engram rows [B, C, head_dim] -> (h, pre,
+        picks, pool). Everything layer-specific comes in as arguments, so layers of one kind share compiled code.
+
+        pre (V4.1; None for V4) is what the layer before left: the collapse weights [B, hc], or, where it took this
+        layer's attention-site pass (`next_fn`), that pass: (x [B, D], the site's partial sums). With `next_fn` (the
+        next layer's hc_attn_fn) this layer's FFN post takes the next one's pass in the same kernel and returns it
+        as pre."""
         if self.role.engram:
             h = self.engram.mix(h[:, None], engram_rows[:, None])[:, 0]
         x, coefficients = pre if isinstance(pre, tuple) else self.decode_pre_site(h, "attn", pre)
