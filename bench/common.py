@@ -206,6 +206,18 @@ def own_times(spans: Sequence[tuple[float, float]]) -> list[float]:
     return out
 
 
+def spans_of_run(kernels: Sequence[tuple[str, float, float]], names: Sequence[str]) -> list[tuple[float, float]] | None:
+    """Device kernels (name, start, end) and the names of a run of launches in order -> the (start, end) of the
+    first stretch of kernels, in start order, named exactly so (a graph replay's among the copies around it); None
+    if there is none."""
+    ordered = sorted(kernels, key=lambda k: k[1])
+    seen = [k[0] for k in ordered]
+    first = next((i for i in range(len(seen) - len(names) + 1) if seen[i : i + len(names)] == list(names)), None)
+    if not names or first is None:
+        return None
+    return [(start, end) for _, start, end in ordered[first : first + len(names)]]
+
+
 def result_path(name: str, smoke: bool, suffix: str = ".json") -> Path:
     """$OUT/<name>.json if OUT is set, else bench/results/<name>.json; <name>-smoke.json with --smoke.
     The folder is created."""

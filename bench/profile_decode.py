@@ -86,14 +86,11 @@ def replay_times(prof, rows: list[dict]) -> bool:
     `rows` (`launches`, in order) gets its start, its span in the replay (`replay_us`: a PDL kernel's holds its
     wait for the one before) and its own time (`common.own_times`: what it adds to the step, the by-op sums'
     second column). False, and nothing set, where the replay's kernels are not the launches in order."""
-    device = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
-    names, want = [e.name[:90] for e in device], [r["kernel"] for r in rows]
-    # the replay's kernels, among the copies of the step's inputs and logits around them
-    first = next((i for i in range(len(names) - len(want) + 1) if names[i : i + len(want)] == want), None)
-    if not want or first is None:
+    device = [(e.name[:90], e.time_range.start, e.time_range.end) for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = common.spans_of_run(device, [r["kernel"] for r in rows])  # among the copies of its inputs and logits
+    if spans is None:
         return False
-    spans = [(e.time_range.start, e.time_range.end) for e in device[first : first + len(want)]]
     for r, (start, end), own in zip(rows, spans, common.own_times(spans)):
         r["start_us"], r["replay_us"], r["own_us"] = start - spans[0][0], end - start, own
     return True

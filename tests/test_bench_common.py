@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `bench` as a package
 
-from bench.common import own_times
+from bench.common import own_times, spans_of_run
 
 
 def test_own_times_take_each_kernel_from_the_end_of_the_ones_before():
@@ -43,3 +43,12 @@ def test_own_times_tile_the_time_some_kernel_ran(steps):
     own = own_times(spans)
     assert len(own) == len(spans) and min(own, default=0) >= 0
     assert sum(own) == union_length(spans)
+
+
+def test_spans_of_run_find_the_launches_among_other_kernels_in_start_order():
+    kernels = [("b", 3, 4), ("copy", 0, 1), ("a", 2, 3.5), ("c", 5, 6), ("a", 7, 8), ("b", 8, 9)]
+    assert spans_of_run(kernels, ["a", "b", "c"]) == [(2, 3.5), (3, 4), (5, 6)]  # sorted by start, first match
+    assert spans_of_run(kernels, ["a", "b"]) == [(2, 3.5), (3, 4)]
+    assert spans_of_run(kernels, ["b", "a"]) is None  # not in that order
+    assert spans_of_run(kernels, []) is None
+    assert spans_of_run([], ["a"]) is None
