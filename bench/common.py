@@ -210,9 +210,9 @@ def spans_of_run(kernels: Sequence[tuple[str, float, float]], names: Sequence[st
     """Device kernels (name, start, end) and the names of a run of launches in order -> the (start, end) of the
     first stretch of kernels, in start order, named exactly so (a graph replay's among the copies around it); None
     if there is none."""
-    ordered = sorted(kernels, key=lambda k: k[1])
+    ordered, names = sorted(kernels, key=lambda k: k[1]), list(names)
     seen = [k[0] for k in ordered]
-    first = next((i for i in range(len(seen) - len(names) + 1) if seen[i : i + len(names)] == list(names)), None)
+    first = next((i for i in range(len(seen) - len(names) + 1) if seen[i : i + len(names)] == names), None)
     if not names or first is None:
         return None
     return [(start, end) for _, start, end in ordered[first : first + len(names)]]

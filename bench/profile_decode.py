@@ -81,19 +81,16 @@ def launches(prof) -> list[dict]:
     return rows
 
 
-def replay_times(prof, rows: list[dict]) -> bool:
+def replay_times(prof, rows: list[dict]) -> None:
     """The step as its CUDA graph replays it (the profiler reports a replayed graph's kernels one by one): each of
     `rows` (`launches`, in order) gets its start, its span in the replay (`replay_us`: a PDL kernel's holds its
     wait for the one before) and its own time (`common.own_times`: what it adds to the step, the by-op sums'
-    second column). False, and nothing set, where the replay's kernels are not the launches in order."""
+    second column). Nothing is set where the replay's kernels are not the launches in order."""
     device = [(e.name[:90], e.time_range.start, e.time_range.end) for e in prof.events()
               if e.device_type == torch.autograd.DeviceType.CUDA]
     spans = common.spans_of_run(device, [r["kernel"] for r in rows])  # among the copies of its inputs and logits
-    if spans is None:
-        return False
-    for r, (start, end), own in zip(rows, spans, common.own_times(spans)):
+    for r, (start, end), own in zip(rows, spans or [], common.own_times(spans or [])):
         r["start_us"], r["replay_us"], r["own_us"] = start - spans[0][0], end - start, own
-    return True
 
 
 def by_op(rows: list[dict]) -> list[dict]:

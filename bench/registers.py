@@ -173,6 +173,7 @@ def moe_kernels() -> list[Kernel]:
     out = []
     for N, label in ((1, ""), (moe_experts.GATHER_MAX_N, f" ({moe_experts.GATHER_MAX_N} tokens)")):
         c = moe_experts._cfg(CUDA, N, "gather")
+        bk_down = moe_experts.down_k_step(c)
         common = {"STAGES": c["gather_stages"], "IS_BF16": True, "INTERP": False, "SHARED": True, "SH_FP8": N == 1,
                   "PDL": True}
         out.append(Kernel(f"moe gather up{label}", moe_experts._gather_up_kernel,
@@ -182,8 +183,7 @@ def moe_kernels() -> list[Kernel]:
         out.append(Kernel(f"moe gather down{label}", moe_experts._gather_down_kernel,
                           {"ids_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "sh2_ptr": "*bf16",
                            "shq2_ptr": "*i64", "she2_ptr": "*u8"},
-                          {"BD": c["BD"], "BK": c.get("BKD") or c["BK"], "EVEN_K": I % (c.get("BKD") or c["BK"]) == 0,
-                           **common},
+                          {"BD": c["BD"], "BK": bk_down, "EVEN_K": I % bk_down == 0, **common},
                           c["gather_warps"]))
     return out
 

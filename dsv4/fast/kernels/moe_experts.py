@@ -821,6 +821,11 @@ def _even_k(K: int, BK: int, scales: torch.Tensor) -> bool:
     return K % BK == 0 and BK % 128 == 0 and scales.data_ptr() % 4 == 0
 
 
+def down_k_step(c: dict) -> int:
+    """The gather down kernel's K step in a `_cfg` config: the up kernel's (BK) unless the config sets its own (BKD)."""
+    return c.get("BKD") or c["BK"]
+
+
 def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, has_shared: bool, c: dict,
             shared_fp8: tuple | None = None):
     """The gather path's kernels on prepared operands (x contiguous, planes = activation_planes(x), expert bytes
@@ -834,7 +839,7 @@ def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, 
     is_bf16 = x.dtype == torch.bfloat16
     q13, e13, q2, e2 = shared_fp8 or (w13, s13, w2, s2)  # the routed bytes stand in where the branch is compiled out
     words = lambda q: q.view(torch.int64 if shared_fp8 else torch.int32)
-    bk_down = c.get("BKD") or c["BK"]  # the down kernel's K step: the up kernel's unless the config sets its own
+    bk_down = down_k_step(c)
     even = lambda K, BK, *scales: all(_even_k(K, BK, t) for t in scales)
     kw = {"STAGES": c["gather_stages"], "IS_BF16": is_bf16, "INTERP": _INTERP, "SHARED": has_shared,
           "SH_FP8": shared_fp8 is not None, "PDL": pdl(x), "num_warps": c["gather_warps"], "launch_pdl": pdl(x)}
