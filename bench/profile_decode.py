@@ -34,8 +34,6 @@ def add_arguments(p):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (the captured and the profiled one)")
-    p.add_argument("--l2-ahead", type=float, default=0.0, metavar="MB",
-                   help="FastModel.ask_l2_ahead: MB of wo_a + wo_b and of the shared expert asked of the L2 ahead")
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="also profile a cold prefill of --context tokens in chunks of this many")
     p.add_argument("--slots", type=int, default=0,
@@ -193,7 +191,6 @@ def main():
     device, config = bench_setup(ARGS.arch, ARGS.layers, ARGS.smoke)
     context = 128 if ARGS.smoke else ARGS.context
     fast = make_fast(build_random_model(config, device, torch.bfloat16, seed=0))
-    fast.ask_l2_ahead(int(ARGS.l2_ahead * 2**20))
     B = ARGS.batch
     # the step the runner captures and the step profiled below are one: compiled exactly when --compile
     # --slots and --warm-up set up the runner as bench/runner.py's table does, whose batch-1 step read 56 us more
@@ -228,7 +225,7 @@ def main():
     nbytes = decode_bytes(fast, runner.state, context)
     bw = common.copy_bandwidth(device)
     result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": ARGS.layers, "context": context, "batch": B, "compiled": ARGS.compile,
-              "l2_ahead_mb": ARGS.l2_ahead, "slots": len(held), "warm_up": ARGS.warm_up,
+              "slots": len(held), "warm_up": ARGS.warm_up,
               "graph_step_ms": step_ms, "kernel_sum_ms": sum(r["us"] for r in rows) / 1e3, "kernels": len(rows),
               "kernel_launches": sum(r["calls"] for r in rows), "bytes_per_step_b1": nbytes,
               "floor_ms_b1": nbytes / bw * 1e3, "table": rows[: ARGS.top], "launches": steps,
@@ -238,7 +235,7 @@ def main():
     if timed_rows:  # the replay's span on the device = its kernels' own times + the gaps between them
         result["device_span_ms"] = max(r["start_us"] + r["replay_us"] for r in timed_rows) / 1e3
         result["own_sum_ms"] = sum(r["own_us"] for r in timed_rows) / 1e3
-    path = common.write_result(f"profile-decode-{ARGS.arch}-b{B}{'-compiled' if ARGS.compile else ''}{'-l2' if ARGS.l2_ahead else ''}", ARGS.smoke, result)
+    path = common.write_result(f"profile-decode-{ARGS.arch}-b{B}{'-compiled' if ARGS.compile else ''}", ARGS.smoke, result)
     print(path)
     print(f"graph step {step_ms:.3f} ms; kernels {result['kernel_sum_ms']:.3f} ms in {result['kernel_launches']} launches; "
           f"floor (B=1 bytes) {result['floor_ms_b1']:.3f} ms")

@@ -62,7 +62,6 @@ from dsv4.fast.kernels.moe_experts import (
     stack_expert_weights,
 )
 from dsv4.fast.kernels.moe_routing import gate_route
-from dsv4.fast.kernels.prefetch import l2_prefetch
 from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant
 from dsv4.fast.kernels.topk import topk_select
 from dsv4.quant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
@@ -176,31 +175,6 @@ class SharedInput:
         return outs
 
 
-@dataclass
-class L2Ahead:
-    """Two FP8 copies a batch-1 decode step reads after a stretch of latency-bound kernels (wo_a and wo_b after the
-    indexer and the attention; the shared expert after mHC and the routing), whose first `nbytes` it asks the L2 for
-    (`dsv4::l2_prefetch`) before that stretch, so the memory streams them while those kernels run. 0: asks for none.
-    `done`: the op's [1] int32 effect."""
-
-    a: torch.Tensor
-    b: torch.Tensor
-    done: torch.Tensor
-    nbytes: int = 0
-
-    @classmethod
-    def of(cls, copies: tuple[Fp8Copy, Fp8Copy] | None) -> L2Ahead | None:
-        if copies is None:
-            return None
-        a, b = (c.weight for c in copies)
-        return cls(a, b, torch.zeros(1, dtype=torch.int32, device=a.device))
-
-    def __call__(self, after: torch.Tensor) -> None:
-        """The prefetch, launched after `after`'s producer (a batch-1 step only: a larger batch reads bf16 copies)."""
-        if self.nbytes and Fp8Copy.serves(after):
-            l2_prefetch(self.a, self.b, self.nbytes, after, self.done)
-
-
 # ---------------------------------------------------------------------------------------------- MoE
 class FastMoE(MoE):
     """Routing in one kernel (gate GEMM included), routed MXFP4 experts and the shared expert in one op."""
@@ -214,7 +188,6 @@ class FastMoE(MoE):
         self.limit = stacked.pop("limit")
         self.stacked = stacked
         self.shared_fp8 = self._shared_rows([fp8.get(getattr(self.shared_experts, n)) for n in ("w1", "w3", "w2")])
-        self.shared_ahead = L2Ahead.of(self.shared_fp8)
         inter = stacked["w2"].shape[-1] * 2
         for e, expert in enumerate(self.experts):  # the checkpoint's names now view the stacked bytes
             for name, data, scale, rows in (("w1", "w13", "s13", slice(0, inter)), ("w3", "w13", "s13", slice(inter, None)),
@@ -364,7 +337,6 @@ class FastAttention(Attention):
         self.on_qr = SharedInput({n: modules[n] for n in self.ON_QR if n in modules}, fp8)
         wo = fp8.get(self.wo_a), fp8.get(self.wo_b)
         self.wo_fp8 = None if None in wo else wo
-        self.wo_ahead = L2Ahead.of(self.wo_fp8)
 
     def fp8_pairs(self) -> list[tuple[torch.Tensor, Fp8Copy]]:
         """(bf16 copy, FP8 copy of the same rows) of each weight a batch-1 decode step reads as stored FP8."""
@@ -421,8 +393,6 @@ class FastAttention(Attention):
         on_x = self.on_x(x)  # {linear: [B, N]}, as on_qr below
         qr = self.q_norm(on_x["wq_a"])
         on_qr = self.on_qr(qr)
-        if self.wo_ahead is not None:  # the query latent's GEMV is the last stream before the selection and attention
-            self.wo_ahead(on_qr["wq_b"])
         q = self._query_heads(on_qr["wq_b"][:, None], cos[:, None], sin[:, None])[:, 0]  # [B, H, Dh]
         kv = apply_rope(self.kv_norm(on_x["wkv"][:, None]), cos[:, None], sin[:, None])  # [B, 1, Dh]
         # V4.1's FP8 rounding (blocks of 32 over the whole row) is the window store's own encoding
@@ -602,8 +572,6 @@ class FastBlock(Block):
             h = self.engram.mix(h[:, None], engram_rows[:, None])[:, 0]
         x, coefficients = pre if isinstance(pre, tuple) else self.decode_pre_site(h, "attn", pre)
         a, picks, pool = self.attn.decode(self.attn_norm(x), pos, slots, rows, view, picks, pool, compress)
-        if self.ffn.shared_ahead is not None:  # wo_b is the last stream before mHC and the routing
-            self.ffn.shared_ahead(a)
         h, x, coefficients = self.decode_between_sites(a, h, coefficients)
         f = self.ffn(self.ffn_norm(x)[:, None], ids[:, None])[:, 0]
         if next_fn is not None:
@@ -690,14 +658,6 @@ class FastModel(Dsv4Model):
             if role.candidate_role == "source":
                 candidates = pool
         return leave(h, pre) if replay_from is None else None
-
-    def ask_l2_ahead(self, nbytes: int) -> None:
-        """A batch-1 decode step asks the L2 for the first `nbytes` of wo_a and wo_b, and of the shared expert,
-        ahead of the latency-bound kernels before them (`L2Ahead`; 0: not at all). Compiled steps compile again."""
-        for layer in self.layers:
-            for ahead in (layer.attn.wo_ahead, layer.ffn.shared_ahead):
-                if ahead is not None:
-                    ahead.nbytes = nbytes
 
     def _next_attn_fn(self, i: int) -> torch.Tensor | None:
         """V4.1: the attention-site fn of self.layers[i + 1], whose pre pass the FFN post of self.layers[i] then

@@ -24,7 +24,6 @@ from dsv4.engine.request import SamplingParams
 from dsv4.fast import engram_prefetch
 from dsv4.fast import model as model_module
 from dsv4.fast.engram_prefetch import HostEngramEmbedding, keep_engram_on_host
-from dsv4.fast.kernels import prefetch as prefetch_module
 from dsv4.fast.model import FastIndexer, FastLinear, Fp8Copy, compile_options, make_fast
 from dsv4.fast.runner import OutOfSlots, Runner, write_padded
 from dsv4.quant import dequantize_fp8
@@ -484,37 +483,6 @@ def test_compiled_decode_step_and_prefill_trace_without_graph_breaks_and_change_
     assert torch.equal(traced, eager)
 
 
-def test_a_batch_1_step_asks_the_l2_for_wo_and_the_shared_expert_ahead_and_changes_nothing(tiny_v41_dir, monkeypatch):
-    """`ask_l2_ahead(n)`: a batch-1 decode step asks the L2 for the first n bytes of wo_a then wo_b after the query
-    latent's GEMV, and of the shared expert after wo_b, in every layer; traced without a graph break, the logits
-    bit for bit those of a step asking for nothing. Larger batches read the bf16 copies and ask for nothing."""
-    asked = []
-    check = prefetch_module._check
-    monkeypatch.setattr(prefetch_module, "_check", lambda a, b, n, done: asked.append((a, b, n)) or check(a, b, n, done))
-    (_, fast), (_, plain) = (models(tiny_v41_dir, packed=True, fp8_decode=True) for _ in range(2))
-    fast.ask_l2_ahead(1 << 20)
-    runner, eager = Runner(fast, max_seqs=2, max_len=96, compile="aot_eager"), Runner(plain, max_seqs=2, max_len=96)
-    slot, same = runner.allocate(), eager.allocate()
-    token = runner.prefill(slot, prompt(30, 1)).argmax().view(1)
-    assert torch.equal(eager.prefill(same, prompt(30, 1)).argmax().view(1), token)
-    asked.clear()
-    counters.clear()
-    for _ in range(3):
-        got, want = runner.decode([slot], token)[0], eager.decode([same], token)[0]
-        assert torch.equal(got, want)
-        token = got.argmax().view(1)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    per_step = [(t.data_ptr(), n) for layer in fast.layers
-                for t, n in ((layer.attn.wo_fp8[0].weight, 1 << 20), (layer.ffn.shared_fp8[0].weight, 1 << 20))]
-    assert [(a.data_ptr(), n) for a, _, n in asked] == per_step * 3
-    asked.clear()
-    second = runner.allocate()
-    runner.prefill(second, prompt(20, 2))
-    asked.clear()
-    runner.decode([slot, second], torch.cat([token, token]))
-    assert asked == []
-
-
 def resumed_steps(runner: Runner, steps: int = 3) -> torch.Tensor:
     """A 64-token prompt prefilled, a second slot resumed from it at 64 (the bounded replay as a decode step of
     the window's rows), 5 new tokens prefilled, then `steps` greedy decode steps -> the logits [1 + steps,
@@ -583,26 +551,6 @@ def test_cuda_graphs_change_nothing(tiny_v41_dir):
     want = reference_steps(ref, fed)
     err_compiled, err_uncompiled = ((x - want).abs().max().item() for x in (compiled, uncompiled))
     assert err_compiled <= 2 * err_uncompiled, f"compiled {err_compiled:.3g} vs uncompiled {err_uncompiled:.3g}"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_l2_asked_ahead_changes_nothing_in_graphs(tiny_v41_dir):
-    """One sequence's batch-1 steps from the stored FP8 weights, compiled by inductor and replayed from CUDA
-    graphs, with wo and the shared expert asked of the L2 ahead (past their sizes) and without: bit-identical."""
-
-    def steps(nbytes: int) -> torch.Tensor:
-        _, fast = models(tiny_v41_dir, packed=True, dtype=torch.bfloat16, device="cuda", fp8_decode=True)
-        fast.ask_l2_ahead(nbytes)
-        runner = Runner(fast, max_seqs=2, max_len=128)
-        slot = runner.allocate()
-        token, out = runner.prefill(slot, prompt(40, 7)).argmax().view(1), []
-        for _ in range(6):
-            out.append(runner.decode([slot], token)[0].clone())
-            token = out[-1].argmax().view(1)
-        return torch.stack(out)
-
-    assert torch.equal(steps(1 << 30), steps(0))
 
 
 def test_warm_up_compiles_the_prefill_for_every_chunk_length_before_serving(tiny_v4_dir):
