@@ -81,16 +81,20 @@ def launches(prof) -> list[dict]:
     return rows
 
 
-def replay_times(prof, rows: list[dict]) -> None:
+def replay_times(prof, rows: list[dict]) -> list[str] | None:
     """The step as its CUDA graph replays it (the profiler reports a replayed graph's kernels one by one): each of
     `rows` (`launches`, in order) gets its start, its span in the replay (`replay_us`: a PDL kernel's holds its
     wait for the one before) and its own time (`common.own_times`: what it adds to the step, the by-op sums'
-    second column). Nothing is set where the replay's kernels are not the launches in order."""
+    second column). Where the replay's kernels are not the launches in order nothing is set, and the replay's
+    kernel names (in start order) come back for the result, to show where the two differ."""
     device = [(e.name[:90], e.time_range.start, e.time_range.end) for e in prof.events()
               if e.device_type == torch.autograd.DeviceType.CUDA]
     spans = common.spans_of_run(device, [r["kernel"] for r in rows])  # among the copies of its inputs and logits
-    for r, (start, end), own in zip(rows, spans or [], common.own_times(spans or [])):
+    if spans is None:
+        return [name for name, *_ in sorted(device, key=lambda k: k[1])]
+    for r, (start, end), own in zip(rows, spans, common.own_times(spans)):
         r["start_us"], r["replay_us"], r["own_us"] = start - spans[0][0], end - start, own
+    return None
 
 
 def by_op(rows: list[dict]) -> list[dict]:
@@ -216,11 +220,12 @@ def main():
                 torch.cuda.synchronize()
     rows = kernel_table(prof)
     steps = launches(prof)
+    unmatched = None
     if device.type == "cuda":
         with profile(activities=[ProfilerActivity.CUDA]) as replay:
             runner.decode(slots, next_ids)
             torch.cuda.synchronize()
-        replay_times(replay, steps)
+        unmatched = replay_times(replay, steps)
     prefill = profile_prefill(runner, activities, device, context) if ARGS.prefill_chunk else None
     nbytes = decode_bytes(fast, runner.state, context)
     bw = common.copy_bandwidth(device)
@@ -230,6 +235,8 @@ def main():
               "kernel_launches": sum(r["calls"] for r in rows), "bytes_per_step_b1": nbytes,
               "floor_ms_b1": nbytes / bw * 1e3, "table": rows[: ARGS.top], "launches": steps,
               "prefill": prefill}
+    if unmatched is not None:
+        result["unmatched_replay_kernels"] = unmatched
     result["by_op"] = by_op(result["launches"])
     timed_rows = [r for r in result["launches"] if "own_us" in r]
     if timed_rows:  # the replay's span on the device = its kernels' own times + the gaps between them
@@ -245,7 +252,10 @@ def main():
         print(f"graph replay: device span {result['device_span_ms']:.3f} ms, kernels' own time "
               f"{result['own_sum_ms']:.3f} ms, gaps {result['device_span_ms'] - result['own_sum_ms']:.3f} ms")
     elif device.type == "cuda":
-        print("own times: the graph replay's kernels did not line up with the launches (another stream?); not computed")
+        names = {r["kernel"] for r in result["launches"]}
+        print(f"own times: the graph replay's {len(unmatched)} kernels did not line up with the {len(steps)} launches; "
+              f"not computed (unmatched_replay_kernels in the JSON). Only in the replay: "
+              f"{sorted(set(unmatched) - names)[:8]}; only launched: {sorted(names - set(unmatched))[:8]}")
     print("the step by the ops that launched its kernels (us alone, own us in the graph replay):")
     for r in result["by_op"]:
         print(f"{r['us']:9.1f} {r['own_us']:9.1f} us {r['launches']:4d}x  {r['op']}")
