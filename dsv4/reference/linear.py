@@ -80,8 +80,16 @@ class Linear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, fmt={self.fmt}, act_block={self.act_block}"
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., dim] normalized by its root mean square and scaled by weight [dim], in fp32, cast back to x's
+    dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm with a learned weight, computed in fp32 and cast back to the input dtype."""
+    """RMSNorm with a learned weight (`rms_norm`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -89,6 +97,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
-from dsv4.fast.kernels.attention import _to_bf16
 from dsv4.fast.kernels.quant import _e2m1_code, _e2m1_values, _ue8m0, _widen
+from dsv4.fast.kernels.rope import rotate_pairs, rounded
 from dsv4.quant import fake_quant_mxfp4
 from dsv4.reference.rope import apply_rope
 
@@ -42,15 +42,6 @@ def indexer_query_twin(q, w, cos, sin, w_scale: float):
 
 
 @triton.jit
-def _rounded(x, BF16: tl.constexpr, INTERP: tl.constexpr):
-    """fp32 x rounded to the model's dtype (bf16: to nearest even), as fp32."""
-    if BF16:
-        return _widen(_to_bf16(x, INTERP))
-    else:
-        return x
-
-
-@triton.jit
 def _indexer_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, wout_ptr, w_scale,
                           H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BF16: tl.constexpr,
                           INTERP: tl.constexpr, PDL: tl.constexpr):
@@ -61,12 +52,7 @@ def _indexer_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, wout_ptr, w_s
     at = n * (H * D) + h[:, None] * D + 2 * p[None, :]  # [HB, D/2]
     even = _widen(tl.load(q_ptr + at))
     odd = _widen(tl.load(q_ptr + at + 1))
-    j = p - (D - R) // 2  # the pair's RoPE frequency; < 0: not rotated
-    rot = (j >= 0)[None, :]
-    c = tl.load(cos_ptr + n * (R // 2) + j, mask=j >= 0, other=1.0)[None, :]
-    s = tl.load(sin_ptr + n * (R // 2) + j, mask=j >= 0, other=0.0)[None, :]
-    even, odd = (tl.where(rot, _rounded(even * c - odd * s, BF16, INTERP), even),
-                 tl.where(rot, _rounded(even * s + odd * c, BF16, INTERP), odd))
+    even, odd = rotate_pairs(even, odd, cos_ptr + n * (R // 2), sin_ptr + n * (R // 2), p, D, R, BF16, INTERP)
 
     x = tl.reshape(tl.join(even, odd), (HB * D // 32, 32))  # blocks of 32 along d, in channel order
     log2s, inv = _ue8m0(tl.maximum(tl.max(tl.abs(x), axis=1), 6.0 * 2.0**-126), 1.0 / 6.0)
@@ -75,7 +61,7 @@ def _indexer_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, wout_ptr, w_s
     val = tl.reshape(_e2m1_values(code) * scale[:, None], (HB, D))  # exact: two significant bits
     tl.store(out_ptr + n * (H * D) + h[:, None] * D + tl.arange(0, D)[None, :], val.to(out_ptr.dtype.element_ty))
 
-    wv = _rounded(_widen(tl.load(w_ptr + n * H + h)) * w_scale, BF16, INTERP)
+    wv = rounded(_widen(tl.load(w_ptr + n * H + h)) * w_scale, BF16, INTERP)
     tl.store(wout_ptr + n * H + h, wv)
 
 
