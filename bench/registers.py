@@ -44,7 +44,18 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsv4.fast.kernels import attention, dense_gemv, fp8_gemv, indexer_query, mhc, moe_experts, moe_routing, quant, topk
+from dsv4.fast.kernels import (
+    attention,
+    dense_gemv,
+    fp8_gemv,
+    indexer_query,
+    mhc,
+    moe_experts,
+    moe_routing,
+    quant,
+    topk,
+    window_write,
+)
 
 SM90 = GPUTarget("cuda", 90, 32)
 CUDA = SimpleNamespace(is_cuda=True)  # what the ops' tile choices ask of a tensor
@@ -295,6 +306,14 @@ def quant_kernels() -> list[Kernel]:
     return out
 
 
+def window_write_kernels() -> list[Kernel]:
+    """V4.1's window row of one bf16 token (kv_norm, RoPE, FP8 into the window store)."""
+    return [Kernel("window write", window_write._window_write_kernel,
+                   {"kv_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "slot_ptr": "*i64",
+                    "row_ptr": "*i64", "eps": "fp32"},
+                   {"D": DH, "R": ROPE, "BLOCK": 32, "BF16": True, "INTERP": False, "PDL": True}, 2)]
+
+
 def indexer_query_kernels() -> list[Kernel]:
     """The V4.1 indexer's decode queries (RoPE, MXFP4 rounding, head weights) of one bf16 row."""
     return [Kernel("indexer queries", indexer_query._indexer_query_kernel,
@@ -349,7 +368,8 @@ def launch_compile(k: Kernel):
 
 def kernels() -> list[Kernel]:
     return (mhc_kernels() + routing_kernels() + moe_kernels() + fp8_gemv_kernels() + dense_gemv_kernels()
-            + attention_kernels() + topk_kernels() + quant_kernels() + indexer_query_kernels() + batched_moe_kernels())
+            + attention_kernels() + topk_kernels() + quant_kernels() + window_write_kernels() + indexer_query_kernels()
+            + batched_moe_kernels())
 
 
 def report(name: str, rows: Iterable[dict], as_json: bool, columns: list, save: bool = True) -> None:

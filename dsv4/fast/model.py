@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from dsv4.fast.cache import POOL_BLOCK, LayerSlots, SlotState
+from dsv4.fast.cache import POOL_BLOCK, LayerSlots, Rows, SlotState
 from dsv4.fast.engram_prefetch import EngramPrefetcher, HostEngramEmbedding
 from dsv4.fast.kernels.attention import sparse_attn_bf16, sparse_attn_fp4
 from dsv4.fast.kernels.dense_gemv import beats_cublas, dense_gemv
@@ -64,6 +64,7 @@ from dsv4.fast.kernels.moe_experts import (
 from dsv4.fast.kernels.moe_routing import gate_route
 from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant
 from dsv4.fast.kernels.topk import topk_select
+from dsv4.fast.kernels.window_write import window_write
 from dsv4.quant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
 from dsv4.reference.attention import Attention, SharedKV
 from dsv4.reference.indexer import Indexer, hadamard, index_scores
@@ -394,9 +395,7 @@ class FastAttention(Attention):
         qr = self.q_norm(on_x["wq_a"])
         on_qr = self.on_qr(qr)
         q = self._query_heads(on_qr["wq_b"][:, None], cos[:, None], sin[:, None])[:, 0]  # [B, H, Dh]
-        kv = apply_rope(self.kv_norm(on_x["wkv"][:, None]), cos[:, None], sin[:, None])  # [B, 1, Dh]
-        # V4.1's FP8 rounding (blocks of 32 over the whole row) is the window store's own encoding
-        view.window.write(slots, rows.ring, (kv if self.is_v41 else self._window_quant(kv))[:, 0])
+        self._window_decode(on_x["wkv"], cos, sin, slots, rows.ring, view.window)
         win_idx = rows.attended
         win_data, win_scale = view.window.flat()
         store = view.store
@@ -416,6 +415,17 @@ class FastAttention(Attention):
         else:
             o = sparse_attn_bf16(q, win_data, win_idx, glob_data, glob_idx, self.attn_sink, scale, cos, sin)
         return self._output_decode(o.to(x.dtype)), picks, pool
+
+    def _window_decode(self, kv, cos, sin, slots, ring, window: Rows) -> None:
+        """wkv's output kv [B, Dh] normed, rotated and stored at the rows' window places (`ring`). V4.1's FP8
+        rounding (blocks of 32 over the whole row) is the window store's own encoding, so a packed V4.1 window
+        takes the three in one kernel (`dsv4::window_write`, the same rows)."""
+        norm = self.kv_norm
+        if self.is_v41 and window.fmt == "fp8":
+            window_write(kv, norm.weight, norm.eps, cos, sin, window.data, window.scale, slots, ring, window.block)
+            return
+        kv = apply_rope(norm(kv[:, None]), cos[:, None], sin[:, None])  # [B, 1, Dh]
+        window.write(slots, ring, (kv if self.is_v41 else self._window_quant(kv))[:, 0])
 
     def _output_decode(self, o: torch.Tensor) -> torch.Tensor:
         """`_output` of one token a row, o [B, H, Dh] -> [B, D]; at batch 1 from wo_a's and wo_b's FP8 copies."""

@@ -470,6 +470,20 @@ def test_a_v41_layer_takes_the_next_layers_attention_site_pass_but_before_an_eng
     assert torch.equal(fused, apart)
 
 
+def test_a_v41_decode_step_writes_each_layers_window_row_in_one_op(tiny_v41_dir, monkeypatch):
+    """V4.1's packed window rows (kv_norm, RoPE, FP8) go through `dsv4::window_write`, one call a layer and step
+    holding every row of the (padded) batch; without packed formats (a dense window) the step stores them as before."""
+    calls = []
+    write = model_module.window_write
+    monkeypatch.setattr(model_module, "window_write", lambda kv, *a: calls.append(kv.shape[0]) or write(kv, *a))
+    fast = models(tiny_v41_dir, packed=True)[1]
+    decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
+    assert len(calls) == 2 * len(fast.layers) and set(calls) == {4}  # 3 sequences in the batch-4 bucket
+    calls.clear()
+    decode_steps(Runner(models(tiny_v41_dir, packed=False)[1], max_seqs=4, max_len=128, compile=False), 1)
+    assert calls == []
+
+
 def test_compiled_decode_step_and_prefill_trace_without_graph_breaks_and_change_nothing(tiny_v41_dir):
     """torch.compile traces the decode step's parts and the prefill's pieces without a graph break (every kernel
     op has a fake), and the traced graphs compute what the eager model does, bit for bit (aot_eager: the host's

@@ -102,6 +102,15 @@ def _widen(x):
 
 
 @triton.jit
+def _fp8_blocks(x, amax):
+    """Blocks x [rows, cols] with their absolute maxima amax [rows] -> (e4m3 codes uint8 [rows, cols], ue8m0 scale
+    bytes int32 [rows]): `dsv4.quant.quantize_fp8`'s."""
+    log2s, inv = _ue8m0(tl.maximum(amax, 1e-4), 1.0 / 448.0)
+    y = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
+    return _e4m3_code(y).to(tl.uint8), log2s + 127
+
+
+@triton.jit
 def _quant_kernel(
     x_ptr, q_ptr, s_ptr, slot_ptr, row_ptr, n_blocks, row_blocks, slot_rows,
     FMT: tl.constexpr, BLOCK: tl.constexpr, HALF_P2: tl.constexpr, ROWS: tl.constexpr, SCATTER: tl.constexpr,
@@ -124,10 +133,8 @@ def _quant_kernel(
     amax = tl.max(tl.abs(x), axis=1)  # [ROWS]
 
     if FMT == 0:  # FP8 e4m3, ue8m0 scale
-        log2s, inv = _ue8m0(tl.maximum(amax, 1e-4), 1.0 / 448.0)
-        y = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
-        tl.store(q_ptr + out[:, None] * BLOCK + col, _e4m3_code(y).to(tl.uint8), mask=mask)
-        scale = log2s + 127
+        codes, scale = _fp8_blocks(x, amax)
+        tl.store(q_ptr + out[:, None] * BLOCK + col, codes, mask=mask)
     else:
         if FMT == 1:  # MXFP4: ue8m0 scale
             log2s, inv = _ue8m0(tl.maximum(amax, 6.0 * 2.0**-126), 1.0 / 6.0)

@@ -1,0 +1,101 @@
+"""A V4.1 decode token's window KV row in one kernel: RMSNorm, RoPE and the store's FP8 encoding.
+
+`dsv4::window_write(kv, weight, eps, cos, sin, data, scale, slots, rows, block) -> ()`
+    kv [N, D] (wkv's output, the model's dtype), weight [D] (kv_norm's), cos / sin [N, R/2] fp32 (each row's RoPE
+    tables, R <= D rotated trailing channels). data[slots, rows], scale[slots, rows] = the FP8 bytes (1 x block
+    blocks, ue8m0 scales: `dsv4.quant.quantize_fp8`) of apply_rope(rms_norm(kv)), rounded to the model's dtype after
+    the norm and after the rotation as the reference rounds them (`window_write_twin`).
+
+Why: in the compiled decode step the norm, the rotation, the concatenation of rotated and plain channels and the
+quantizing write were four launches a layer (three inductor kernels and `dsv4::quant_write`), a chain of ~1.5 us
+kernels that each move a few KB.
+
+One program a row holds its D channels as (even, odd) pairs. Exact as the twin but for the norm's sum of squares,
+summed in another order (the row's mean square can differ in its last bit, and so, rarely, a value by one bf16 step
+and its FP8 code by one): the products, the rotation and the codes are the reference's (fp fusion off).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
+from dsv4.fast.kernels.quant import _fp8_blocks, _widen, quant_write
+from dsv4.fast.kernels.rope import rotate_pairs, rounded
+from dsv4.reference.linear import rms_norm
+from dsv4.reference.rope import apply_rope
+
+__all__ = ["window_write", "window_write_twin"]
+
+
+def window_write_twin(kv, weight, eps: float, cos, sin, data, scale, slots, rows, block: int) -> None:
+    """The reference's rows (kv_norm, apply_rope) through `quant_write`."""
+    rows_kv = apply_rope(rms_norm(kv, weight, eps)[:, None], cos[:, None], sin[:, None])[:, 0]
+    quant_write(rows_kv, data, scale, slots, rows, "fp8", block)
+
+
+@triton.jit
+def _window_write_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr, slot_ptr, row_ptr, slot_rows, eps,
+                         D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr,
+                         INTERP: tl.constexpr, PDL: tl.constexpr):
+    wait_for_predecessor(PDL)
+    n = tl.program_id(0).to(tl.int64)
+    p = tl.arange(0, D // 2)[None, :]  # [1, D/2]: channel pairs (2p, 2p + 1)
+    even = _widen(tl.load(kv_ptr + n * D + 2 * p))
+    odd = _widen(tl.load(kv_ptr + n * D + 2 * p + 1))
+    mean_square = tl.math.div_rn(tl.sum(even * even + odd * odd, axis=1), tl.full([1], D, tl.float32))
+    r = tl.math.div_rn(tl.full([1], 1.0, tl.float32), tl.sqrt_rn(mean_square + eps))[:, None]  # 1 / sqrt, as torch
+    even = rounded(_widen(tl.load(w_ptr + 2 * p)) * (even * r), BF16, INTERP)
+    odd = rounded(_widen(tl.load(w_ptr + 2 * p + 1)) * (odd * r), BF16, INTERP)
+    even, odd = rotate_pairs(even, odd, cos_ptr + n * (R // 2), sin_ptr + n * (R // 2), tl.arange(0, D // 2), D, R,
+                             BF16, INTERP)
+    x = tl.reshape(tl.join(even, odd), (D // BLOCK, BLOCK))  # blocks along the row, in channel order
+    codes, scale = _fp8_blocks(x, tl.max(tl.abs(x), axis=1))
+    dst = tl.load(slot_ptr + n).to(tl.int64) * slot_rows + tl.load(row_ptr + n)
+    tl.store(q_ptr + dst * D + tl.reshape(tl.arange(0, D), (D // BLOCK, BLOCK)), codes)
+    tl.store(s_ptr + dst * (D // BLOCK) + tl.arange(0, D // BLOCK), scale.to(tl.uint8))
+
+
+def _check(kv, weight, cos, sin, data, scale, slots, rows, block: int) -> None:
+    if kv.dim() != 2 or weight.shape != kv.shape[1:]:
+        raise ValueError(f"window_write: kv [N, D] and weight [D] expected, got {tuple(kv.shape)}, "
+                         f"{tuple(weight.shape)}")
+    N, D = kv.shape
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != N or 2 * cos.shape[1] > D:
+        raise ValueError(f"window_write: cos and sin [N, R/2] with R <= {D} expected, got {tuple(cos.shape)}, "
+                         f"{tuple(sin.shape)}")
+    if kv.dtype not in (torch.bfloat16, torch.float32) or {cos.dtype, sin.dtype} != {torch.float32}:
+        raise ValueError(f"window_write: kv bf16 or fp32 and cos, sin fp32 expected, got {kv.dtype}, {cos.dtype}, "
+                         f"{sin.dtype}")
+    if D & (D - 1) or block & (block - 1) or D % block:
+        raise ValueError(f"window_write: the row ({D}) and the block ({block}) must be powers of two, the block "
+                         "dividing the row")
+    if slots.shape != (N,) or rows.shape != (N,) or {slots.dtype, rows.dtype} - {torch.int32, torch.int64}:
+        raise ValueError(f"window_write: slots and rows [N] int32 or int64 expected, got {tuple(slots.shape)} "
+                         f"{slots.dtype}, {tuple(rows.shape)} {rows.dtype}")
+    for name, t, cols in (("data", data, D), ("scale", scale, D // block)):
+        if t.dtype != torch.uint8 or t.dim() != 3 or t.shape[2] != cols or not t.is_contiguous():
+            raise ValueError(f"window_write: {name} must be contiguous uint8 [slots, rows, {cols}], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+
+
+@torch.library.custom_op("dsv4::window_write", mutates_args=("data", "scale"))
+def window_write(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, block: int) -> None:
+    """The window rows of kv [N, D] written to the FP8 store (data, scale) at (slots, rows): see the module doc.
+    Slots and rows are not bound-checked (that would read them back to the host)."""
+    _check(kv, weight, cos, sin, data, scale, slots, rows, block)
+    if not use_triton(kv):
+        window_write_twin(kv, weight, eps, cos, sin, data, scale, slots, rows, block)
+        return
+    N, D = kv.shape
+    if N:
+        _window_write_kernel[(N,)](kv.contiguous(), weight.contiguous(), cos.contiguous(), sin.contiguous(), data,
+                                   scale, slots, rows, data.shape[1], float(eps), D=D, R=2 * cos.shape[1],
+                                   BLOCK=block, BF16=kv.dtype == torch.bfloat16, INTERP=not kv.is_cuda, PDL=pdl(kv),
+                                   num_warps=2, launch_pdl=pdl(kv), enable_fp_fusion=False)
+
+
+@window_write.register_fake
+def _(kv, weight, eps, cos, sin, data, scale, slots, rows, block):
+    _check(kv, weight, cos, sin, data, scale, slots, rows, block)

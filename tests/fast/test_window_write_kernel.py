@@ -1,0 +1,102 @@
+"""dsv4.fast.kernels.window_write against its twin (rms_norm, apply_rope, quant_write): the same bytes where the
+row's mean square is exact, one FP8 code at most elsewhere (the only difference is the order of its sum).
+
+On CPU the kernel runs under the Triton interpreter (TRITON_INTERPRET=1, as the test session sets it)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1 (else the op only calls its twin)", allow_module_level=True)
+
+from dsv4.fast.kernels.window_write import window_write, window_write_twin
+from dsv4.reference.rope import Rotary
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SLOTS, SLOT_ROWS = 3, 5
+
+
+def case(seed: int, n: int, width: int, rope: int, exact: bool, dtype=torch.bfloat16):
+    """n rows of wkv's output at random positions with V4.1's YaRN RoPE tables, a norm weight, and the rows'
+    distinct (slot, row) places in a store. `exact`: values k / 8 with |k| <= 8, whose squares sum exactly in
+    fp32 in any order (the mean square is then the same bits in kernel and twin)."""
+    gen = torch.Generator().manual_seed(seed)
+    if exact:
+        kv = torch.randint(-8, 9, (n, width), generator=gen).float() / 8
+    else:
+        kv = torch.randn(n, width, generator=gen) * torch.exp2(torch.randint(-4, 5, (n, 1), generator=gen).float())
+    weight = 1 + torch.randn(width, generator=gen) / 4
+    yarn = {"original_max_position_embeddings": 65536, "factor": 16, "beta_fast": 32, "beta_slow": 1}
+    cos, sin = Rotary(rope, 160000.0, yarn).cos_sin(torch.randint(0, 1 << 20, (n,), generator=gen))
+    places = torch.randperm(SLOTS * SLOT_ROWS, generator=gen)[:n]
+    tensors = (kv.to(dtype), weight.to(dtype), cos, sin, places // SLOT_ROWS, places % SLOT_ROWS)
+    return [t.to(DEVICE) for t in tensors]
+
+
+def stores(width: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 row store (codes, scales) filled with a marker byte, to show which rows a write touched."""
+    return (torch.full((SLOTS, SLOT_ROWS, width), 0x5A, dtype=torch.uint8, device=DEVICE),
+            torch.full((SLOTS, SLOT_ROWS, width // block), 0x5A, dtype=torch.uint8, device=DEVICE))
+
+
+def both(kv, weight, cos, sin, slots, rows, block: int):
+    """(kernel's store, twin's store) after writing the rows."""
+    got, want = stores(kv.shape[1], block), stores(kv.shape[1], block)
+    window_write(kv, weight, 1e-6, cos, sin, *got, slots, rows, block)
+    window_write_twin(kv, weight, 1e-6, cos, sin, *want, slots, rows, block)
+    return got, want
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 4),
+       shape=st.sampled_from([(64, 16, 32), (128, 32, 32), (512, 64, 32), (256, 64, 64)]), fp32=st.booleans())
+def test_a_row_with_an_exact_mean_square_gets_the_twins_bytes(seed, n, shape, fp32):
+    width, rope, block = shape
+    kv, weight, cos, sin, slots, rows = case(seed, n, width, rope, exact=True,
+                                             dtype=torch.float32 if fp32 else torch.bfloat16)
+    (codes, scales), (want_codes, want_scales) = both(kv, weight, cos, sin, slots, rows, block)
+    assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 4))
+def test_any_row_is_within_one_fp8_code_of_the_twins(seed, n):
+    """V4.1's window rows (512 channels, 64 rotated, blocks of 32) from random values: a mean square summed in
+    another order moves a value by one bf16 step at most, and so its code by one at most (same scales)."""
+    kv, weight, cos, sin, slots, rows = case(seed, n, 512, 64, exact=False)
+    (codes, scales), (want_codes, want_scales) = both(kv, weight, cos, sin, slots, rows, 32)
+    assert torch.equal(scales, want_scales)
+    sign, want_sign = codes >> 7, want_codes >> 7
+    steps = (codes & 0x7F).int() - (want_codes & 0x7F).int()
+    assert ((steps.abs() <= 1) & ((sign == want_sign) | ((codes & 0x7F) == 0))).all()
+    assert (steps != 0).float().mean() < 0.01  # a rare tie, not a systematic difference
+
+
+def test_only_the_rows_given_are_written():
+    kv, weight, cos, sin, slots, rows = case(3, 2, 128, 32, exact=True)
+    (codes, scales), _ = both(kv, weight, cos, sin, slots, rows, 32)
+    written = torch.zeros(SLOTS, SLOT_ROWS, dtype=torch.bool, device=DEVICE)
+    written[slots, rows] = True
+    assert (codes[~written] == 0x5A).all() and (scales[~written] == 0x5A).all()
+    assert (codes[written] != 0x5A).any()
+
+
+def test_bad_arguments_fail_clearly():
+    kv, weight, cos, sin, slots, rows = case(1, 2, 128, 32, exact=True)
+    data, scale = stores(128, 32)
+    with pytest.raises(ValueError, match=r"kv \[N, D\] and weight \[D\]"):
+        window_write(kv, weight[:64], 1e-6, cos, sin, data, scale, slots, rows, 32)
+    with pytest.raises(ValueError, match="cos and sin"):
+        window_write(kv, weight, 1e-6, cos[:1], sin[:1], data, scale, slots, rows, 32)
+    with pytest.raises(ValueError, match="powers of two"):
+        window_write(kv, weight, 1e-6, cos, sin, data, scale, slots, rows, 24)
+    with pytest.raises(ValueError, match="data must be contiguous uint8"):
+        window_write(kv, weight, 1e-6, cos, sin, data[..., :64], scale, slots, rows, 32)
+    with pytest.raises(ValueError, match="slots and rows"):
+        window_write(kv, weight, 1e-6, cos, sin, data, scale, slots.float(), rows, 32)
