@@ -66,8 +66,8 @@ def main() -> None:
     for rows in ARGS.rows:
         sets = [inputs(rows, width, rope, seed, device) for seed in range(2 if ARGS.smoke else 8)]
         data, scale = store(width, device)
-        paths = {"fused": lambda s: window_write(*s[:2], EPS, *s[2:4], data, scale, *s[4:], BLOCK),
-                 "before": lambda s: quant_write(compiled(*s[:4]), data, scale, *s[4:], "fp8", BLOCK)}
+        paths = {"fused": lambda s, d=data, c=scale: window_write(*s[:2], EPS, *s[2:4], d, c, *s[4:], BLOCK),
+                 "before": lambda s, d=data, c=scale: quant_write(compiled(*s[:4]), d, c, *s[4:], "fp8", BLOCK)}
         want = store(width, device)
         window_write_twin(*sets[0][:2], EPS, *sets[0][2:4], *want, *sets[0][4:], BLOCK)
         row = {"case": f"{rows}x{width}", "rows": rows, "width": width}
