@@ -250,17 +250,20 @@ def fp8_gemv_kernels() -> list[Kernel]:
 
 
 def attention_kernels() -> list[Kernel]:
-    """Sparse attention of one query row over the FP8 window and FP4 entries (window 128 + top-512), split."""
+    """Sparse attention of one query row over the FP8 window and FP4 entries (window 128 + top-512), split, its query
+    rotated as the kernel loads it (V4.1's decode)."""
     cfg = attention.Config().resolve(1, H, WINDOW, INDEX_TOPK)
     attn = Kernel("sparse_attn_fp4", attention._attn_kernel,
                   {"q_ptr": "*bf16", "o_ptr": "*bf16", "wd_ptr": "*fp8e4nv", "ws_ptr": "*u8", "widx_ptr": "*i32",
                    "gd_ptr": "*u8", "gs_ptr": "*fp8e4nv", "gidx_ptr": "*i32", "qk_scale": "fp32"},
                   {"WIN_FMT": attention.FP8, "GLOB_FMT": attention.FP4, "D": DH, "R": ROPE, "BLOCK_H": cfg.block_h,
-                   "BLOCK_N": cfg.block_n, "SPLIT": True, "INTERP": False, "PDL": True}, cfg.num_warps, cfg.num_stages)
+                   "BLOCK_N": cfg.block_n, "SPLIT": True, "ROTATE_Q": True, "INTERP": False, "PDL": True}, cfg.num_warps,
+                  cfg.num_stages)
     # a prefill chunk's rows: 64 heads a program, no split; a lone row over a long list: 64-row tiles
     chunk = attention.Config().resolve(8192, H, WINDOW, INDEX_TOPK)
     prefill = Kernel("sparse_attn_fp4 (prefill)", attention._attn_kernel, attn.types,
-                     {**attn.constexprs, "BLOCK_H": chunk.block_h, "SPLIT": False}, chunk.num_warps, chunk.num_stages,
+                     {**attn.constexprs, "BLOCK_H": chunk.block_h, "SPLIT": False, "ROTATE_Q": False}, chunk.num_warps,
+                     chunk.num_stages,
                      spills_ok=True, note="64 heads in 8 warps (32 heads: 252 registers, no stack; each head block "
                      "dequantizes the rows again)")
     lone = attention.Config().resolve(1, H, WINDOW, 1 << 18)

@@ -3,7 +3,8 @@
 A kernel runs in Triton on CUDA tensors, and on CPU tensors when `TRITON_INTERPRET=1` (the tests run
 the kernels that way at small shapes); anywhere else the op computes with its reference twin.
 
-The kernel modules take `triton`, `tl` and `libdevice` from here, and `pdl` / `wait_for_predecessor` for the
+The kernel modules take `triton`, `tl` and `libdevice` from here, `to_bf16` (a rounding every kernel family uses),
+and `pdl` / `wait_for_predecessor` for the
 decode step's kernels launched with programmatic dependent launch. Where triton is not installed (a CPU-only torch
 build brings none) they are stand-ins: the modules still import (`@triton.jit` returns the function,
 any `tl.<name>` is a placeholder), `use_triton` is False everywhere, and every op runs its twin, so
@@ -68,3 +69,14 @@ def wait_for_predecessor(PDL: tl.constexpr):
     visible (griddepcontrol.wait), before reading anything it may have written."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def to_bf16(x, INTERP: tl.constexpr):
+    """fp32 -> bf16, round to nearest even. The interpreter's cast truncates, so there the rounding is done
+    on the bits (finite x only) and the cast only drops zeros."""
+    if INTERP:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)

@@ -17,15 +17,18 @@ exact for all three:
 - BF16: plain rows [*, D] (1024 B per row)
 
 Ops (all return o [S, H, D] bf16; fp32 when the twin serves fp32 queries, i.e. off the GPU without the interpreter):
-- `dsv4::sparse_attn_fp4(q, win_q8, win_scale, win_idx, glob_packed, glob_scale, glob_idx, sink, softmax_scale, cos, sin, split_size=0)`
-- `dsv4::sparse_attn_fp8(q, win_q8, win_scale, win_idx, glob_q8, glob_scale, glob_idx, sink, softmax_scale, cos, sin, split_size=0)`
-- `dsv4::sparse_attn_bf16(q, win_kv, win_idx, glob_kv, glob_idx, sink, softmax_scale, cos, sin, split_size=0)`
+- `dsv4::sparse_attn_fp4(q, win_q8, win_scale, win_idx, glob_packed, glob_scale, glob_idx, sink, softmax_scale, cos, sin, split_size=0, rotate_q=False)`
+- `dsv4::sparse_attn_fp8(q, win_q8, win_scale, win_idx, glob_q8, glob_scale, glob_idx, sink, softmax_scale, cos, sin, split_size=0, rotate_q=False)`
+- `dsv4::sparse_attn_bf16(q, win_kv, win_idx, glob_kv, glob_idx, sink, softmax_scale, cos, sin, split_size=0, rotate_q=False)`
 
 Work split: programs over (query row, split of the index list, head block). The index list of a row is the
 window's tiles then the global tiles; when rows x head blocks would not fill the GPU (decode), the list is cut
 into splits that each write a partial (running max, sum, fp32 accumulator) and a combine kernel merges them
 (split_size forces the entries per split; 0 picks it from the shapes). With one split (prefill) the main
 kernel writes the output itself.
+
+`rotate_q`: q comes unrotated and is rotated by the row's position first (`apply_rope(q, cos, sin)`, rounded to
+q's dtype): the kernel does it as it loads bf16 queries, where the decode step spent a launch of its own.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
+from dsv4.fast.kernels import pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
+from dsv4.fast.kernels.quant import _widen
+from dsv4.fast.kernels.rope import rotate_pairs
 from dsv4.quant import dequantize_fp8, dequantize_nvfp4
 from dsv4.reference.attention import sparse_attention
 from dsv4.reference.rope import apply_rope
@@ -151,17 +156,6 @@ def _load_kv(FMT: tl.constexpr, data_ptr, scale_ptr, rows, valid, D: tl.constexp
 
 
 @triton.jit
-def _to_bf16(x, INTERP: tl.constexpr):
-    """fp32 -> bf16, round to nearest even. The interpreter's cast truncates, so there the rounding is done
-    on the bits (finite x only) and the cast only drops zeros."""
-    if INTERP:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(tl.bfloat16)
-
-
-@triton.jit
 def _dot(a, b, INTERP: tl.constexpr):
     """bf16 a @ b, fp32 accumulation. The interpreter multiplies bf16 bit patterns as integers, so there
     the (exactly representable) operands go in as fp32."""
@@ -179,7 +173,7 @@ def _attend(q, kv, valid, m, l, acc, qk_scale, INTERP: tl.constexpr):
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(_to_bf16(p, INTERP), kv, INTERP)
+    acc = acc * alpha[:, None] + _dot(to_bf16(p, INTERP), kv, INTERP)
     return m_new, l, acc
 
 
@@ -189,7 +183,7 @@ def _store_out(o_ptr, cos_ptr, sin_ptr, acc, denom, s, heads, hmask, d0, H, D: t
     """o = acc / denom rounded to bf16, then rotated back on the trailing R dims; acc covers dims d0.. of D."""
     BH: tl.constexpr = acc.shape[0]
     DC: tl.constexpr = acc.shape[1]
-    o = _to_bf16(acc / denom[:, None], INTERP).to(tl.float32)
+    o = to_bf16(acc / denom[:, None], INTERP).to(tl.float32)
     ev, od = tl.split(tl.reshape(o, [BH, DC // 2, 2]))
     pair = d0 // 2 + tl.arange(0, DC // 2) - (D - R) // 2  # RoPE pair index, < 0 outside the RoPE dims
     rope = pair >= 0
@@ -197,7 +191,7 @@ def _store_out(o_ptr, cos_ptr, sin_ptr, acc, denom, s, heads, hmask, d0, H, D: t
     sn = tl.load(sin_ptr + s * (R // 2) + pair, mask=rope, other=0.0)[None, :]
     out = tl.reshape(tl.join(ev * c + od * sn, od * c - ev * sn), [BH, DC])
     cols = d0 + tl.arange(0, DC)
-    tl.store(o_ptr + (s * H + heads)[:, None] * D + cols[None, :], _to_bf16(out, INTERP), mask=hmask[:, None])
+    tl.store(o_ptr + (s * H + heads)[:, None] * D + cols[None, :], to_bf16(out, INTERP), mask=hmask[:, None])
 
 
 @triton.jit
@@ -208,7 +202,8 @@ def _attn_kernel(
     part_o_ptr, part_ml_ptr,
     H, qk_scale, tiles_per_split,
     WIN_FMT: tl.constexpr, GLOB_FMT: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ROTATE_Q: tl.constexpr, INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_predecessor(PDL)
     s = tl.program_id(0).to(tl.int64)
@@ -217,7 +212,15 @@ def _attn_kernel(
     heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + (s * H + heads)[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
+    if ROTATE_Q:  # the query's RoPE, as apply_rope rounds it: a launch of its own before the attention otherwise
+        p = tl.arange(0, D // 2)
+        pairs = q_ptr + (s * H + heads)[:, None] * D + 2 * p[None, :]
+        even = _widen(tl.load(pairs, mask=hmask[:, None], other=0.0))
+        odd = _widen(tl.load(pairs + 1, mask=hmask[:, None], other=0.0))
+        even, odd = rotate_pairs(even, odd, cos_ptr + s * (R // 2), sin_ptr + s * (R // 2), p, D, R, True, INTERP)
+        q = tl.reshape(tl.join(even, odd), [BLOCK_H, D]).to(tl.bfloat16)  # exact: bf16 values
+    else:
+        q = tl.load(q_ptr + (s * H + heads)[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
     # the running max starts at the sink: it is the reference's floor for the softmax max, and keeps m finite
     m = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
     l = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -342,8 +345,9 @@ def plan_splits(S: int, H: int, kw: int, kg: int, device: torch.device, config: 
 def sparse_attn(
     q: torch.Tensor, win: KV, win_idx: torch.Tensor, glob: KV, glob_idx: torch.Tensor, sink: torch.Tensor,
     softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0, config: Config | None = None,
+    rotate_q: bool = False,
 ) -> torch.Tensor:
-    """Launch the kernels (no dispatch): q [S, H, D] bf16 -> o [S, H, D] bf16."""
+    """Launch the kernels (no dispatch): q [S, H, D] bf16 (rotated here with `rotate_q`) -> o [S, H, D] bf16."""
     _check(q, win, win_idx, glob, glob_idx, sink, cos, sin)
     if config is None:
         config = Config() if q.is_cuda else INTERPRETER_CONFIG
@@ -376,7 +380,7 @@ def sparse_attn(
         part_o, part_ml,
         H, softmax_scale * LOG2E, per,
         WIN_FMT=win.fmt, GLOB_FMT=glob.fmt, D=D, R=R, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLIT=split,
-        INTERP=_INTERP, PDL=pdl(q),
+        ROTATE_Q=rotate_q, INTERP=_INTERP, PDL=pdl(q),
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl(q),
     )
     if split:
@@ -427,9 +431,15 @@ def _out_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float32 if q.dtype == torch.float32 and not use_triton(q) else torch.bfloat16
 
 
-def _run(q, win: KV, win_idx, glob: KV, glob_idx, sink, softmax_scale, cos, sin, split_size) -> torch.Tensor:
+def _run(q, win: KV, win_idx, glob: KV, glob_idx, sink, softmax_scale, cos, sin, split_size,
+         rotate_q: bool) -> torch.Tensor:
+    """`rotate_q`: q's RoPE first, in its dtype (the kernel rotates bf16 queries as it loads them)."""
+    if rotate_q and not (use_triton(q) and q.dtype == torch.bfloat16):
+        _check(q, win, win_idx, glob, glob_idx, sink, cos, sin)
+        q, rotate_q = apply_rope(q, cos, sin), False
     if use_triton(q):
-        return sparse_attn(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size)
+        return sparse_attn(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size,
+                           rotate_q=rotate_q)
     return sparse_attn_reference(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin)
 
 
@@ -441,10 +451,11 @@ def sparse_attn_fp4(
     q: torch.Tensor, win_q8: torch.Tensor, win_scale: torch.Tensor, win_idx: torch.Tensor,
     glob_packed: torch.Tensor, glob_scale: torch.Tensor, glob_idx: torch.Tensor, sink: torch.Tensor,
     softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0,
+    rotate_q: bool = False,
 ) -> torch.Tensor:
     """FP8 window (e4m3 + e8m0 per 32) and FP4 global entries (packed e2m1 + e4m3 per 16) -> o [S, H, D] bf16."""
     win, glob = KV(FP8, win_q8, win_scale), KV(FP4, glob_packed, glob_scale)
-    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size)
+    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size, rotate_q)
 
 
 @torch.library.custom_op("dsv4::sparse_attn_fp8", mutates_args=())
@@ -452,20 +463,22 @@ def sparse_attn_fp8(
     q: torch.Tensor, win_q8: torch.Tensor, win_scale: torch.Tensor, win_idx: torch.Tensor,
     glob_q8: torch.Tensor, glob_scale: torch.Tensor, glob_idx: torch.Tensor, sink: torch.Tensor,
     softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0,
+    rotate_q: bool = False,
 ) -> torch.Tensor:
     """FP8 window and FP8 global entries (both e4m3 + e8m0 per 32) -> o [S, H, D] bf16."""
     win, glob = KV(FP8, win_q8, win_scale), KV(FP8, glob_q8, glob_scale)
-    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size)
+    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size, rotate_q)
 
 
 @torch.library.custom_op("dsv4::sparse_attn_bf16", mutates_args=())
 def sparse_attn_bf16(
     q: torch.Tensor, win_kv: torch.Tensor, win_idx: torch.Tensor, glob_kv: torch.Tensor, glob_idx: torch.Tensor,
     sink: torch.Tensor, softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0,
+    rotate_q: bool = False,
 ) -> torch.Tensor:
     """Plain bf16 window and global rows -> o [S, H, D] bf16."""
     win, glob = KV(BF16, win_kv), KV(BF16, glob_kv)
-    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size)
+    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size, rotate_q)
 
 
 def _fake(q, *args, **kwargs):

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dsv4.fast.kernels import tl, triton, use_triton
-from dsv4.fast.kernels.attention import _dot, _to_bf16
+from dsv4.fast.kernels import tl, to_bf16, triton, use_triton
+from dsv4.fast.kernels.attention import _dot
 from dsv4.fast.kernels.quant import fp8_quant
 from dsv4.quant import dequantize_fp8, fake_quant_fp8
 
@@ -72,7 +72,7 @@ def _store(ptr, val, rm, rn, mmask, nmask, N, OUT: tl.constexpr, INTERP: tl.cons
     if OUT == 0:
         tl.store(ptr + offs, val, mask=mask)
     elif OUT == 1:
-        tl.store(ptr + offs, _to_bf16(val, INTERP), mask=mask)
+        tl.store(ptr + offs, to_bf16(val, INTERP), mask=mask)
     else:
         tl.store(ptr + offs, val.to(tl.float16), mask=mask)
 
@@ -133,7 +133,7 @@ def _reduce_kernel(part_ptr, out_ptr, MN, n_splits, BLOCK: tl.constexpr, OUT: tl
     if OUT == 0:
         tl.store(out_ptr + offs, acc, mask=mask)
     elif OUT == 1:
-        tl.store(out_ptr + offs, _to_bf16(acc, INTERP), mask=mask)
+        tl.store(out_ptr + offs, to_bf16(acc, INTERP), mask=mask)
     else:
         tl.store(out_ptr + offs, acc.to(tl.float16), mask=mask)
 

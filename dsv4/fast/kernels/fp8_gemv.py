@@ -27,8 +27,7 @@ import os
 
 import torch
 
-from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
-from dsv4.fast.kernels.attention import _to_bf16
+from dsv4.fast.kernels import pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.engram import _e4m3_to_f32
 from dsv4.quant import dequantize_fp8
 
@@ -120,7 +119,7 @@ def store_rows(y_ptr, y, mm, n, mmask, nmask, N, OUT_BF16: tl.constexpr, INTERP:
     dst = y_ptr + mm[:, None] * N + n[None, :]
     ymask = mmask[:, None] & nmask[None, :]
     if OUT_BF16:
-        tl.store(dst, _to_bf16(y, INTERP), mask=ymask)
+        tl.store(dst, to_bf16(y, INTERP), mask=ymask)
     else:
         tl.store(dst, y, mask=ymask)
 

@@ -10,7 +10,7 @@
 
 Twin: `indexer_query_twin` (the reference's `apply_rope` and `dsv4.quant.fake_quant_mxfp4`). Bit-exact: the
 rotation is computed as the reference's fp32 products and sums (no fused multiply-add: the kernel compiles with
-fp fusion off) and rounded to the model's dtype (bf16 to nearest even, as the attention kernels' `_to_bf16`); the
+fp fusion off) and rounded to the model's dtype (bf16 to nearest even, as `to_bf16`); the
 MXFP4 codes and values are those of `dsv4::mxfp4_quant` and the MoE kernels (the same helpers), an e2m1 value
 times a power-of-two scale, exact.
 

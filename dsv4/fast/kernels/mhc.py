@@ -45,8 +45,7 @@ import functools
 
 import torch
 
-from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
-from dsv4.fast.kernels.attention import _to_bf16
+from dsv4.fast.kernels import pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.torch_math import exp
 from dsv4.reference.mhc import hc_collapse, hc_expand, hc_project, hc_split_sinkhorn
 
@@ -368,7 +367,7 @@ def _expand(fv, res, out_ptr, post, comb, rows64, rmask, pid_d, D, stride_on, st
     out = post[:, :, None] * fv[:, None, :] + mixed
     optr = out_ptr + rows64[:, None, None] * stride_on + c[None, :, None] * stride_ok + dd[None, None, :]
     if out_ptr.dtype.element_ty == tl.bfloat16:
-        out = _to_bf16(out, INTERP)  # to nearest (the interpreter's cast truncates)
+        out = to_bf16(out, INTERP)  # to nearest (the interpreter's cast truncates)
     else:
         out = out.to(out_ptr.dtype.element_ty)
     tl.store(optr, out, mask=m2[:, None, :])

@@ -82,8 +82,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
-from dsv4.fast.kernels.attention import _to_bf16
+from dsv4.fast.kernels import pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.fp8_gemv import _dot4
 from dsv4.fast.kernels.quant import _e2m1_values
 from dsv4.quant import dequantize_mxfp4
@@ -178,7 +177,7 @@ def moe_experts_twin(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, sh
 def _round(v, IS_BF16: tl.constexpr, INTERP: tl.constexpr):
     """fp32 -> the activation dtype and back (round to nearest even), or v itself for fp32 activations."""
     if IS_BF16:
-        return _to_bf16(v, INTERP).to(tl.float32)
+        return to_bf16(v, INTERP).to(tl.float32)
     else:
         return v
 
@@ -631,7 +630,7 @@ def _grouped_up_kernel(
     dst = h_ptr + rows.to(tl.int64)[:, None] * I + n[None, :]
     m = rmask[:, None] & nmask[None, :]
     if IS_BF16:
-        tl.store(dst, _to_bf16(h, INTERP), mask=m)
+        tl.store(dst, to_bf16(h, INTERP), mask=m)
     else:
         tl.store(dst, h, mask=m)
 
@@ -672,7 +671,7 @@ def _grouped_down_kernel(
     dst = out_ptr + src[:, None] * D + n[None, :]
     m = rmask[:, None] & nmask[None, :]
     if IS_BF16:
-        tl.store(dst, _to_bf16(acc, INTERP), mask=m)
+        tl.store(dst, to_bf16(acc, INTERP), mask=m)
     else:
         tl.store(dst, acc, mask=m)
 

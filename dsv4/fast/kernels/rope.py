@@ -7,8 +7,7 @@ the kernel compiles with fp fusion off (a fused multiply-add rounds once where t
 
 from __future__ import annotations
 
-from dsv4.fast.kernels import tl, triton
-from dsv4.fast.kernels.attention import _to_bf16
+from dsv4.fast.kernels import tl, to_bf16, triton
 from dsv4.fast.kernels.quant import _widen
 
 
@@ -16,7 +15,7 @@ from dsv4.fast.kernels.quant import _widen
 def rounded(x, BF16: tl.constexpr, INTERP: tl.constexpr):
     """fp32 x rounded to the model's dtype (bf16: to nearest even), as fp32."""
     if BF16:
-        return _widen(_to_bf16(x, INTERP))
+        return _widen(to_bf16(x, INTERP))
     else:
         return x
 
