@@ -12,6 +12,7 @@ imported); without it and without CUDA the ops would only call the twin, so the 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -152,6 +153,18 @@ def test_queries_rotated_in_the_kernel_are_those_rotated_before(fmt, case, fp32)
         assert torch.equal(got, want)
     else:
         assert_close_to_twin(got, want)
+
+
+def test_a_long_lists_queries_are_rotated_before_the_kernel():
+    """With 64 heads a program (a long list's tiles) the queries are rotated ahead of the launch (in the kernel they
+    would add spills to its KV loop): the same output as the queries rotated by the caller."""
+    q, *rest = make_case(seed=5, fmt="fp4", S=2, H=8, D=64, R=16, W=20, G=40, kw=8, kg=32, p_skip=0.2,
+                         glob_all_skip=False)
+    win, win_idx, glob, glob_idx, sink, scale, cos, sin = rest
+    config = replace(INTERPRETER_CONFIG, block_h=64)
+    got = sparse_attn(q, win, win_idx, glob, glob_idx, sink, scale, cos, sin, config=config, rotate_q=True)
+    want = sparse_attn(apply_rope(q, cos, sin), win, win_idx, glob, glob_idx, sink, scale, cos, sin, config=config)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

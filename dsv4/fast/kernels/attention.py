@@ -359,6 +359,9 @@ def sparse_attn(
         return o
     kw, kg = win_idx.shape[1], glob_idx.shape[1]
     config = config.resolve(S, H, kw, kg)
+    if rotate_q and config.block_h == 64:  # a long list's 64 heads a program: rotating in the kernel would spill
+        # inside its KV loop (sm_90, Triton 3.8: 1260 -> 1420 bytes, 9% more instructions a step), so it goes first
+        q, rotate_q = apply_rope(q, cos.float(), sin.float()), False
     if q.is_cuda and config.block_n < 32:
         raise ValueError(f"sparse_attn: block_n {config.block_n} < 32 is not supported on the GPU (see Config)")
     n_splits, per = plan_splits(S, H, kw, kg, q.device, config, split_size)
