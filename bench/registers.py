@@ -276,7 +276,9 @@ def attention_kernels() -> list[Kernel]:
     combine = Kernel("sparse_attn combine", attention._combine_kernel, {"o_ptr": "*bf16"},
                      {"D": DH, "R": ROPE, "BLOCK_H": c["BLOCK_H"], "BLOCK_D": c["BLOCK_D"], "BLOCK_S": c["BLOCK_S"],
                       "INTERP": False, "PDL": True}, c["num_warps"])
-    return [attn, prefill, long_list, combine]
+    rotate = Kernel("sparse_attn query rotation", attention._rotate_kernel, {"q_ptr": "*bf16", "out_ptr": "*bf16"},
+                    {"D": DH, "R": ROPE, "BLOCK_H": 16, "INTERP": False, "PDL": True}, 4)
+    return [attn, prefill, long_list, combine, rotate]
 
 
 def topk_kernels() -> list[Kernel]:

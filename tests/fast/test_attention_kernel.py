@@ -156,8 +156,9 @@ def test_queries_rotated_in_the_kernel_are_those_rotated_before(fmt, case, fp32)
 
 
 def test_a_long_lists_queries_are_rotated_before_the_kernel():
-    """With 64 heads a program (a long list's tiles) the queries are rotated ahead of the launch (in the kernel they
-    would add spills to its KV loop): the same output as the queries rotated by the caller."""
+    """With 64 heads a program (more than 16 rows, or a long list) the queries are rotated by a launch of their own
+    ahead of the attention (in its kernel the rotation would add spills to the KV loop): the same output, bit for
+    bit, as the queries rotated by the caller."""
     q, *rest = make_case(seed=5, fmt="fp4", S=2, H=8, D=64, R=16, W=20, G=40, kw=8, kg=32, p_skip=0.2,
                          glob_all_skip=False)
     win, win_idx, glob, glob_idx, sink, scale, cos, sin = rest

@@ -195,6 +195,31 @@ def _store_out(o_ptr, cos_ptr, sin_ptr, acc, denom, s, heads, hmask, d0, H, D: t
 
 
 @triton.jit
+def _rotated_queries(q_ptr, cos_ptr, sin_ptr, s, heads, hmask, H, D: tl.constexpr, R: tl.constexpr,
+                     INTERP: tl.constexpr):
+    """Query row s's heads [BH, D] (bf16) rotated by the row's tables as apply_rope rounds them (exact where fp
+    fusion is off)."""
+    p = tl.arange(0, D // 2)
+    pairs = q_ptr + (s * H + heads)[:, None] * D + 2 * p[None, :]
+    even = _widen(tl.load(pairs, mask=hmask[:, None], other=0.0))
+    odd = _widen(tl.load(pairs + 1, mask=hmask[:, None], other=0.0))
+    even, odd = rotate_pairs(even, odd, cos_ptr + s * (R // 2), sin_ptr + s * (R // 2), p, D, R, True, INTERP)
+    return tl.reshape(tl.join(even, odd), [heads.shape[0], D]).to(tl.bfloat16)  # exact: bf16 values
+
+
+@triton.jit
+def _rotate_kernel(q_ptr, out_ptr, cos_ptr, sin_ptr, H, D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
+                   INTERP: tl.constexpr, PDL: tl.constexpr):
+    """Program (query row, head block): the queries rotated ahead of an attention launch that does not rotate."""
+    wait_for_predecessor(PDL)
+    s = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    q = _rotated_queries(q_ptr, cos_ptr, sin_ptr, s, heads, hmask, H, D, R, INTERP)
+    tl.store(out_ptr + (s * H + heads)[:, None] * D + tl.arange(0, D)[None, :], q, mask=hmask[:, None])
+
+
+@triton.jit
 def _attn_kernel(
     q_ptr, o_ptr, sink_ptr, cos_ptr, sin_ptr,
     wd_ptr, ws_ptr, widx_ptr, kw,
@@ -212,13 +237,8 @@ def _attn_kernel(
     heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     d = tl.arange(0, D)
-    if ROTATE_Q:  # the query's RoPE, as apply_rope rounds it: a launch of its own before the attention otherwise
-        p = tl.arange(0, D // 2)
-        pairs = q_ptr + (s * H + heads)[:, None] * D + 2 * p[None, :]
-        even = _widen(tl.load(pairs, mask=hmask[:, None], other=0.0))
-        odd = _widen(tl.load(pairs + 1, mask=hmask[:, None], other=0.0))
-        even, odd = rotate_pairs(even, odd, cos_ptr + s * (R // 2), sin_ptr + s * (R // 2), p, D, R, True, INTERP)
-        q = tl.reshape(tl.join(even, odd), [BLOCK_H, D]).to(tl.bfloat16)  # exact: bf16 values
+    if ROTATE_Q:  # the query's RoPE here, where it took a launch of its own
+        q = _rotated_queries(q_ptr, cos_ptr, sin_ptr, s, heads, hmask, H, D, R, INTERP)
     else:
         q = tl.load(q_ptr + (s * H + heads)[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
     # the running max starts at the sink: it is the reference's floor for the softmax max, and keeps m finite
@@ -359,9 +379,9 @@ def sparse_attn(
         return o
     kw, kg = win_idx.shape[1], glob_idx.shape[1]
     config = config.resolve(S, H, kw, kg)
-    if rotate_q and config.block_h == 64:  # a long list's 64 heads a program: rotating in the kernel would spill
-        # inside its KV loop (sm_90, Triton 3.8: 1260 -> 1420 bytes, 9% more instructions a step), so it goes first
-        q, rotate_q = apply_rope(q, cos.float(), sin.float()), False
+    if rotate_q and config.block_h == 64:  # 64 heads a program (more than 16 rows, or a long list): rotating in the
+        # kernel spills inside its KV loop (sm_90, Triton 3.8: 1060 -> 1296 bytes, 9-20% more instructions a step)
+        q, rotate_q = _rotate(q, cos.float().contiguous(), sin.float().contiguous()), False
     if q.is_cuda and config.block_n < 32:
         raise ValueError(f"sparse_attn: block_n {config.block_n} < 32 is not supported on the GPU (see Config)")
     n_splits, per = plan_splits(S, H, kw, kg, q.device, config, split_size)
@@ -393,6 +413,17 @@ def sparse_attn(
             BLOCK_S=c["BLOCK_S"], INTERP=_INTERP, PDL=pdl(q), num_warps=c["num_warps"], launch_pdl=pdl(q),
         )
     return o
+
+
+def _rotate(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """q [S, H, D] bf16 rotated by its rows' tables (apply_rope's bits), in one launch."""
+    S, H, D = q.shape
+    out = torch.empty_like(q)
+    block_h = min(16, triton.next_power_of_2(H))
+    _rotate_kernel[(S, triton.cdiv(H, block_h))](q, out, cos, sin, H, D=D, R=2 * cos.shape[-1], BLOCK_H=block_h,
+                                                 INTERP=_INTERP, PDL=pdl(q), num_warps=4, launch_pdl=pdl(q),
+                                                 enable_fp_fusion=False)
+    return out
 
 
 def combine_tiles(H: int, D: int, n_splits: int, config: Config) -> dict:
