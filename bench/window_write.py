@@ -74,7 +74,7 @@ def main() -> None:
         for name, path in paths.items():
             data.zero_(), scale.zero_()
             path(sets[0])
-            off = ((data.view(torch.int8) - want[0].view(torch.int8)).abs() > 1).sum().item()
+            off = ((data.view(torch.int8).short() - want[0].view(torch.int8).short()).abs() > 1).sum().item()
             checks[f"{name} {rows}"] = {"ok": torch.equal(scale, want[1]) and off == 0,
                                         "codes_off": (data != want[0]).sum().item()}
             for mode in common.modes(device):
