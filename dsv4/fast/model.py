@@ -64,7 +64,7 @@ from dsv4.fast.kernels.moe_experts import (
 from dsv4.fast.kernels.moe_routing import gate_route
 from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant
 from dsv4.fast.kernels.topk import topk_select
-from dsv4.fast.kernels.window_write import window_write
+from dsv4.fast.kernels.window_write import window_rows, window_write
 from dsv4.quant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
 from dsv4.reference.attention import Attention, SharedKV
 from dsv4.reference.indexer import Indexer, hadamard, index_scores
@@ -428,8 +428,8 @@ class FastAttention(Attention):
         if self.is_v41 and window.fmt == "fp8":
             window_write(kv, norm.weight, norm.eps, cos, sin, window.data, window.scale, slots, ring, window.block)
             return
-        kv = apply_rope(norm(kv[:, None]), cos[:, None], sin[:, None])  # [B, 1, Dh]
-        window.write(slots, ring, (kv if self.is_v41 else self._window_quant(kv))[:, 0])
+        kv = window_rows(kv, norm.weight, norm.eps, cos, sin)  # [B, Dh]
+        window.write(slots, ring, kv if self.is_v41 else self._window_quant(kv))
 
     def _output_decode(self, o: torch.Tensor) -> torch.Tensor:
         """`_output` of one token a row, o [B, H, Dh] -> [B, D]; at batch 1 from wo_a's and wo_b's FP8 copies."""

@@ -379,9 +379,10 @@ def sparse_attn(
         return o
     kw, kg = win_idx.shape[1], glob_idx.shape[1]
     config = config.resolve(S, H, kw, kg)
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
     if rotate_q and config.block_h == 64:  # 64 heads a program (more than 16 rows, or a long list): rotating in the
         # kernel spills inside its KV loop (sm_90, Triton 3.8: 1060 -> 1296 bytes, 9-20% more instructions a step)
-        q, rotate_q = _rotate(q, cos.float().contiguous(), sin.float().contiguous()), False
+        q, rotate_q = _rotate(q, cos, sin), False
     if q.is_cuda and config.block_n < 32:
         raise ValueError(f"sparse_attn: block_n {config.block_n} < 32 is not supported on the GPU (see Config)")
     n_splits, per = plan_splits(S, H, kw, kg, q.device, config, split_size)
@@ -392,7 +393,6 @@ def sparse_attn(
     else:
         part_o = part_ml = o  # unused
     sink = sink.float().contiguous()
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
     win_idx, glob_idx = win_idx.to(torch.int32).contiguous(), glob_idx.to(torch.int32).contiguous()
     ws = _bytes(win.scale) if win.scale is not None else win.data
     gs = _bytes(glob.scale) if glob.scale is not None else glob.data

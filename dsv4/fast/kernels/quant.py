@@ -273,8 +273,9 @@ _STORED = {
 }
 
 
-def _check_write(x, data, scale, slots, rows, fmt: str, block: int) -> None:
-    what = f"quant_write({fmt})"
+def _check_write(x, data, scale, slots, rows, fmt: str, block: int, what: str = "") -> None:
+    """x [N, K] and its store's places and bytes (data, scale) in `fmt`; `what` names the op in errors."""
+    what = what or f"quant_write({fmt})"
     if fmt not in _STORED:
         raise ValueError(f"{what}: unknown format, expected one of {sorted(_STORED)}")
     _check(x, block, what, even=fmt != "fp8")

@@ -20,18 +20,22 @@ from __future__ import annotations
 import torch
 
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
-from dsv4.fast.kernels.quant import _fp8_blocks, _widen, quant_write
+from dsv4.fast.kernels.quant import _check_write, _fp8_blocks, _widen, quant_write
 from dsv4.fast.kernels.rope import rotate_pairs, rounded
 from dsv4.reference.linear import rms_norm
 from dsv4.reference.rope import apply_rope
 
-__all__ = ["window_write", "window_write_twin"]
+__all__ = ["window_rows", "window_write", "window_write_twin"]
+
+
+def window_rows(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """The reference's window rows of wkv's output kv [N, D]: kv_norm (`rms_norm`), then RoPE at cos, sin [N, R/2]."""
+    return apply_rope(rms_norm(kv, weight, eps)[:, None], cos[:, None], sin[:, None])[:, 0]
 
 
 def window_write_twin(kv, weight, eps: float, cos, sin, data, scale, slots, rows, block: int) -> None:
-    """The reference's rows (kv_norm, apply_rope) through `quant_write`."""
-    rows_kv = apply_rope(rms_norm(kv, weight, eps)[:, None], cos[:, None], sin[:, None])[:, 0]
-    quant_write(rows_kv, data, scale, slots, rows, "fp8", block)
+    """`window_rows` through `quant_write`."""
+    quant_write(window_rows(kv, weight, eps, cos, sin), data, scale, slots, rows, "fp8", block)
 
 
 @triton.jit
@@ -70,13 +74,7 @@ def _check(kv, weight, cos, sin, data, scale, slots, rows, block: int) -> None:
     if D & (D - 1) or block & (block - 1) or D % block:
         raise ValueError(f"window_write: the row ({D}) and the block ({block}) must be powers of two, the block "
                          "dividing the row")
-    if slots.shape != (N,) or rows.shape != (N,) or {slots.dtype, rows.dtype} - {torch.int32, torch.int64}:
-        raise ValueError(f"window_write: slots and rows [N] int32 or int64 expected, got {tuple(slots.shape)} "
-                         f"{slots.dtype}, {tuple(rows.shape)} {rows.dtype}")
-    for name, t, cols in (("data", data, D), ("scale", scale, D // block)):
-        if t.dtype != torch.uint8 or t.dim() != 3 or t.shape[2] != cols or not t.is_contiguous():
-            raise ValueError(f"window_write: {name} must be contiguous uint8 [slots, rows, {cols}], got {t.dtype} "
-                             f"{tuple(t.shape)}")
+    _check_write(kv, data, scale, slots, rows, "fp8", block, "window_write")
 
 
 @torch.library.custom_op("dsv4::window_write", mutates_args=("data", "scale"))
