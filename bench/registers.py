@@ -250,35 +250,30 @@ def fp8_gemv_kernels() -> list[Kernel]:
 
 
 def attention_kernels() -> list[Kernel]:
-    """Sparse attention of one query row over the FP8 window and FP4 entries (window 128 + top-512), split, its query
-    rotated as the kernel loads it (V4.1's decode)."""
+    """Sparse attention of one query row over the FP8 window and FP4 entries (window 128 + top-512), split."""
     cfg = attention.Config().resolve(1, H, WINDOW, INDEX_TOPK)
     attn = Kernel("sparse_attn_fp4", attention._attn_kernel,
                   {"q_ptr": "*bf16", "o_ptr": "*bf16", "wd_ptr": "*fp8e4nv", "ws_ptr": "*u8", "widx_ptr": "*i32",
                    "gd_ptr": "*u8", "gs_ptr": "*fp8e4nv", "gidx_ptr": "*i32", "qk_scale": "fp32"},
                   {"WIN_FMT": attention.FP8, "GLOB_FMT": attention.FP4, "D": DH, "R": ROPE, "BLOCK_H": cfg.block_h,
-                   "BLOCK_N": cfg.block_n, "SPLIT": True, "ROTATE_Q": True, "INTERP": False, "PDL": True}, cfg.num_warps,
-                  cfg.num_stages)
+                   "BLOCK_N": cfg.block_n, "SPLIT": True, "INTERP": False, "PDL": True}, cfg.num_warps, cfg.num_stages)
     # a prefill chunk's rows: 64 heads a program, no split; a lone row over a long list: 64-row tiles
     chunk = attention.Config().resolve(8192, H, WINDOW, INDEX_TOPK)
     prefill = Kernel("sparse_attn_fp4 (prefill)", attention._attn_kernel, attn.types,
-                     {**attn.constexprs, "BLOCK_H": chunk.block_h, "SPLIT": False, "ROTATE_Q": False}, chunk.num_warps,
-                     chunk.num_stages,
+                     {**attn.constexprs, "BLOCK_H": chunk.block_h, "SPLIT": False}, chunk.num_warps, chunk.num_stages,
                      spills_ok=True, note="64 heads in 8 warps (32 heads: 252 registers, no stack; each head block "
                      "dequantizes the rows again)")
     lone = attention.Config().resolve(1, H, WINDOW, 1 << 18)
     long_list = Kernel("sparse_attn_fp4 (long list)", attention._attn_kernel, attn.types,
-                       {**attn.constexprs, "BLOCK_H": lone.block_h, "BLOCK_N": lone.block_n, "ROTATE_Q": False},
-                       lone.num_warps, lone.num_stages, spills_ok=True,
+                       {**attn.constexprs, "BLOCK_H": lone.block_h, "BLOCK_N": lone.block_n}, lone.num_warps,
+                       lone.num_stages, spills_ok=True,
                        note="64 heads x 64 rows in 8 warps: spills, yet 31% faster than 32 rows at 512K entries")
     tiles = triton.cdiv(WINDOW, cfg.block_n) + triton.cdiv(INDEX_TOPK, cfg.block_n)
     c = attention.combine_tiles(H, DH, tiles, cfg)  # batch 1 on the H200: a split a tile (plan_splits)
     combine = Kernel("sparse_attn combine", attention._combine_kernel, {"o_ptr": "*bf16"},
                      {"D": DH, "R": ROPE, "BLOCK_H": c["BLOCK_H"], "BLOCK_D": c["BLOCK_D"], "BLOCK_S": c["BLOCK_S"],
                       "INTERP": False, "PDL": True}, c["num_warps"])
-    rotate = Kernel("sparse_attn query rotation", attention._rotate_kernel, {"q_ptr": "*bf16", "out_ptr": "*bf16"},
-                    {"D": DH, "R": ROPE, "BLOCK_H": 16, "INTERP": False, "PDL": True}, 4)
-    return [attn, prefill, long_list, combine, rotate]
+    return [attn, prefill, long_list, combine]
 
 
 def topk_kernels() -> list[Kernel]:

@@ -394,10 +394,7 @@ class FastAttention(Attention):
         on_x = self.on_x(x)  # {linear: [B, N]}, as on_qr below
         qr = self.q_norm(on_x["wq_a"])
         on_qr = self.on_qr(qr)
-        # V4.1's query heads are wq_b's output rotated, which the attention kernel does as it loads them
-        rotate_q = self.is_v41
-        q = (on_qr["wq_b"].unflatten(-1, (self.n_heads, self.head_dim)) if rotate_q
-             else self._query_heads(on_qr["wq_b"][:, None], cos[:, None], sin[:, None])[:, 0])  # [B, H, Dh]
+        q = self._query_heads(on_qr["wq_b"][:, None], cos[:, None], sin[:, None])[:, 0]  # [B, H, Dh]
         self._window_decode(on_x["wkv"], cos, sin, slots, rows.ring, view.window)
         win_idx = rows.attended
         win_data, win_scale = view.window.flat()
@@ -414,10 +411,9 @@ class FastAttention(Attention):
         scale = self.head_dim**-0.5
         if store.fmt == "nvfp4":
             o = sparse_attn_fp4(q, win_data, win_scale, win_idx, glob_data, glob_scale, glob_idx,
-                                self.attn_sink, scale, cos, sin, rotate_q=rotate_q)
+                                self.attn_sink, scale, cos, sin)
         else:
-            o = sparse_attn_bf16(q, win_data, win_idx, glob_data, glob_idx, self.attn_sink, scale, cos, sin,
-                                 rotate_q=rotate_q)
+            o = sparse_attn_bf16(q, win_data, win_idx, glob_data, glob_idx, self.attn_sink, scale, cos, sin)
         return self._output_decode(o.to(x.dtype)), picks, pool
 
     def _window_decode(self, kv, cos, sin, slots, ring, window: Rows) -> None:

@@ -12,7 +12,6 @@ imported); without it and without CUDA the ops would only call the twin, so the 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import pytest
 import torch
@@ -58,15 +57,13 @@ def on_device(kv: KV) -> KV:
     return KV(kv.fmt, kv.data.to(DEVICE), None if kv.scale is None else kv.scale.to(DEVICE))
 
 
-def call_op(fmt: str, q, win: KV, win_idx, glob: KV, glob_idx, sink, scale, cos, sin, split_size=0, rotate_q=False):
+def call_op(fmt: str, q, win: KV, win_idx, glob: KV, glob_idx, sink, scale, cos, sin, split_size=0):
     """The custom op of a format (window FP8 for fp4/fp8, bf16 for bf16)."""
     if fmt == "fp4":
-        return sparse_attn_fp4(q, win.data, win.scale, win_idx, glob.data, glob.scale, glob_idx, sink, scale, cos, sin,
-                               split_size, rotate_q)
+        return sparse_attn_fp4(q, win.data, win.scale, win_idx, glob.data, glob.scale, glob_idx, sink, scale, cos, sin, split_size)
     if fmt == "fp8":
-        return sparse_attn_fp8(q, win.data, win.scale, win_idx, glob.data, glob.scale, glob_idx, sink, scale, cos, sin,
-                               split_size, rotate_q)
-    return sparse_attn_bf16(q, win.data, win_idx, glob.data, glob_idx, sink, scale, cos, sin, split_size, rotate_q)
+        return sparse_attn_fp8(q, win.data, win.scale, win_idx, glob.data, glob.scale, glob_idx, sink, scale, cos, sin, split_size)
+    return sparse_attn_bf16(q, win.data, win_idx, glob.data, glob_idx, sink, scale, cos, sin, split_size)
 
 
 def index_lists(gen, S: int, n: int, k: int, p_skip: float, all_skip_rows: torch.Tensor) -> torch.Tensor:
@@ -132,40 +129,6 @@ def test_matches_twin(fmt, case):
     args = make_case(fmt=fmt, **case)
     o = call_op(fmt, *args, split_size=split_size)
     assert_close_to_twin(o, sparse_attn_reference(*args))
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@settings(max_examples=8, deadline=None)
-@given(case=cases(), fp32=st.booleans())
-def test_queries_rotated_in_the_kernel_are_those_rotated_before(fmt, case, fp32):
-    """rotate_q: the op takes unrotated queries and rotates them (apply_rope, rounded to their dtype; the kernel as it
-    loads bf16 ones, fp32 ones are rotated in their dtype first). Under the interpreter the output is bit for bit
-    that of the op on queries rotated beforehand; on the GPU the kernel may contract the rotation's products and
-    sums into fused multiply-adds (as inductor's kernel of the rotation did), so the twin's bound holds there."""
-    case = dict(case)
-    split_size = case.pop("split_size")
-    q, *rest = make_case(fmt=fmt, **case)
-    q = q.float() if fp32 else q
-    cos, sin = rest[-2:]
-    got = call_op(fmt, q, *rest, split_size=split_size, rotate_q=True)
-    want = call_op(fmt, apply_rope(q, cos, sin), *rest, split_size=split_size)
-    if DEVICE == "cpu" or fp32:
-        assert torch.equal(got, want)
-    else:
-        assert_close_to_twin(got, want)
-
-
-def test_a_long_lists_queries_are_rotated_before_the_kernel():
-    """With 64 heads a program (more than 16 rows, or a long list) the queries are rotated by a launch of their own
-    ahead of the attention (in its kernel the rotation would add spills to the KV loop): the same output, bit for
-    bit, as the queries rotated by the caller."""
-    q, *rest = make_case(seed=5, fmt="fp4", S=2, H=8, D=64, R=16, W=20, G=40, kw=8, kg=32, p_skip=0.2,
-                         glob_all_skip=False)
-    win, win_idx, glob, glob_idx, sink, scale, cos, sin = rest
-    config = replace(INTERPRETER_CONFIG, block_h=64)
-    got = sparse_attn(q, win, win_idx, glob, glob_idx, sink, scale, cos, sin, config=config, rotate_q=True)
-    want = sparse_attn(apply_rope(q, cos, sin), win, win_idx, glob, glob_idx, sink, scale, cos, sin, config=config)
-    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -17,18 +17,15 @@ exact for all three:
 - BF16: plain rows [*, D] (1024 B per row)
 
 Ops (all return o [S, H, D] bf16; fp32 when the twin serves fp32 queries, i.e. off the GPU without the interpreter):
-- `dsv4::sparse_attn_fp4(q, win_q8, win_scale, win_idx, glob_packed, glob_scale, glob_idx, sink, softmax_scale, cos, sin, split_size=0, rotate_q=False)`
-- `dsv4::sparse_attn_fp8(q, win_q8, win_scale, win_idx, glob_q8, glob_scale, glob_idx, sink, softmax_scale, cos, sin, split_size=0, rotate_q=False)`
-- `dsv4::sparse_attn_bf16(q, win_kv, win_idx, glob_kv, glob_idx, sink, softmax_scale, cos, sin, split_size=0, rotate_q=False)`
+- `dsv4::sparse_attn_fp4(q, win_q8, win_scale, win_idx, glob_packed, glob_scale, glob_idx, sink, softmax_scale, cos, sin, split_size=0)`
+- `dsv4::sparse_attn_fp8(q, win_q8, win_scale, win_idx, glob_q8, glob_scale, glob_idx, sink, softmax_scale, cos, sin, split_size=0)`
+- `dsv4::sparse_attn_bf16(q, win_kv, win_idx, glob_kv, glob_idx, sink, softmax_scale, cos, sin, split_size=0)`
 
 Work split: programs over (query row, split of the index list, head block). The index list of a row is the
 window's tiles then the global tiles; when rows x head blocks would not fill the GPU (decode), the list is cut
 into splits that each write a partial (running max, sum, fp32 accumulator) and a combine kernel merges them
 (split_size forces the entries per split; 0 picks it from the shapes). With one split (prefill) the main
 kernel writes the output itself.
-
-`rotate_q`: q comes unrotated and is rotated by the row's position first (`apply_rope(q, cos, sin)`, rounded to
-q's dtype): the kernel does it as it loads bf16 queries, where the decode step spent a launch of its own.
 """
 
 from __future__ import annotations
@@ -39,8 +36,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from dsv4.fast.kernels import pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
-from dsv4.fast.kernels.quant import _widen
-from dsv4.fast.kernels.rope import rotate_pairs
 from dsv4.quant import dequantize_fp8, dequantize_nvfp4
 from dsv4.reference.attention import sparse_attention
 from dsv4.reference.rope import apply_rope
@@ -195,31 +190,6 @@ def _store_out(o_ptr, cos_ptr, sin_ptr, acc, denom, s, heads, hmask, d0, H, D: t
 
 
 @triton.jit
-def _rotated_queries(q_ptr, cos_ptr, sin_ptr, s, heads, hmask, H, D: tl.constexpr, R: tl.constexpr,
-                     INTERP: tl.constexpr):
-    """Query row s's heads [BH, D] (bf16) rotated by the row's tables as apply_rope rounds them (exact where fp
-    fusion is off)."""
-    p = tl.arange(0, D // 2)
-    pairs = q_ptr + (s * H + heads)[:, None] * D + 2 * p[None, :]
-    even = _widen(tl.load(pairs, mask=hmask[:, None], other=0.0))
-    odd = _widen(tl.load(pairs + 1, mask=hmask[:, None], other=0.0))
-    even, odd = rotate_pairs(even, odd, cos_ptr + s * (R // 2), sin_ptr + s * (R // 2), p, D, R, True, INTERP)
-    return tl.reshape(tl.join(even, odd), [heads.shape[0], D]).to(tl.bfloat16)  # exact: bf16 values
-
-
-@triton.jit
-def _rotate_kernel(q_ptr, out_ptr, cos_ptr, sin_ptr, H, D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
-                   INTERP: tl.constexpr, PDL: tl.constexpr):
-    """Program (query row, head block): the queries rotated ahead of an attention launch that does not rotate."""
-    wait_for_predecessor(PDL)
-    s = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < H
-    q = _rotated_queries(q_ptr, cos_ptr, sin_ptr, s, heads, hmask, H, D, R, INTERP)
-    tl.store(out_ptr + (s * H + heads)[:, None] * D + tl.arange(0, D)[None, :], q, mask=hmask[:, None])
-
-
-@triton.jit
 def _attn_kernel(
     q_ptr, o_ptr, sink_ptr, cos_ptr, sin_ptr,
     wd_ptr, ws_ptr, widx_ptr, kw,
@@ -227,8 +197,7 @@ def _attn_kernel(
     part_o_ptr, part_ml_ptr,
     H, qk_scale, tiles_per_split,
     WIN_FMT: tl.constexpr, GLOB_FMT: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ROTATE_Q: tl.constexpr, INTERP: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_predecessor(PDL)
     s = tl.program_id(0).to(tl.int64)
@@ -237,10 +206,7 @@ def _attn_kernel(
     heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     d = tl.arange(0, D)
-    if ROTATE_Q:  # the query's RoPE here, where it took a launch of its own
-        q = _rotated_queries(q_ptr, cos_ptr, sin_ptr, s, heads, hmask, H, D, R, INTERP)
-    else:
-        q = tl.load(q_ptr + (s * H + heads)[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
+    q = tl.load(q_ptr + (s * H + heads)[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
     # the running max starts at the sink: it is the reference's floor for the softmax max, and keeps m finite
     m = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
     l = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -365,9 +331,8 @@ def plan_splits(S: int, H: int, kw: int, kg: int, device: torch.device, config: 
 def sparse_attn(
     q: torch.Tensor, win: KV, win_idx: torch.Tensor, glob: KV, glob_idx: torch.Tensor, sink: torch.Tensor,
     softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0, config: Config | None = None,
-    rotate_q: bool = False,
 ) -> torch.Tensor:
-    """Launch the kernels (no dispatch): q [S, H, D] bf16 (rotated here with `rotate_q`) -> o [S, H, D] bf16."""
+    """Launch the kernels (no dispatch): q [S, H, D] bf16 -> o [S, H, D] bf16."""
     _check(q, win, win_idx, glob, glob_idx, sink, cos, sin)
     if config is None:
         config = Config() if q.is_cuda else INTERPRETER_CONFIG
@@ -379,10 +344,6 @@ def sparse_attn(
         return o
     kw, kg = win_idx.shape[1], glob_idx.shape[1]
     config = config.resolve(S, H, kw, kg)
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    if rotate_q and config.block_h == 64:  # 64 heads a program (more than 16 rows, or a long list): rotating in the
-        # kernel spills inside its KV loop (sm_90, Triton 3.8: 1060 -> 1296 bytes, 9-20% more instructions a step)
-        q, rotate_q = _rotate(q, cos, sin), False
     if q.is_cuda and config.block_n < 32:
         raise ValueError(f"sparse_attn: block_n {config.block_n} < 32 is not supported on the GPU (see Config)")
     n_splits, per = plan_splits(S, H, kw, kg, q.device, config, split_size)
@@ -393,6 +354,7 @@ def sparse_attn(
     else:
         part_o = part_ml = o  # unused
     sink = sink.float().contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
     win_idx, glob_idx = win_idx.to(torch.int32).contiguous(), glob_idx.to(torch.int32).contiguous()
     ws = _bytes(win.scale) if win.scale is not None else win.data
     gs = _bytes(glob.scale) if glob.scale is not None else glob.data
@@ -403,7 +365,7 @@ def sparse_attn(
         part_o, part_ml,
         H, softmax_scale * LOG2E, per,
         WIN_FMT=win.fmt, GLOB_FMT=glob.fmt, D=D, R=R, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLIT=split,
-        ROTATE_Q=rotate_q, INTERP=_INTERP, PDL=pdl(q),
+        INTERP=_INTERP, PDL=pdl(q),
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl(q),
     )
     if split:
@@ -413,17 +375,6 @@ def sparse_attn(
             BLOCK_S=c["BLOCK_S"], INTERP=_INTERP, PDL=pdl(q), num_warps=c["num_warps"], launch_pdl=pdl(q),
         )
     return o
-
-
-def _rotate(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """q [S, H, D] bf16 rotated by its rows' tables (apply_rope's bits), in one launch."""
-    S, H, D = q.shape
-    out = torch.empty_like(q)
-    block_h = min(16, triton.next_power_of_2(H))
-    _rotate_kernel[(S, triton.cdiv(H, block_h))](q, out, cos, sin, H, D=D, R=2 * cos.shape[-1], BLOCK_H=block_h,
-                                                 INTERP=_INTERP, PDL=pdl(q), num_warps=4, launch_pdl=pdl(q),
-                                                 enable_fp_fusion=False)
-    return out
 
 
 def combine_tiles(H: int, D: int, n_splits: int, config: Config) -> dict:
@@ -465,15 +416,9 @@ def _out_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float32 if q.dtype == torch.float32 and not use_triton(q) else torch.bfloat16
 
 
-def _run(q, win: KV, win_idx, glob: KV, glob_idx, sink, softmax_scale, cos, sin, split_size,
-         rotate_q: bool) -> torch.Tensor:
-    """`rotate_q`: q's RoPE first, in its dtype (the kernel rotates bf16 queries as it loads them)."""
-    if rotate_q and not (use_triton(q) and q.dtype == torch.bfloat16):
-        _check(q, win, win_idx, glob, glob_idx, sink, cos, sin)
-        q, rotate_q = apply_rope(q, cos, sin), False
+def _run(q, win: KV, win_idx, glob: KV, glob_idx, sink, softmax_scale, cos, sin, split_size) -> torch.Tensor:
     if use_triton(q):
-        return sparse_attn(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size,
-                           rotate_q=rotate_q)
+        return sparse_attn(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size)
     return sparse_attn_reference(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin)
 
 
@@ -485,11 +430,10 @@ def sparse_attn_fp4(
     q: torch.Tensor, win_q8: torch.Tensor, win_scale: torch.Tensor, win_idx: torch.Tensor,
     glob_packed: torch.Tensor, glob_scale: torch.Tensor, glob_idx: torch.Tensor, sink: torch.Tensor,
     softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0,
-    rotate_q: bool = False,
 ) -> torch.Tensor:
     """FP8 window (e4m3 + e8m0 per 32) and FP4 global entries (packed e2m1 + e4m3 per 16) -> o [S, H, D] bf16."""
     win, glob = KV(FP8, win_q8, win_scale), KV(FP4, glob_packed, glob_scale)
-    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size, rotate_q)
+    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size)
 
 
 @torch.library.custom_op("dsv4::sparse_attn_fp8", mutates_args=())
@@ -497,22 +441,20 @@ def sparse_attn_fp8(
     q: torch.Tensor, win_q8: torch.Tensor, win_scale: torch.Tensor, win_idx: torch.Tensor,
     glob_q8: torch.Tensor, glob_scale: torch.Tensor, glob_idx: torch.Tensor, sink: torch.Tensor,
     softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0,
-    rotate_q: bool = False,
 ) -> torch.Tensor:
     """FP8 window and FP8 global entries (both e4m3 + e8m0 per 32) -> o [S, H, D] bf16."""
     win, glob = KV(FP8, win_q8, win_scale), KV(FP8, glob_q8, glob_scale)
-    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size, rotate_q)
+    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size)
 
 
 @torch.library.custom_op("dsv4::sparse_attn_bf16", mutates_args=())
 def sparse_attn_bf16(
     q: torch.Tensor, win_kv: torch.Tensor, win_idx: torch.Tensor, glob_kv: torch.Tensor, glob_idx: torch.Tensor,
     sink: torch.Tensor, softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0,
-    rotate_q: bool = False,
 ) -> torch.Tensor:
     """Plain bf16 window and global rows -> o [S, H, D] bf16."""
     win, glob = KV(BF16, win_kv), KV(BF16, glob_kv)
-    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size, rotate_q)
+    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size)
 
 
 def _fake(q, *args, **kwargs):
