@@ -7,8 +7,11 @@ decode step ran before it: the norm and the rotation as torch.compile fuses them
 Cases: --rows tokens (a batch-1 step writes one row a layer; the bounded replay 128) of V4.1's 512-wide rows (64
 rotated, FP8 blocks of 32), bf16, into a store of 8 slots x 256 rows. Timing: `common.time_calls` over rotating
 input sets, "graph" replayed from a CUDA graph as the decode step runs them. The check: the store's bytes after
-each path are the twin's (they may differ by one FP8 code where the mean square's summation order flips a bf16
-rounding: counted in `codes_off`). JSON: $OUT/window_write.json if OUT is set, else bench/results/ (-smoke with
+the fused write are the twin's (they may differ by one FP8 code where the mean square's summation order flips a bf16
+rounding: counted in `codes_off`). The path before is not held to it, only counted (`before_codes_off`,
+`before_scales_off`): inductor keeps the normed row in fp32 where eager rounds it to bf16 before the rotation (with
+`torch._inductor.config.emulate_precision_casts` its rows equal eager's; on an H100 2 / 19 / 268 codes differed at
+1 / 8 / 128 rows). JSON: $OUT/window_write.json if OUT is set, else bench/results/ (-smoke with
 --smoke). The table is printed last.
 """
 
@@ -70,9 +73,13 @@ def main() -> None:
         for name, path in paths.items():
             data.zero_(), scale.zero_()
             path(sets[0])
-            off = ((data.view(torch.int8).short() - want[0].view(torch.int8).short()).abs() > 1).sum().item()
-            checks[f"{name} {rows}"] = {"ok": torch.equal(scale, want[1]) and off == 0,
-                                        "codes_off": (data != want[0]).sum().item()}
+            if name == "fused":
+                off = ((data.view(torch.int8).short() - want[0].view(torch.int8).short()).abs() > 1).sum().item()
+                checks[f"{name} {rows}"] = {"ok": torch.equal(scale, want[1]) and off == 0,
+                                            "codes_off": (data != want[0]).sum().item()}
+            else:  # not checked: inductor keeps the normed row in fp32 where eager rounds it to bf16 before RoPE
+                row["before_codes_off"] = (data != want[0]).sum().item()
+                row["before_scales_off"] = (scale != want[1]).sum().item()
             for mode in common.modes(device):
                 row[f"{mode}_{name}_us"] = common.time_calls([lambda s=s, p=path: p(s) for s in sets], reps,
                                                              graph=mode == "graph", cuda=cuda)
