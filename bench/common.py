@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -216,6 +217,32 @@ def spans_of_run(kernels: Sequence[tuple[str, float, float]], names: Sequence[st
     if not names or first is None:
         return None
     return [(start, end) for _, start, end in ordered[first : first + len(names)]]
+
+
+# the kernels that close an mHC site, two a layer (its FFN site's closes it): V4's post, V4.1's post finishing the
+# site's coefficients, or that post with the next site's pass
+POST_KERNELS = ("_post_kernel", "_post_finish_kernel", "_post_partial_kernel")
+
+
+def split_by_layer(steps: list[dict], n_layers: int) -> tuple[list[dict], list[list[dict]], list[dict]] | None:
+    """`launches` cut into the step's entry, one run of launches a layer and its exit (final collapse, norm, head):
+    each layer ends with its second mHC post kernel. The entry is the leading launches of the entry's compiled
+    region (uncompiled, its kernels count in the first layer's). None where the posts do not make n_layers runs."""
+    region = lambda r: (m.group(1) if (m := re.search(r"Torch-Compiled Region: (\d+)/", r["ops"])) else None)
+    first = region(steps[0]) if steps else None
+    n_entry = 0
+    while first is not None and n_entry < len(steps) and region(steps[n_entry]) == first:
+        n_entry += 1
+    runs, run, posts = [], [], 0
+    for r in steps[n_entry:]:
+        run.append(r)
+        posts += r["kernel"] in POST_KERNELS
+        if posts == 2:
+            runs.append(run)
+            run, posts = [], 0
+    if len(runs) != n_layers or posts:
+        return None
+    return steps[:n_entry], runs, run
 
 
 def result_path(name: str, smoke: bool, suffix: str = ".json") -> Path:

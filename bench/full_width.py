@@ -26,6 +26,8 @@ What is built:
   holding the same weights, dequantized (exact in bf16), named by `dsv4.checkpoint.transformers_name` and
   handed to transformers' own loader in memory. Build it before `make_fast` (which re-lays out the weights).
 - `layer_bytes(model)`: parameter bytes per layer by kind, for rooflines.
+- `decode_bytes(model, state, context)`, `layer_decode_bytes(...)`: what a batch-1 decode step reads, in all and
+  by layer; `role_kind(role)`: a layer's kind of decode work.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ import argparse
 import contextlib
 import copy
 import os
+import re
 import sys
 import time
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -433,11 +437,16 @@ def decode_bytes(model: Dsv4Model, state, context: int) -> int:
     experts: top-k of them; shared expert bf16 copy and attention weights dequantized at load, except those
     the step reads as stored FP8 in their place: `FastAttention.fp8_pairs`, `FastMoE.fp8_pairs`), plus the
     cache rows attended or scored at `context`, at the sizes `state` (a fast SlotState) stores them."""
+    return model.head.weight.nbytes + model.embed.weight[0].nbytes + sum(layer_decode_bytes(model, state, context))
+
+
+def layer_decode_bytes(model: Dsv4Model, state, context: int) -> list[int]:
+    """`decode_bytes` of each layer (what the step reads beside the head and its embedding row)."""
     c = model.config
     row = lambda rows: rows.data[0, 0].nbytes + (0 if rows.scale is None else rows.scale[0, 0].nbytes)
-    total = model.head.weight.nbytes + model.embed.weight[0].nbytes
+    out = []
     for layer, weights in zip(model.layers, layer_bytes(model)):
-        total += weights["total"] - weights["routed_experts"] + weights["routed_active"]
+        total = weights["total"] - weights["routed_experts"] + weights["routed_active"]
         stored = layer.attn.fp8_pairs() + layer.ffn.fp8_pairs()
         total -= sum(w.nbytes - c.weight.nbytes - c.scale.nbytes for w, c in stored)
         role = layer.role
@@ -449,7 +458,14 @@ def decode_bytes(model: Dsv4Model, state, context: int) -> int:
             if role.owns_indexer:
                 keys = state.index_keys[role.kv_source if c.is_v41 else role.layer_id]
                 total += entries * row(keys)
-    return total
+        out.append(total)
+    return out
+
+
+def role_kind(role) -> str:
+    """`role_label` without the source layers' ids: layers of one kind run the same decode work (the Engram
+    lookup aside, which `role_label` does not show either)."""
+    return re.sub(r"<-\d+", "<-", role_label(role))
 
 
 def role_label(role) -> str:
@@ -471,6 +487,26 @@ def role_label(role) -> str:
     if role.hash_moe:
         parts.append("hash-moe")
     return " ".join(parts)
+
+
+def released_estimate(arch: str, layers: list[dict], outside_us: float, outside_bytes: int, bw: float) -> dict:
+    """The step at the released depth from the measured layers: each released layer costs the mean time and bytes of
+    the measured layers of its kind (`role_kind`), plus the entry and exit (`outside_us`: head included) and the
+    head's and embedding row's bytes; its roofline is those bytes at the copy rate over that time. Kinds nothing
+    measured are listed instead (`missing_kinds`). Engram lookups are not in the bench's layers."""
+    kinds = Counter(role_kind(r) for r in full_width_config(arch, released_depth(arch)).layer_roles)
+    measured = defaultdict(list)
+    for row in layers:
+        measured[row["kind"]].append(row)
+    missing = sorted(set(kinds) - set(measured))
+    if missing:
+        return {"missing_kinds": missing}
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)
+    us = outside_us + sum(n * mean(measured[k], "us") for k, n in kinds.items())
+    nbytes = outside_bytes + sum(n * mean(measured[k], "bytes") for k, n in kinds.items())
+    return {"layers": sum(kinds.values()), "kinds": dict(kinds), "step_ms": us / 1e3, "bytes": nbytes,
+            "floor_ms": nbytes / bw * 1e3, "roofline": nbytes / bw / (us * 1e-6),
+            "engram_layers_left_out": RELEASED[arch].get("text_config", {}).get("engram_layer_ids", [])}
 
 
 # ----------------------------------------------------------------------------------------------- CLI

@@ -12,6 +12,9 @@ kernels. `launches` lists the step's kernels in order with the ops that launched
 spans and own times in one replay of the step's graph (own: the time each ran after the kernel before it ended; a
 PDL kernel's span holds its wait for that one); `by_op` sums both by op (each dsv4 op, cuBLAS, inductor's
 kernels, other aten ops).
+`by_layer`: the launches cut into layers at their mHC posts (`common.split_by_layer`), each with its kind
+(`full_width.role_kind`), time alone and the bytes it reads; `released_estimate`: the step at the released depth with
+each released layer at its kind's measured time and bytes (`--layers 6` measures every V4.1 kind, 4 every V4 kind).
 With --prefill-chunk, a cold prefill's kernels too, and its device time by layer module and module-path method
 (`SPANS`: CUDA events around each call, so a span includes the spans inside it).
 """
@@ -48,7 +51,18 @@ ARGS = common.parse_args(__doc__, add_arguments, whole_model=True)
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from full_width import bench_setup, build_random_model, cold_prefill, decode_bytes, prefill_chunks, random_ids  # noqa: E402
+from full_width import (  # noqa: E402
+    bench_setup,
+    build_random_model,
+    cold_prefill,
+    decode_bytes,
+    full_width_layers,
+    layer_decode_bytes,
+    prefill_chunks,
+    random_ids,
+    released_estimate,
+    role_kind,
+)
 
 from dsv4.fast.model import make_fast  # noqa: E402
 from dsv4.fast.runner import Runner  # noqa: E402
@@ -117,6 +131,30 @@ def by_op(rows: list[dict]) -> list[dict]:
         calls[group] += 1
     return sorted(({"op": g, "launches": calls[g], "us": total[g], "own_us": own[g]} for g in total),
                   key=lambda r: -r["us"])
+
+
+def print_layers(result: dict) -> None:
+    """The step's layers (kind, time alone, bytes, rate) and the estimate at the released depth."""
+    if "by_layer" not in result:
+        print("by layer: the launches did not split into the layers at their mHC posts")
+        return
+    print(f"by layer (kernels alone; entry and exit {result['outside_layers_us']:.1f} us):")
+    for r in result["by_layer"]:
+        print(f"  layer {r['layer']} (released {r['released']}, {r['kind']}): {r['us']:7.1f} us, {r['launches']} "
+              f"launches, {r['bytes'] / 1e6:.1f} MB: {r['bytes'] / r['us'] / 1e6:.2f} TB/s")
+    est = result["released_estimate"]
+    if "missing_kinds" in est:
+        print(f"released depth: not estimated, no layer of kinds {est['missing_kinds']} measured")
+    else:
+        print(f"released depth ({est['layers']} layers by kind, Engram left out): {est['step_ms']:.3f} ms a step for "
+              f"{est['bytes'] / 1e9:.2f} GB, floor {est['floor_ms']:.3f} ms: {100 * est['roofline']:.1f}% of the roofline")
+
+
+def by_layer(fast, runs: list[list[dict]], layer_bytes: list[int], released: list[int]) -> list[dict]:
+    """Each layer's launches, their time alone and the bytes the step reads for it (`layer_decode_bytes`)."""
+    return [{"layer": i, "released": released[i], "kind": role_kind(layer.role), "launches": len(run),
+             "us": sum(r["us"] for r in run), "bytes": nbytes}
+            for i, (layer, run, nbytes) in enumerate(zip(fast.layers, runs, layer_bytes))]
 
 
 # what the prefill's table by module times, per layer: (attribute path from the block, methods; "" = its forward)
@@ -238,6 +276,15 @@ def main():
     if unmatched is not None:
         result["unmatched_replay_kernels"] = unmatched
     result["by_op"] = by_op(result["launches"])
+    split = common.split_by_layer(steps, ARGS.layers)
+    if split is not None:
+        entry, runs, leave = split
+        layer_bytes = layer_decode_bytes(fast, runner.state, context)
+        result["by_layer"] = by_layer(fast, runs, layer_bytes, full_width_layers(ARGS.arch, ARGS.layers))
+        outside_us = sum(r["us"] for r in entry + leave)
+        result["outside_layers_us"] = outside_us
+        result["released_estimate"] = released_estimate(ARGS.arch, result["by_layer"], outside_us,
+                                                        nbytes - sum(layer_bytes), bw)
     timed_rows = [r for r in result["launches"] if "own_us" in r]
     if timed_rows:  # the replay's span on the device = its kernels' own times + the gaps between them
         result["device_span_ms"] = max(r["start_us"] + r["replay_us"] for r in timed_rows) / 1e3
@@ -256,6 +303,7 @@ def main():
         print(f"own times: the graph replay's {len(unmatched)} kernels did not line up with the {len(steps)} launches; "
               f"not computed (unmatched_replay_kernels in the JSON). Only in the replay: "
               f"{sorted(set(unmatched) - names)[:8]}; only launched: {sorted(names - set(unmatched))[:8]}")
+    print_layers(result)
     print("the step by the ops that launched its kernels (us alone, own us in the graph replay):")
     for r in result["by_op"]:
         print(f"{r['us']:9.1f} {r['own_us']:9.1f} us {r['launches']:4d}x  {r['op']}")

@@ -22,6 +22,8 @@ from bench.full_width import (
     full_width_layers,
     layer_bytes,
     main,
+    released_estimate,
+    role_kind,
     transformers_model,
 )
 from dsv4.checkpoint import _fit, _slots, load_into
@@ -280,3 +282,30 @@ def test_transformers_model_is_bf16_by_default_and_refuses_v41():
     assert torch.equal(hf.model.layers[1].mlp.experts.down_proj[5].float(), w)
     with pytest.raises(ValueError, match="V4.1"):
         transformers_model(build_random_model(shrunk("v41", 2), "cpu"))
+
+
+def measured_layers(arch: str, n: int, us_of_kind) -> list[dict]:
+    """profile_decode's by_layer rows for the cut of n layers: each layer `us_of_kind(kind)` microseconds, 1 MB."""
+    kinds = [role_kind(r) for r in full_width_config(arch, n).layer_roles]
+    return [{"kind": k, "us": us_of_kind(k), "bytes": 10**6} for k in kinds]
+
+
+def test_released_estimate_weighs_each_kind_by_its_released_layers():
+    """V4.1-Flash's 40 layers: 30 read both their KV and their top-k from other layers (15 at ratio 2, 15 at
+    ratio 1); the 6-layer cut measures one layer of every kind."""
+    sharer = lambda k: 100.0 if k.endswith("kv<- idx<-") else 0.0
+    est = released_estimate("v41", measured_layers("v41", 6, sharer), 50.0, 7, bw=1e12)
+    assert est["layers"] == 40 and est["step_ms"] == pytest.approx((30 * 100 + 50) / 1e3)
+    assert est["bytes"] == pytest.approx(7 + 40 * 10**6)
+    assert est["roofline"] == pytest.approx(est["floor_ms"] / est["step_ms"])
+    assert est["engram_layers_left_out"] == [1, 14]
+    # two measured layers of one kind count at their mean
+    rows = measured_layers("v41", 6, lambda k: 0.0) + [{"kind": "window", "us": 10.0, "bytes": 10**6}]
+    assert released_estimate("v41", rows, 0.0, 0, bw=1e12)["step_ms"] == pytest.approx(2 * 5.0 / 1e3)
+
+
+def test_released_estimate_names_the_kinds_nothing_measured():
+    """The 4-layer cut of V4.1 has no window-only layer and no ratio-2 reader; V4's 4-layer cut has every kind."""
+    est = released_estimate("v41", measured_layers("v41", 4, lambda k: 1.0), 0.0, 0, bw=1e12)
+    assert est == {"missing_kinds": ["csa r2 kv<- idx<-", "window"]}
+    assert released_estimate("v4", measured_layers("v4", 4, lambda k: 1.0), 0.0, 0, bw=1e12)["layers"] == 43
