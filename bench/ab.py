@@ -11,7 +11,9 @@ then on the device:
         --compile --top 40
 
 The runs go base, this tree, base, this tree, ... (`--rounds` pairs), so a drift of the machine shows in both
-columns. Each is `python <script> <args>` in its tree (working directory and PYTHONPATH), with OUT set to
+columns. `--base` given more than once (`--base exp/base --base exp/base2`, each made with `--make-base REV --base
+PATH`) runs each base in turn before this tree, labelled base, base2, ...: two changes told apart in one call. Each
+run is `python <script> <args>` in its tree (working directory and PYTHONPATH), with OUT set to
 <out>/<label>-<round> for its result files and DSV4_COMMIT to the tree's commit (the base's COMMIT file; this
 tree's $DSV4_COMMIT, else `git rev-parse`), its output in <out>/<label>-<round>.log; <out> is $OUT/ab (out/ab
 without OUT). Last, for each JSON result every run wrote, a table of its top-level numbers and its `by_op`
@@ -100,21 +102,24 @@ def compare(runs: dict[str, Path]) -> dict[str, dict[str, dict[str, float]]]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", type=Path, default=HERE / "exp" / "base", help="the base source tree (exp/base)")
+    p.add_argument("--base", type=Path, action="append",
+                   help="a base source tree (default exp/base); given again, each further base runs too, in order")
     p.add_argument("--make-base", metavar="REV", help="only make the base tree from commit REV")
     p.add_argument("--rounds", type=int, default=1, help="base / this tree pairs")
     p.add_argument("script", nargs="?", help="the bench script, relative to a tree's root")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)
+    bases = a.base or [HERE / "exp" / "base"]
     if a.make_base:
-        print(f"base tree: {make_base(a.make_base, a.base)}")
+        print(f"base tree: {make_base(a.make_base, bases[0])}")
         return {}
     if a.script is None:
         p.error("a bench script to run (or --make-base REV)")
     out = Path(os.environ.get("OUT", HERE / "out")) / "ab"
+    trees = {("base" if i == 0 else f"base{i + 1}"): tree for i, tree in enumerate(bases)} | {"main": HERE}
     runs, codes = {}, {}
     for r in range(a.rounds):
-        for label, tree in (("base", a.base), ("main", HERE)):
+        for label, tree in trees.items():
             runs[f"{label}-{r}"], codes[f"{label}-{r}"] = run(tree, a.script, a.args, out, f"{label}-{r}")
     table = compare(runs)
     for name, metrics in table.items():
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
         common.print_table([("metric", "metric", "")] + [(label, label, ".3f") for label in runs],
                            [{"metric": m, **vals} for m, vals in metrics.items()])
     summary = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "script": a.script,
-               "args": a.args, "commits": {"base": tree_commit(a.base), "main": tree_commit(HERE)},
+               "args": a.args, "commits": {label: tree_commit(tree) for label, tree in trees.items()},
                "exit_codes": codes, "results": table}
     (out / "ab.json").write_text(json.dumps(summary, indent=1))
     return summary

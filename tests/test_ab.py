@@ -59,6 +59,21 @@ def test_runs_alternate_in_their_trees_and_results_line_up(tmp_path, monkeypatch
     assert json.loads((out / "ab.json").read_text())["results"] == summary["results"]
 
 
+def test_each_base_given_runs_before_this_tree(tmp_path, monkeypatch):
+    """--base twice: both bases and this tree in each round, labelled base, base2, main."""
+    first, second = make_tree(tmp_path / "first", 1.5), make_tree(tmp_path / "second", 1.0)
+    (first / "COMMIT").write_text("aaa1111\n")
+    (second / "COMMIT").write_text("bbb2222\n")
+    monkeypatch.setattr(ab, "HERE", make_tree(tmp_path / "main", 0.5))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("DSV4_COMMIT", "ccc3333")
+    order = tmp_path / "order.txt"
+    summary = ab.main(["--base", str(first), "--base", str(second), "bench/fake.py", str(order)])
+    assert order.read_text().split("\n")[:-1] == ["first aaa1111", "second bbb2222", "main ccc3333"]
+    assert summary["commits"] == {"base": "aaa1111", "base2": "bbb2222", "main": "ccc3333"}
+    assert summary["results"]["step.json"]["graph_step_ms"] == {"base-0": 1.5, "base2-0": 1.0, "main-0": 0.5}
+
+
 def test_the_base_tree_is_a_commits_bench_paths(tmp_path, monkeypatch):
     """--make-base REV: the commit's dsv4, bench, tests and pyproject.toml (not its other files, not later edits)
     and the short hash in COMMIT."""
