@@ -219,6 +219,24 @@ def spans_of_run(kernels: Sequence[tuple[str, float, float]], names: Sequence[st
     return [(start, end) for _, start, end in ordered[first : first + len(names)]]
 
 
+def launches(prof) -> list[dict]:
+    """The step's kernels in launch order, each with the ops it was launched under (innermost first): what the
+    table's aten kernels (copies, reductions: glue the compiled step left) belong to, and its time run alone (the
+    host launches them tens of microseconds apart, so none waits for another)."""
+    import torch
+
+    ops = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.kernels),
+                 key=lambda e: e.time_range.start)
+    rows = []
+    for op in ops:
+        chain, parent = [], op
+        while parent is not None and len(chain) < 4:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        rows += [{"kernel": k.name[:90], "us": k.duration, "ops": " < ".join(chain)} for k in op.kernels]
+    return rows
+
+
 # the kernels that close an mHC site, two a layer (its FFN site's closes it): V4's post, V4.1's post finishing the
 # site's coefficients, or that post with the next site's pass
 POST_KERNELS = ("_post_kernel", "_post_finish_kernel", "_post_partial_kernel")

@@ -489,6 +489,31 @@ def role_label(role) -> str:
     return " ".join(parts)
 
 
+def layer_rows(fast, runs: list[list[dict]], layer_bytes: list[int], released: list[int], scale: float = 1.0) -> list[dict]:
+    """Each layer's launches (`runs`: `common.split_by_layer`'s), their time alone times `scale`, and the bytes the
+    step reads for it (`layer_decode_bytes`), with its kind (`role_kind`) and released layer id."""
+    return [{"layer": i, "released": released[i], "kind": role_kind(layer.role), "launches": len(run),
+             "us": scale * sum(r["us"] for r in run), "bytes": nbytes}
+            for i, (layer, run, nbytes) in enumerate(zip(fast.layers, runs, layer_bytes))]
+
+
+def profile_step(runner, ids: torch.Tensor, slots: list[int]):
+    """torch.profiler over one decode step of `slots` (CPU ops, and CUDA kernels on a GPU) run outside its graph, by
+    the runner's step function (compiled where the runner compiles), after one step unprofiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = runner.state.device
+    slot_ids = torch.tensor(slots, device=device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.inference_mode():
+        runner.step(ids, slot_ids, runner.state)
+        with profile(activities=activities) as prof:
+            runner.step(ids, slot_ids, runner.state)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+    return prof
+
+
 def released_estimate(arch: str, layers: list[dict], outside_us: float, outside_bytes: int, bw: float) -> dict:
     """The step at the released depth from the measured layers: each released layer costs the mean time and bytes of
     the measured layers of its kind (`role_kind`), plus the entry and exit (`outside_us`: head included) and the

@@ -58,10 +58,11 @@ from full_width import (  # noqa: E402
     decode_bytes,
     full_width_layers,
     layer_decode_bytes,
+    layer_rows,
     prefill_chunks,
+    profile_step,
     random_ids,
     released_estimate,
-    role_kind,
 )
 
 from dsv4.fast.model import make_fast  # noqa: E402
@@ -77,22 +78,6 @@ def kernel_table(prof) -> list[dict]:
             calls[e.name] += 1
     rows = [{"kernel": k[:90], "calls": calls[k], "us": total[k]} for k in total]
     return sorted(rows, key=lambda r: -r["us"])
-
-
-def launches(prof) -> list[dict]:
-    """The step's kernels in launch order, each with the ops it was launched under (innermost first): what the
-    table's aten kernels (copies, reductions: glue the compiled step left) belong to, and its time run alone (the
-    host launches them tens of microseconds apart, so none waits for another)."""
-    ops = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.kernels),
-                 key=lambda e: e.time_range.start)
-    rows = []
-    for op in ops:
-        chain, parent = [], op
-        while parent is not None and len(chain) < 4:
-            chain.append(parent.name)
-            parent = parent.cpu_parent
-        rows += [{"kernel": k.name[:90], "us": k.duration, "ops": " < ".join(chain)} for k in op.kernels]
-    return rows
 
 
 def replay_times(prof, rows: list[dict]) -> list[str] | None:
@@ -150,13 +135,6 @@ def print_layers(result: dict) -> None:
               f"{est['bytes'] / 1e9:.2f} GB, floor {est['floor_ms']:.3f} ms: {100 * est['roofline']:.1f}% of the roofline")
 
 
-def by_layer(fast, runs: list[list[dict]], layer_bytes: list[int], released: list[int]) -> list[dict]:
-    """Each layer's launches, their time alone and the bytes the step reads for it (`layer_decode_bytes`)."""
-    return [{"layer": i, "released": released[i], "kind": role_kind(layer.role), "launches": len(run),
-             "us": sum(r["us"] for r in run), "bytes": nbytes}
-            for i, (layer, run, nbytes) in enumerate(zip(fast.layers, runs, layer_bytes))]
-
-
 # what the prefill's table by module times, per layer: (attribute path from the block, methods; "" = its forward)
 SPANS = (("", ("forward",)), ("attn", ("forward", "_q_kv", "_compress", "_compressed", "_output")),
          ("attn.compressor", ("forward",)), ("attn.indexer", ("forward", "keys", "_queries", "_scores", "_top",
@@ -211,7 +189,7 @@ def module_times(model, run, device) -> dict[str, float]:
     return {label: sum(ms() for ms in calls) for label, calls in spans.items()}
 
 
-def profile_prefill(runner, activities, device, context: int) -> dict:
+def profile_prefill(runner, device, context: int) -> dict:
     """A cold prefill of `context` tokens in --prefill-chunk chunks into a fresh slot: wall time (after a
     warm-up run), then the kernels of one more run."""
     ids = random_ids(runner.config, context)
@@ -220,6 +198,7 @@ def profile_prefill(runner, activities, device, context: int) -> dict:
         cold_prefill(runner, ids, ARGS.prefill_chunk)
 
     ms = common.timed(run, device) * 1e3
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         run()
         if device.type == "cuda":
@@ -248,23 +227,16 @@ def main():
     next_ids = random_ids(config, B).to(device)  # distinct rows route to distinct experts, as in a real batch
     runner.decode(slots, next_ids)  # capture
     step_ms = common.timed(lambda: runner.decode(slots, next_ids), device, 10) * 1e3
-    slot_ids = torch.tensor(slots, device=device)
-    with torch.inference_mode():
-        runner.step(next_ids, slot_ids, runner.state)  # warm
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
-            runner.step(next_ids, slot_ids, runner.state)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+    prof = profile_step(runner, next_ids, slots)
     rows = kernel_table(prof)
-    steps = launches(prof)
+    steps = common.launches(prof)
     unmatched = None
     if device.type == "cuda":
         with profile(activities=[ProfilerActivity.CUDA]) as replay:
             runner.decode(slots, next_ids)
             torch.cuda.synchronize()
         unmatched = replay_times(replay, steps)
-    prefill = profile_prefill(runner, activities, device, context) if ARGS.prefill_chunk else None
+    prefill = profile_prefill(runner, device, context) if ARGS.prefill_chunk else None
     nbytes = decode_bytes(fast, runner.state, context)
     bw = common.copy_bandwidth(device)
     result = {**common.metadata(str(device)), "arch": ARGS.arch, "layers": ARGS.layers, "context": context, "batch": B, "compiled": ARGS.compile,
@@ -280,7 +252,7 @@ def main():
     if split is not None:
         entry, runs, leave = split
         layer_bytes = layer_decode_bytes(fast, runner.state, context)
-        result["by_layer"] = by_layer(fast, runs, layer_bytes, full_width_layers(ARGS.arch, ARGS.layers))
+        result["by_layer"] = layer_rows(fast, runs, layer_bytes, full_width_layers(ARGS.arch, ARGS.layers))
         outside_us = sum(r["us"] for r in entry + leave)
         result["outside_layers_us"] = outside_us
         result["released_estimate"] = released_estimate(ARGS.arch, result["by_layer"], outside_us,

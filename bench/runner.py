@@ -8,7 +8,9 @@ Models: `bench/full_width.py` (real dimensions, random weights in the released f
 - the roofline of a batch-1 decode step: bytes the step must read (weights as the fast model holds them,
   the experts a token actually touches, the KV rows it attends to and the index keys it scores) over
   the device copy bandwidth measured in the same run; per layer (the head GEMM timed alone, the rest of
-  the step averaged over the layers) and extrapolated to the released depth;
+  the step averaged over the layers) and extrapolated to the released depth; and by layer kind (one step
+  profiled, its kernels cut into layers and scaled to the graph step; each released layer at its kind's time and
+  bytes: `--layers 6` measures every V4.1 kind, V4's 4 every V4 kind);
 - the reference model (same seed, same weights) at `--ref-context` tokens, where its dense masks fit;
 - V4 only: transformers' eager `DeepseekV4ForCausalLM` on the same weights.
 
@@ -51,8 +53,14 @@ from full_width import (  # noqa: E402
     cold_prefill,
     decode_bytes,
     decode_rows,
+    fill_slots,
+    full_width_layers,
+    layer_decode_bytes,
+    layer_rows,
+    profile_step,
     random_ids,
     released_depth,
+    released_estimate,
 )
 
 from dsv4.fast.model import make_fast  # noqa: E402
@@ -81,6 +89,8 @@ def fast_results(config, device, context: int, ref_context: int, batches: list[i
     out["roofline"] = {"bytes_per_step": nbytes, "copy_bandwidth_Bps": bw, "floor_ms": nbytes / bw * 1e3,
                        "fraction_at_batch1": (nbytes / bw) / (rows[batches[0]]["step_ms"] * 1e-3)}
     out["whole_model"] = extrapolate(fast, rows[batches[0]]["step_ms"], nbytes, bw, device, config)
+    if batches[0] == 1:
+        out["released_by_kind"] = extrapolate_by_kind(runner, rows[1]["step_ms"], nbytes, bw, context)
     if not ARGS.no_reference:
         out["fast_at_ref_context"] = {"decode": decode_rows(runner, common.timer(device), ref_context, [1], ARGS.chunk,
                                                           ARGS.steps // 2)[1],
@@ -102,6 +112,27 @@ def extrapolate(fast, step_ms: float, nbytes: int, bw: float, device, config) ->
             "layer_fraction": layer_bytes / bw / (layer_ms * 1e-3), "layers": full, "step_ms": step_full,
             "tokens_per_s": 1e3 / step_full, "bytes_per_step": bytes_full,
             "fraction_at_batch1": bytes_full / bw / (step_full * 1e-3)}
+
+
+def extrapolate_by_kind(runner, step_ms: float, nbytes: int, bw: float, context: int) -> dict | None:
+    """The batch-1 step at the released depth by layer kind (`full_width.released_estimate`): one step profiled
+    outside its graph, its launches cut into layers (`common.split_by_layer`), their times alone scaled so they add
+    up to the graph step `step_ms`; None where the launches do not split into the layers (the CPU: no kernels)."""
+    fast = runner.model
+    slots = fill_slots(runner, context, 1, ARGS.chunk)
+    prof = profile_step(runner, random_ids(runner.config, 1).to(runner.state.device), slots)
+    runner.release(slots[0])
+    steps = common.launches(prof)
+    split = common.split_by_layer(steps, len(fast.layers))
+    if split is None:
+        return None
+    entry, runs, leave = split
+    scale = step_ms * 1e3 / sum(r["us"] for r in steps)  # kernels alone -> the graph step
+    layer_bytes = layer_decode_bytes(fast, runner.state, context)
+    layers = layer_rows(fast, runs, layer_bytes, full_width_layers(ARGS.arch, len(fast.layers)), scale)
+    outside_us = scale * sum(r["us"] for r in entry + leave)
+    return {"layers": layers, "outside_us": outside_us, "graph_over_alone": scale,
+            "estimate": released_estimate(ARGS.arch, layers, outside_us, nbytes - sum(layer_bytes), bw)}
 
 
 def reference_rows(model, device, context: int) -> dict:
@@ -186,6 +217,20 @@ def print_fast(result: dict) -> None:
     print(f"per layer: {wm['layer_ms']:.3f} ms for {wm['layer_bytes'] / 1e6:.1f} MB ({wm['layer_fraction']:.2%} of the "
           f"copy rate); head {wm['head_ms']:.3f} ms; {wm['layers']} layers: {wm['step_ms']:.2f} ms/step, "
           f"{wm['tokens_per_s']:.0f} tok/s, roofline {wm['fraction_at_batch1']:.2%}", flush=True)
+    by_kind, bw = result.get("released_by_kind"), rf["copy_bandwidth_Bps"]
+    if by_kind is None:
+        print("by layer kind: not measured (the profiled step's launches did not split into the layers)")
+        return
+    for r in by_kind["layers"]:
+        print(f"  layer {r['layer']} (released {r['released']}, {r['kind']}): {r['us']:.1f} us for "
+              f"{r['bytes'] / 1e6:.1f} MB ({r['bytes'] / bw / (r['us'] * 1e-6):.2%} of the copy rate)")
+    est = by_kind["estimate"]
+    if "missing_kinds" in est:
+        print(f"{released_depth(ARGS.arch)} layers by kind: no layer of {est['missing_kinds']} measured (--layers 6 "
+              "measures every V4.1 kind, 4 every V4 kind)")
+    else:
+        print(f"{est['layers']} layers by kind (Engram lookups left out): {est['step_ms']:.2f} ms/step, roofline "
+              f"{est['roofline']:.2%}", flush=True)
 
 
 def main():
