@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -217,50 +216,6 @@ def spans_of_run(kernels: Sequence[tuple[str, float, float]], names: Sequence[st
     if not names or first is None:
         return None
     return [(start, end) for _, start, end in ordered[first : first + len(names)]]
-
-
-def launches(prof) -> list[dict]:
-    """The step's kernels in launch order, each with the ops it was launched under (innermost first): what the
-    table's aten kernels (copies, reductions: glue the compiled step left) belong to, and its time run alone (the
-    host launches them tens of microseconds apart, so none waits for another)."""
-    import torch
-
-    ops = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.kernels),
-                 key=lambda e: e.time_range.start)
-    rows = []
-    for op in ops:
-        chain, parent = [], op
-        while parent is not None and len(chain) < 4:
-            chain.append(parent.name)
-            parent = parent.cpu_parent
-        rows += [{"kernel": k.name[:90], "us": k.duration, "ops": " < ".join(chain)} for k in op.kernels]
-    return rows
-
-
-# the kernels that close an mHC site, two a layer (its FFN site's closes it): V4's post, V4.1's post finishing the
-# site's coefficients, or that post with the next site's pass
-POST_KERNELS = ("_post_kernel", "_post_finish_kernel", "_post_partial_kernel")
-
-
-def split_by_layer(steps: list[dict], n_layers: int) -> tuple[list[dict], list[list[dict]], list[dict]] | None:
-    """`launches` cut into the step's entry, one run of launches a layer and its exit (final collapse, norm, head):
-    each layer ends with its second mHC post kernel. The entry is the leading launches of the entry's compiled
-    region (uncompiled, its kernels count in the first layer's). None where the posts do not make n_layers runs."""
-    region = lambda r: (m.group(1) if (m := re.search(r"Torch-Compiled Region: (\d+)/", r["ops"])) else None)
-    first = region(steps[0]) if steps else None
-    n_entry = 0
-    while first is not None and n_entry < len(steps) and region(steps[n_entry]) == first:
-        n_entry += 1
-    runs, run, posts = [], [], 0
-    for r in steps[n_entry:]:
-        run.append(r)
-        posts += r["kernel"] in POST_KERNELS
-        if posts == 2:
-            runs.append(run)
-            run, posts = [], 0
-    if len(runs) != n_layers or posts:
-        return None
-    return steps[:n_entry], runs, run
 
 
 def result_path(name: str, smoke: bool, suffix: str = ".json") -> Path:

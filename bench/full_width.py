@@ -489,6 +489,66 @@ def role_label(role) -> str:
     return " ".join(parts)
 
 
+def launches(prof) -> list[dict]:
+    """The step's kernels in launch order, each with the ops it was launched under (innermost first): what the
+    table's aten kernels (copies, reductions: glue the compiled step left) belong to, and its time run alone (the
+    host launches them tens of microseconds apart, so none waits for another)."""
+    ops = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.kernels),
+                 key=lambda e: e.time_range.start)
+    rows = []
+    for op in ops:
+        chain, parent = [], op
+        while parent is not None and len(chain) < 4:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        rows += [{"kernel": k.name[:90], "us": k.duration, "ops": " < ".join(chain)} for k in op.kernels]
+    return rows
+
+
+# the kernels that close an mHC site, two a layer (its FFN site's closes it): V4's post, V4.1's post finishing the
+# site's coefficients, or that post with the next site's pass
+POST_KERNELS = ("_post_kernel", "_post_finish_kernel", "_post_partial_kernel")
+
+
+def split_by_layer(steps: list[dict], n_layers: int) -> tuple[list[dict], list[list[dict]], list[dict]] | None:
+    """`launches` cut into the step's entry, one run of launches a layer and its exit (final collapse, norm, head):
+    each layer ends with its second mHC post kernel. The entry is the leading launches of the entry's compiled
+    region (uncompiled, its kernels count in the first layer's). None where the posts do not make n_layers runs."""
+    region = lambda r: (m.group(1) if (m := re.search(r"Torch-Compiled Region: (\d+)/", r["ops"])) else None)
+    first = region(steps[0]) if steps else None
+    n_entry = 0
+    while first is not None and n_entry < len(steps) and region(steps[n_entry]) == first:
+        n_entry += 1
+    runs, run, posts = [], [], 0
+    for r in steps[n_entry:]:
+        run.append(r)
+        posts += r["kernel"] in POST_KERNELS
+        if posts == 2:
+            runs.append(run)
+            run, posts = [], 0
+    if len(runs) != n_layers or posts:
+        return None
+    return steps[:n_entry], runs, run
+
+
+def layer_breakdown(fast, state, steps: list[dict], context: int, nbytes: int, bw: float, arch: str,
+                    step_ms: float | None = None) -> dict | None:
+    """A profiled batch-1 step by layer: its launches (`launches`) cut into layers (`split_by_layer`), each layer's
+    time and bytes (`layer_rows`), the time outside them, and the step at the released depth by layer kind
+    (`released_estimate`); the times are the kernels' alone, or scaled so all of them add up to `step_ms` (the graph
+    step). None where the launches do not split into the layers (on the CPU there are no kernels)."""
+    split = split_by_layer(steps, len(fast.layers))
+    if split is None:
+        return None
+    entry, runs, leave = split
+    scale = 1.0 if step_ms is None else step_ms * 1e3 / sum(r["us"] for r in steps)
+    layer_bytes = layer_decode_bytes(fast, state, context)
+    layers = layer_rows(fast, runs, layer_bytes, full_width_layers(arch, len(fast.layers)), scale)
+    outside_us = scale * sum(r["us"] for r in entry + leave)
+    return {"layers": layers, "outside_us": outside_us, "scale": scale,
+            "estimate": released_estimate(arch, layers, outside_us, nbytes - sum(layer_bytes), bw)}
+
+
 def layer_rows(fast, runs: list[list[dict]], layer_bytes: list[int], released: list[int], scale: float = 1.0) -> list[dict]:
     """Each layer's launches (`runs`: `common.split_by_layer`'s), their time alone times `scale`, and the bytes the
     step reads for it (`layer_decode_bytes`), with its kind (`role_kind`) and released layer id."""

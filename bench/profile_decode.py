@@ -12,9 +12,9 @@ kernels. `launches` lists the step's kernels in order with the ops that launched
 spans and own times in one replay of the step's graph (own: the time each ran after the kernel before it ended; a
 PDL kernel's span holds its wait for that one); `by_op` sums both by op (each dsv4 op, cuBLAS, inductor's
 kernels, other aten ops).
-`by_layer`: the launches cut into layers at their mHC posts (`common.split_by_layer`), each with its kind
-(`full_width.role_kind`), time alone and the bytes it reads; `released_estimate`: the step at the released depth with
-each released layer at its kind's measured time and bytes (`--layers 6` measures every V4.1 kind, 4 every V4 kind).
+`by_layer` (`full_width.layer_breakdown`): the launches cut into layers at their mHC posts, each with its kind, time
+alone and the bytes it reads, and the step at the released depth with each released layer at its kind's measured
+time and bytes (`--layers 6` measures every V4.1 kind, 4 every V4 kind).
 With --prefill-chunk, a cold prefill's kernels too, and its device time by layer module and module-path method
 (`SPANS`: CUDA events around each call, so a span includes the spans inside it).
 """
@@ -56,13 +56,11 @@ from full_width import (  # noqa: E402
     build_random_model,
     cold_prefill,
     decode_bytes,
-    full_width_layers,
-    layer_decode_bytes,
-    layer_rows,
+    launches,
+    layer_breakdown,
     prefill_chunks,
     profile_step,
     random_ids,
-    released_estimate,
 )
 
 from dsv4.fast.model import make_fast  # noqa: E402
@@ -120,14 +118,15 @@ def by_op(rows: list[dict]) -> list[dict]:
 
 def print_layers(result: dict) -> None:
     """The step's layers (kind, time alone, bytes, rate) and the estimate at the released depth."""
-    if "by_layer" not in result:
+    by_layer = result["by_layer"]
+    if by_layer is None:
         print("by layer: the launches did not split into the layers at their mHC posts")
         return
-    print(f"by layer (kernels alone; entry and exit {result['outside_layers_us']:.1f} us):")
-    for r in result["by_layer"]:
+    print(f"by layer (kernels alone; entry and exit {by_layer['outside_us']:.1f} us):")
+    for r in by_layer["layers"]:
         print(f"  layer {r['layer']} (released {r['released']}, {r['kind']}): {r['us']:7.1f} us, {r['launches']} "
               f"launches, {r['bytes'] / 1e6:.1f} MB: {r['bytes'] / r['us'] / 1e6:.2f} TB/s")
-    est = result["released_estimate"]
+    est = by_layer["estimate"]
     if "missing_kinds" in est:
         print(f"released depth: not estimated, no layer of kinds {est['missing_kinds']} measured")
     else:
@@ -229,7 +228,7 @@ def main():
     step_ms = common.timed(lambda: runner.decode(slots, next_ids), device, 10) * 1e3
     prof = profile_step(runner, next_ids, slots)
     rows = kernel_table(prof)
-    steps = common.launches(prof)
+    steps = launches(prof)
     unmatched = None
     if device.type == "cuda":
         with profile(activities=[ProfilerActivity.CUDA]) as replay:
@@ -248,15 +247,7 @@ def main():
     if unmatched is not None:
         result["unmatched_replay_kernels"] = unmatched
     result["by_op"] = by_op(result["launches"])
-    split = common.split_by_layer(steps, ARGS.layers)
-    if split is not None:
-        entry, runs, leave = split
-        layer_bytes = layer_decode_bytes(fast, runner.state, context)
-        result["by_layer"] = layer_rows(fast, runs, layer_bytes, full_width_layers(ARGS.arch, ARGS.layers))
-        outside_us = sum(r["us"] for r in entry + leave)
-        result["outside_layers_us"] = outside_us
-        result["released_estimate"] = released_estimate(ARGS.arch, result["by_layer"], outside_us,
-                                                        nbytes - sum(layer_bytes), bw)
+    result["by_layer"] = layer_breakdown(fast, runner.state, steps, context, nbytes, bw, ARGS.arch)
     timed_rows = [r for r in result["launches"] if "own_us" in r]
     if timed_rows:  # the replay's span on the device = its kernels' own times + the gaps between them
         result["device_span_ms"] = max(r["start_us"] + r["replay_us"] for r in timed_rows) / 1e3

@@ -54,13 +54,11 @@ from full_width import (  # noqa: E402
     decode_bytes,
     decode_rows,
     fill_slots,
-    full_width_layers,
-    layer_decode_bytes,
-    layer_rows,
+    launches,
+    layer_breakdown,
     profile_step,
     random_ids,
     released_depth,
-    released_estimate,
 )
 
 from dsv4.fast.model import make_fast  # noqa: E402
@@ -115,24 +113,12 @@ def extrapolate(fast, step_ms: float, nbytes: int, bw: float, device, config) ->
 
 
 def extrapolate_by_kind(runner, step_ms: float, nbytes: int, bw: float, context: int) -> dict | None:
-    """The batch-1 step at the released depth by layer kind (`full_width.released_estimate`): one step profiled
-    outside its graph, its launches cut into layers (`common.split_by_layer`), their times alone scaled so they add
-    up to the graph step `step_ms`; None where the launches do not split into the layers (the CPU: no kernels)."""
-    fast = runner.model
+    """The batch-1 step by layer and at the released depth by layer kind (`full_width.layer_breakdown`): one step of
+    a fresh slot profiled outside its graph, its kernels' times scaled to the graph step `step_ms`."""
     slots = fill_slots(runner, context, 1, ARGS.chunk)
     prof = profile_step(runner, random_ids(runner.config, 1).to(runner.state.device), slots)
     runner.release(slots[0])
-    steps = common.launches(prof)
-    split = common.split_by_layer(steps, len(fast.layers))
-    if split is None:
-        return None
-    entry, runs, leave = split
-    scale = step_ms * 1e3 / sum(r["us"] for r in steps)  # kernels alone -> the graph step
-    layer_bytes = layer_decode_bytes(fast, runner.state, context)
-    layers = layer_rows(fast, runs, layer_bytes, full_width_layers(ARGS.arch, len(fast.layers)), scale)
-    outside_us = scale * sum(r["us"] for r in entry + leave)
-    return {"layers": layers, "outside_us": outside_us, "graph_over_alone": scale,
-            "estimate": released_estimate(ARGS.arch, layers, outside_us, nbytes - sum(layer_bytes), bw)}
+    return layer_breakdown(runner.model, runner.state, launches(prof), context, nbytes, bw, ARGS.arch, step_ms)
 
 
 def reference_rows(model, device, context: int) -> dict:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `bench` as a package
 
-from bench.common import own_times, spans_of_run, split_by_layer
+from bench.common import own_times, spans_of_run
 
 
 def test_own_times_take_each_kernel_from_the_end_of_the_ones_before():
@@ -53,23 +53,3 @@ def test_spans_of_run_find_the_launches_among_other_kernels_in_start_order():
     assert spans_of_run(kernels, []) is None
     assert spans_of_run([], ["a"]) is None
 
-
-def launch(kernel: str, region: str | None = None) -> dict:
-    """A `launches` row of profile_decode: the kernel, its time alone, the ops it was launched under."""
-    ops = f"{kernel} < ## Call CompiledFxGraph x ## < Torch-Compiled Region: {region}" if region else f"{kernel} < dsv4::op"
-    return {"kernel": kernel, "us": 1.0, "ops": ops}
-
-
-def test_split_by_layer_cuts_after_each_layers_second_post():
-    entry = [launch("triton_poi_fused_embedding_0", "3/1"), launch("triton_poi_fused_copy_1", "3/1")]
-    layer = lambda post: [launch("_pre_partial_kernel", "4/0"), launch("_attn_kernel"), launch(post),
-                          launch("_gather_up_kernel"), launch(post)]
-    layers = [layer("_post_partial_kernel"), layer("_post_kernel"), layer("_post_finish_kernel")]
-    leave = [launch("triton_red_fused_norm_0", "5/0"), launch("nvjet_head")]
-    steps = entry + [r for run in layers for r in run] + leave
-    assert split_by_layer(steps, 3) == (entry, layers, leave)
-    assert split_by_layer(steps, 2) is None  # three layers' posts
-    assert split_by_layer(steps[:-3], 3) is None  # the last layer's second post missing
-    eager = [dict(r, ops=r["kernel"]) for r in steps]  # uncompiled: the entry's kernels go with the first layer
-    got_entry, runs, _ = split_by_layer(eager, 3)
-    assert got_entry == [] and len(runs[0]) == len(entry) + len(layers[0])

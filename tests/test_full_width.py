@@ -24,6 +24,7 @@ from bench.full_width import (
     main,
     released_estimate,
     role_kind,
+    split_by_layer,
     transformers_model,
 )
 from dsv4.checkpoint import _fit, _slots, load_into
@@ -309,3 +310,24 @@ def test_released_estimate_names_the_kinds_nothing_measured():
     est = released_estimate("v41", measured_layers("v41", 4, lambda k: 1.0), 0.0, 0, bw=1e12)
     assert est == {"missing_kinds": ["csa r2 kv<- idx<-", "window"]}
     assert released_estimate("v4", measured_layers("v4", 4, lambda k: 1.0), 0.0, 0, bw=1e12)["layers"] == 43
+
+
+def launch(kernel: str, region: str | None = None) -> dict:
+    """A `launches` row of profile_decode: the kernel, its time alone, the ops it was launched under."""
+    ops = f"{kernel} < ## Call CompiledFxGraph x ## < Torch-Compiled Region: {region}" if region else f"{kernel} < dsv4::op"
+    return {"kernel": kernel, "us": 1.0, "ops": ops}
+
+
+def test_split_by_layer_cuts_after_each_layers_second_post():
+    entry = [launch("triton_poi_fused_embedding_0", "3/1"), launch("triton_poi_fused_copy_1", "3/1")]
+    layer = lambda post: [launch("_pre_partial_kernel", "4/0"), launch("_attn_kernel"), launch(post),
+                          launch("_gather_up_kernel"), launch(post)]
+    layers = [layer("_post_partial_kernel"), layer("_post_kernel"), layer("_post_finish_kernel")]
+    leave = [launch("triton_red_fused_norm_0", "5/0"), launch("nvjet_head")]
+    steps = entry + [r for run in layers for r in run] + leave
+    assert split_by_layer(steps, 3) == (entry, layers, leave)
+    assert split_by_layer(steps, 2) is None  # three layers' posts
+    assert split_by_layer(steps[:-3], 3) is None  # the last layer's second post missing
+    eager = [dict(r, ops=r["kernel"]) for r in steps]  # uncompiled: the entry's kernels go with the first layer
+    got_entry, runs, _ = split_by_layer(eager, 3)
+    assert got_entry == [] and len(runs[0]) == len(entry) + len(layers[0])
