@@ -550,7 +550,7 @@ def layer_breakdown(fast, state, steps: list[dict], context: int, nbytes: int, b
 
 
 def layer_rows(fast, runs: list[list[dict]], layer_bytes: list[int], released: list[int], scale: float = 1.0) -> list[dict]:
-    """Each layer's launches (`runs`: `common.split_by_layer`'s), their time alone times `scale`, and the bytes the
+    """Each layer's launches (`runs`: `split_by_layer`'s), their time alone times `scale`, and the bytes the
     step reads for it (`layer_decode_bytes`), with its kind (`role_kind`) and released layer id."""
     return [{"layer": i, "released": released[i], "kind": role_kind(layer.role), "launches": len(run),
              "us": scale * sum(r["us"] for r in run), "bytes": nbytes}
