@@ -120,7 +120,7 @@ def print_layers(result: dict) -> None:
     """The step's layers (kind, time alone, bytes, rate) and the estimate at the released depth."""
     by_layer = result["by_layer"]
     if by_layer is None:
-        print("by layer: the launches did not split into the layers at their mHC posts")
+        print("by layer: batch 1 only, where the launches split into the layers at their mHC posts")
         return
     print(f"by layer (kernels alone; entry and exit {by_layer['outside_us']:.1f} us):")
     for r in by_layer["layers"]:
@@ -247,7 +247,8 @@ def main():
     if unmatched is not None:
         result["unmatched_replay_kernels"] = unmatched
     result["by_op"] = by_op(result["launches"])
-    result["by_layer"] = layer_breakdown(fast, runner.state, steps, context, nbytes, bw, ARGS.arch)
+    # batch 1: the bytes a layer reads are counted for one token
+    result["by_layer"] = layer_breakdown(fast, runner.state, steps, context, nbytes, bw, ARGS.arch) if B == 1 else None
     timed_rows = [r for r in result["launches"] if "own_us" in r]
     if timed_rows:  # the replay's span on the device = its kernels' own times + the gaps between them
         result["device_span_ms"] = max(r["start_us"] + r["replay_us"] for r in timed_rows) / 1e3
