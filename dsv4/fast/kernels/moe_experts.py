@@ -31,7 +31,10 @@ Paths (all free of host syncs, so they can be captured in a CUDA graph):
   (`activation_planes`, S = k, + 1 with the shared expert); kernel 2, one program per (token, D tile, slot),
   streams w2 rows and writes the slot's rounded output to [N, S, D]; a torch sum over slots gives y (the
   caller's compiled sum with `moe_gather_slots`, which takes the planes from the caller too). Both read
-  the router's ids and weights as they are (the shared expert is the slot past them). Summing the slots inside
+  the router's ids and weights as they are (the shared expert is the slot past them).
+  `moe_route_gather_slots` runs the routing too, for one token, with the shared expert's slot on a second
+  CUDA stream beside the gate GEMM and the routing (the two kernels launched for it alone, then for the routed
+  slots alone: the same programs, so the same slots). Summing the slots inside
   kernel 2 (one program per token and D tile) measured slower on the H200: 104.4 against 99.7 us at V4.1 batch
   1, 195 against 171 us at two tokens. At batch 1 every selected expert's weights are read exactly once.
   V4.1 batch 1 takes ~90 us against a 42.7 us byte floor on the H200 (graph, shared expert included). Not the
@@ -77,6 +80,7 @@ The tensor-core paths step K by a power of two dividing D (and I), at least 64 o
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -84,6 +88,7 @@ import torch.nn.functional as F
 
 from dsv4.fast.kernels import pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.fp8_gemv import _dot4
+from dsv4.fast.kernels.moe_routing import gate_route
 from dsv4.fast.kernels.quant import _e2m1_values
 from dsv4.quant import dequantize_mxfp4
 
@@ -95,6 +100,7 @@ __all__ = [
     "moe_experts_twin",
     "moe_gather_slots",
     "moe_mxfp4_with_shared",
+    "moe_route_gather_slots",
     "moe_slots_twin",
     "stack_expert_weights",
 ]
@@ -826,15 +832,16 @@ def down_k_step(c: dict) -> int:
 
 
 def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, has_shared: bool, c: dict,
-            shared_fp8: tuple | None = None):
+            shared_fp8: tuple | None = None, out: torch.Tensor | None = None, hp: torch.Tensor | None = None):
     """The gather path's kernels on prepared operands (x contiguous, planes = activation_planes(x), expert bytes
-    uint8): each slot's output [N, S, D] fp32. The router's ids and weights go in as they are. `shared_fp8`: the
-    shared expert's rows as `fp8_rows` gives them (codes and exponents of w1 / w3, then of w2), read in place of
-    sh13 / sh2."""
+    uint8): each slot's output [N, S, D] fp32 (into `out` where given, contiguous). The router's ids and weights go
+    in as they are. `shared_fp8`: the shared expert's rows as `fp8_rows` gives them (codes and exponents of w1 / w3,
+    then of w2), read in place of sh13 / sh2. `hp`: the workspace h [N, S, I] fp32, where the caller allocates it."""
     (N, D), (E, I2, _) = x.shape, w13.shape
     I, S = I2 // 2, ids.shape[1] + has_shared
     ids_r, wts_r = ids.contiguous(), weights.float().contiguous()
-    hp = torch.empty(N, S, I, dtype=torch.float32, device=x.device)  # h as planes, rounded to x's dtype
+    if hp is None:
+        hp = torch.empty(N, S, I, dtype=torch.float32, device=x.device)  # h as planes, rounded to x's dtype
     is_bf16 = x.dtype == torch.bfloat16
     q13, e13, q2, e2 = shared_fp8 or (w13, s13, w2, s2)  # the routed bytes stand in where the branch is compiled out
     words = lambda q: q.view(torch.int64 if shared_fp8 else torch.int32)
@@ -845,7 +852,8 @@ def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, 
     _gather_up_kernel[(N, S, triton.cdiv(I, c["BI"]))](
         x, planes, ids_r, wts_r, w13.view(torch.int32), s13, sh13, words(q13), e13, hp, D, I, S, ids.shape[1], E,
         limit, BI=c["BI"], BK=c["BK"], EVEN_K=even(D, c["BK"], s13, e13), **kw)
-    out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
     _gather_down_kernel[(N, triton.cdiv(D, c["BD"]), S)](
         hp, ids_r, w2.view(torch.int32), s2, sh2, words(q2), e2, out, D, I, S, ids.shape[1], E, BD=c["BD"],
         BK=bk_down, EVEN_K=even(I, bk_down, s2, e2), **kw)
@@ -972,3 +980,65 @@ def moe_gather_slots(
 def _(x, planes, ids, weights, w13, s13, w2, s2, shared13, shared2, limit, shared13_fp8=None, shared13_exp=None,
       shared2_fp8=None, shared2_exp=None):
     return x.new_empty((x.shape[0], ids.shape[1] + 1, x.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv4::moe_route_gather_slots", mutates_args=())
+def moe_route_gather_slots(
+    x: torch.Tensor, planes: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor | None,
+    hashed_ids: torch.Tensor | None, topk: int, temp: float, scale: float, normalize: bool, score_func: str,
+    w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+    shared13: torch.Tensor, shared2: torch.Tensor, limit: float,
+    shared13_fp8: torch.Tensor | None = None, shared13_exp: torch.Tensor | None = None,
+    shared2_fp8: torch.Tensor | None = None, shared2_exp: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`dsv4::gate_route` then `dsv4::moe_gather_slots` for one token: its slots [1, k + 1, D] fp32, the same values.
+    The shared expert's slot reads neither the router's ids nor its weights, so on a GPU it runs on a second stream
+    while the gate GEMM and the routing run on the caller's (at V4.1's batch-1 step those two launches take ~9 us
+    that stream no weight bytes), and the routed slots follow on the caller's; the caller's stream waits for the
+    second before the op returns, so a CUDA graph captures the fork and the join. Each slot is computed by the same
+    program as in moe_gather_slots (the routed slots and the shared one in two launches of the kernels), so the
+    slots are bit for bit moe_gather_slots'. More rows than one, or no GPU: the two ops in turn."""
+    weights, ids = gate_route(x, gate_weight, gate_bias, hashed_ids, topk, temp, scale, normalize, score_func) \
+        if x.shape[0] != 1 or not (use_triton(x) and x.is_cuda) else (None, None)
+    stored = (shared13_fp8, shared13_exp, shared2_fp8, shared2_exp)
+    if weights is not None:
+        return moe_gather_slots(x, planes, ids, weights, w13, s13, w2, s2, shared13, shared2, limit, *stored)
+    route = lambda: gate_route(x, gate_weight, gate_bias, hashed_ids, topk, temp, scale, normalize, score_func)
+    return route_gather_split(x, planes, route, topk, w13, s13, w2, s2, shared13, shared2, limit, stored,
+                              torch.cuda.Stream(x.device))
+
+
+def route_gather_split(x, planes, route, topk: int, w13, s13, w2, s2, shared13, shared2, limit: float, stored,
+                       side: torch.cuda.Stream | None):
+    """moe_route_gather_slots' work for one token: the shared expert's slot (a gather launch pair with no routed slot,
+    on stream `side`), `route()` -> (weights, ids) and the routed slots (a pair with no shared slot) on the current
+    stream, both into one [1, k + 1, D] output; everything either side reads is allocated before the fork, on the
+    current stream. `side` None (the interpreter's CPU): one stream, the same launches in the same order."""
+    ids_shape, weights_shape = x.new_empty((1, topk), dtype=torch.int64), x.new_empty((1, topk), dtype=torch.float32)
+    N, D, _, I = _check(x, ids_shape, weights_shape, w13, s13, w2, s2, shared13, shared2)
+    shared_fp8 = _check_fp8_rows(stored, shared13, shared2)
+    xc, w13, s13, w2, s2, sh13, sh2 = _operands(x, w13, s13, w2, s2, shared13, shared2)
+    if shared_fp8 is not None:
+        shared_fp8 = tuple(_u8(t).contiguous() for t in shared_fp8)
+    planes, c = planes.contiguous(), _cfg(xc, N, "gather")
+    out = torch.empty(N, topk + 1, D, dtype=torch.float32, device=x.device)
+    hp = torch.empty(N, topk + 1, I, dtype=torch.float32, device=x.device)
+    # no routed slot, so slot 0 is the shared expert: empty views of allocated memory (an empty tensor's pointer is null)
+    no_ids, no_weights = ids_shape[:, :0], weights_shape[:, :0]
+    operands = (w13, s13, w2, s2, sh13, sh2, float(limit))
+    main = torch.cuda.current_stream(x.device) if side is not None else None
+    if side is not None:
+        side.wait_stream(main)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        _gather(xc, planes, no_ids, no_weights, *operands, True, c, shared_fp8, out[:, topk:], hp[:, topk:])
+    weights, ids = route()
+    _gather(xc, planes, ids, weights, *operands, False, c, None, out[:, :topk], hp[:, :topk])
+    if side is not None:
+        main.wait_stream(side)
+    return out
+
+
+@moe_route_gather_slots.register_fake
+def _(x, planes, gate_weight, gate_bias, hashed_ids, topk, temp, scale, normalize, score_func, w13, s13, w2, s2,
+      shared13, shared2, limit, shared13_fp8=None, shared13_exp=None, shared2_fp8=None, shared2_exp=None):
+    return x.new_empty((x.shape[0], topk + 1, x.shape[1]), dtype=torch.float32)
