@@ -994,16 +994,15 @@ def moe_route_gather_slots(
     """`dsv4::gate_route` then `dsv4::moe_gather_slots` for one token: its slots [1, k + 1, D] fp32, the same values.
     The shared expert's slot reads neither the router's ids nor its weights, so on a GPU it runs on a second stream
     while the gate GEMM and the routing run on the caller's (at V4.1's batch-1 step those two launches take ~9 us
-    that stream no weight bytes), and the routed slots follow on the caller's; the caller's stream waits for the
+    and read ~4 MB), and the routed slots follow on the caller's; the caller's stream waits for the
     second before the op returns, so a CUDA graph captures the fork and the join. Each slot is computed by the same
     program as in moe_gather_slots (the routed slots and the shared one in two launches of the kernels), so the
     slots are bit for bit moe_gather_slots'. More rows than one, or no GPU: the two ops in turn."""
-    weights, ids = gate_route(x, gate_weight, gate_bias, hashed_ids, topk, temp, scale, normalize, score_func) \
-        if x.shape[0] != 1 or not (use_triton(x) and x.is_cuda) else (None, None)
-    stored = (shared13_fp8, shared13_exp, shared2_fp8, shared2_exp)
-    if weights is not None:
-        return moe_gather_slots(x, planes, ids, weights, w13, s13, w2, s2, shared13, shared2, limit, *stored)
     route = lambda: gate_route(x, gate_weight, gate_bias, hashed_ids, topk, temp, scale, normalize, score_func)
+    stored = (shared13_fp8, shared13_exp, shared2_fp8, shared2_exp)
+    if x.shape[0] != 1 or not (use_triton(x) and x.is_cuda):
+        weights, ids = route()
+        return moe_gather_slots(x, planes, ids, weights, w13, s13, w2, s2, shared13, shared2, limit, *stored)
     return route_gather_split(x, planes, route, topk, w13, s13, w2, s2, shared13, shared2, limit, stored,
                               torch.cuda.Stream(x.device))
 
