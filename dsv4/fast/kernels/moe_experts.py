@@ -960,20 +960,33 @@ def moe_gather_slots(
     on them. shared13_fp8 .. shared2_exp, all or none: the shared expert's weights as stored, per row (`fp8_rows`
     of the rows of shared13 and of shared2: the same values), which the kernels then read instead, in half the
     bytes."""
-    N, D, _, _ = _check(x, ids, weights, w13, s13, w2, s2, shared13, shared2)
-    if tuple(planes.shape) != (N, 8, D // 8) or planes.dtype != torch.float32:
-        raise ValueError(f"moe_gather_slots: planes must be [{N}, 8, {D // 8}] float32 (activation_planes(x)), got "
-                         f"{tuple(planes.shape)} {planes.dtype}")
-    shared_fp8 = _check_fp8_rows((shared13_fp8, shared13_exp, shared2_fp8, shared2_exp), shared13, shared2)
+    stored = (shared13_fp8, shared13_exp, shared2_fp8, shared2_exp)
+    N, D, _, shared_fp8 = _check_slots(x, planes, ids, weights, w13, s13, w2, s2, shared13, shared2, stored)
     if not use_triton(x):
         return moe_slots_twin(x, ids, weights, _u8(w13), _u8(s13), _u8(w2), _u8(s2), limit, shared13, shared2)
     if N == 0:
         return x.new_zeros((0, ids.shape[1] + 1, D), dtype=torch.float32)
+    x, planes, operands, shared_fp8, c = _slot_operands(x, planes, w13, s13, w2, s2, shared13, shared2, limit,
+                                                        shared_fp8)
+    return _gather(x, planes, ids, weights, *operands, True, c, shared_fp8)
+
+
+def _check_slots(x, planes, ids, weights, w13, s13, w2, s2, shared13, shared2, stored):
+    """moe_gather_slots' inputs checked -> (N, D, I, the shared expert's FP8 rows or None: `_check_fp8_rows`)."""
+    N, D, _, I = _check(x, ids, weights, w13, s13, w2, s2, shared13, shared2)
+    if tuple(planes.shape) != (N, 8, D // 8) or planes.dtype != torch.float32:
+        raise ValueError(f"moe_gather_slots: planes must be [{N}, 8, {D // 8}] float32 (activation_planes(x)), got "
+                         f"{tuple(planes.shape)} {planes.dtype}")
+    return N, D, I, _check_fp8_rows(stored, shared13, shared2)
+
+
+def _slot_operands(x, planes, w13, s13, w2, s2, shared13, shared2, limit: float, shared_fp8: tuple | None):
+    """What the gather kernels read for the slot ops: (x, planes, (w13, s13, w2, s2, sh13, sh2, limit) as `_gather`
+    takes them, the shared FP8 rows as bytes, the gather config)."""
     x, w13, s13, w2, s2, sh13, sh2 = _operands(x, w13, s13, w2, s2, shared13, shared2)
     if shared_fp8 is not None:
         shared_fp8 = tuple(_u8(t).contiguous() for t in shared_fp8)
-    return _gather(x, planes.contiguous(), ids, weights, w13, s13, w2, s2, sh13, sh2, float(limit), True,
-                   _cfg(x, N, "gather"), shared_fp8)
+    return x, planes.contiguous(), (w13, s13, w2, s2, sh13, sh2, float(limit)), shared_fp8, _cfg(x, x.shape[0], "gather")
 
 
 @moe_gather_slots.register_fake
@@ -1014,17 +1027,14 @@ def route_gather_split(x, planes, route, topk: int, w13, s13, w2, s2, shared13, 
     stream, both into one [1, k + 1, D] output; everything either side reads is allocated before the fork, on the
     current stream. `side` None (the interpreter's CPU): one stream, the same launches in the same order."""
     ids_shape, weights_shape = x.new_empty((1, topk), dtype=torch.int64), x.new_empty((1, topk), dtype=torch.float32)
-    N, D, _, I = _check(x, ids_shape, weights_shape, w13, s13, w2, s2, shared13, shared2)
-    shared_fp8 = _check_fp8_rows(stored, shared13, shared2)
-    xc, w13, s13, w2, s2, sh13, sh2 = _operands(x, w13, s13, w2, s2, shared13, shared2)
-    if shared_fp8 is not None:
-        shared_fp8 = tuple(_u8(t).contiguous() for t in shared_fp8)
-    planes, c = planes.contiguous(), _cfg(xc, N, "gather")
+    N, D, I, shared_fp8 = _check_slots(x, planes, ids_shape, weights_shape, w13, s13, w2, s2, shared13, shared2,
+                                       stored)
+    xc, planes, operands, shared_fp8, c = _slot_operands(x, planes, w13, s13, w2, s2, shared13, shared2, limit,
+                                                         shared_fp8)
     out = torch.empty(N, topk + 1, D, dtype=torch.float32, device=x.device)
     hp = torch.empty(N, topk + 1, I, dtype=torch.float32, device=x.device)
     # no routed slot, so slot 0 is the shared expert: empty views of allocated memory (an empty tensor's pointer is null)
     no_ids, no_weights = ids_shape[:, :0], weights_shape[:, :0]
-    operands = (w13, s13, w2, s2, sh13, sh2, float(limit))
     main = torch.cuda.current_stream(x.device) if side is not None else None
     if side is not None:
         side.wait_stream(main)
