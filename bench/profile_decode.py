@@ -44,9 +44,6 @@ def add_arguments(p):
     p.add_argument("--warm-up", action="store_true",
                    help="start the runner as bench/runner.py and an engine do (Runner.warm_up: the prefill's lengths, "
                         "every decode graph up to the slots, the replay's)")
-    p.add_argument("--shared-beside-routing", action="store_true",
-                   help="each MoE layer's shared expert on a second stream beside its gate GEMM and routing "
-                        "(FastModel.shared_expert_beside_routing); the JSON's name ends in -beside")
 
 
 ARGS = common.parse_args(__doc__, add_arguments, whole_model=True)
@@ -214,7 +211,6 @@ def main():
     device, config = bench_setup(ARGS.arch, ARGS.layers, ARGS.smoke)
     context = 128 if ARGS.smoke else ARGS.context
     fast = make_fast(build_random_model(config, device, torch.bfloat16, seed=0))
-    fast.shared_expert_beside_routing(ARGS.shared_beside_routing)
     B = ARGS.batch
     # the step the runner captures and the step profiled below are one: compiled exactly when --compile
     # --slots and --warm-up set up the runner as bench/runner.py's table does, whose batch-1 step read 56 us more
@@ -257,9 +253,7 @@ def main():
     if timed_rows:  # the replay's span on the device = its kernels' own times + the gaps between them
         result["device_span_ms"] = max(r["start_us"] + r["replay_us"] for r in timed_rows) / 1e3
         result["own_sum_ms"] = sum(r["own_us"] for r in timed_rows) / 1e3
-    name = f"profile-decode-{ARGS.arch}-b{B}{'-compiled' if ARGS.compile else ''}{'-beside' if ARGS.shared_beside_routing else ''}"
-    result["shared_beside_routing"] = ARGS.shared_beside_routing
-    path = common.write_result(name, ARGS.smoke, result)
+    path = common.write_result(f"profile-decode-{ARGS.arch}-b{B}{'-compiled' if ARGS.compile else ''}", ARGS.smoke, result)
     print(path)
     print(f"graph step {step_ms:.3f} ms; kernels {result['kernel_sum_ms']:.3f} ms in {result['kernel_launches']} launches; "
           f"floor (B=1 bytes) {result['floor_ms_b1']:.3f} ms")

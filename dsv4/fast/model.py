@@ -59,7 +59,6 @@ from dsv4.fast.kernels.moe_experts import (
     fp8_rows,
     moe_gather_slots,
     moe_mxfp4_with_shared,
-    moe_route_gather_slots,
     stack_expert_weights,
 )
 from dsv4.fast.kernels.moe_routing import gate_route
@@ -179,13 +178,7 @@ class SharedInput:
 
 # ---------------------------------------------------------------------------------------------- MoE
 class FastMoE(MoE):
-    """Routing in one kernel (gate GEMM included), routed MXFP4 experts and the shared expert in one op.
-
-    `shared_beside_routing` (off unless `FastModel.shared_expert_beside_routing` turns it on): the batch-1 decode
-    step runs the shared expert on a second stream while the gate GEMM and the routing run (one op,
-    `moe_route_gather_slots`: the same slots bit for bit)."""
-
-    shared_beside_routing = False
+    """Routing in one kernel (gate GEMM included), routed MXFP4 experts and the shared expert in one op."""
 
     def prepare(self, fp8: dict[Linear, Fp8Copy]) -> None:
         """Stack the experts for the kernels; keep the shared expert's FP8 weights (`fp8`, by linear) for the
@@ -212,21 +205,15 @@ class FastMoE(MoE):
         flat = x.flatten(0, 1)
         g = self.gate
         hashed = g.tid2eid[input_ids.flatten()] if hasattr(g, "tid2eid") else None
-        routing = (g.weight, getattr(g, "bias", None), hashed, g.topk, g.temp, g.scale, g.norm_topk_prob,
-                   g.scoring_func)
+        weights, ids = gate_route(flat, g.weight, getattr(g, "bias", None), hashed, g.topk, g.temp, g.scale,
+                                  g.norm_topk_prob, g.scoring_func)
         s = self.stacked
-        experts = (s["w13"], s["s13"], s["w2"], s["s2"], s["shared13"], s["shared2"], self.limit)
+        experts = (ids, weights, s["w13"], s["s13"], s["w2"], s["s2"], s["shared13"], s["shared2"], self.limit)
         if flat.shape[0] == 1:  # the decode step's token: the planes and the slots' sum fuse into compiled kernels
             stored = [t for c in self.shared_fp8 or () for t in (c.weight, c.scale)]
-            if self.shared_beside_routing:
-                slots = moe_route_gather_slots(flat, activation_planes(flat), *routing, *experts, *stored)
-            else:
-                weights, ids = gate_route(flat, *routing)
-                slots = moe_gather_slots(flat, activation_planes(flat), ids, weights, *experts, *stored)
-            y = slots.sum(dim=1)
+            y = moe_gather_slots(flat, activation_planes(flat), *experts, *stored).sum(dim=1)
         else:
-            weights, ids = gate_route(flat, *routing)
-            y = moe_mxfp4_with_shared(flat, ids, weights, *experts)
+            y = moe_mxfp4_with_shared(flat, *experts)
         return y.to(x.dtype).view_as(x)
 
     @staticmethod
@@ -643,14 +630,6 @@ class FastBlock(Block):
 class FastModel(Dsv4Model):
     block_cls = FastBlock
     engram_prefetch: EngramPrefetcher | None = None  # host-resident Engram tables (keep_engram_on_host)
-
-    def shared_expert_beside_routing(self, on: bool = True) -> None:
-        """Whether the batch-1 decode step runs each MoE layer's shared expert on a second stream beside its gate
-        GEMM and routing (`FastMoE.shared_beside_routing`; the same logits). Set it before a runner compiles and
-        captures the step: both specialize on it."""
-        for module in self.modules():
-            if isinstance(module, FastMoE):
-                module.shared_beside_routing = on
 
     @torch.no_grad()
     def decode_step(self, ids: torch.Tensor, slots: torch.Tensor, state: SlotState,

@@ -342,37 +342,6 @@ def test_gather_slots_refuse_partial_or_misshapen_fp8_rows():
         M.fp8_rows(*quantize_fp8(sh2, (32, 16)), (32, 16))
 
 
-def route_inputs(E, D, seed, bf16):
-    """A gate (weight, bias) and one token for gate_route, with moe_route_gather_slots' routing arguments."""
-    g = torch.Generator().manual_seed(seed)
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    x = (torch.randn(1, D, generator=g) * 4).to(dtype)
-    gate = (torch.randn(E, D, generator=g).to(dtype), torch.randn(E, generator=g) * 0.1, None)
-    return x, gate
-
-
-@pytest.mark.parametrize("bf16", [False, True])
-@pytest.mark.parametrize("fp8_shared", [False, True])
-def test_route_gather_split_is_the_two_ops_in_turn(bf16, fp8_shared):
-    """moe_route_gather_slots' split (the shared slot alone, then the routing and the routed slots alone, into one
-    output) gives gate_route + moe_gather_slots' slots bit for bit, here on one stream (the interpreter's)."""
-    E, k, D, I = 6, 3, 64, 64
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    w13, s13, w2, s2, sh13, sh2 = rand_experts(E, D, I, 41)
-    sh13, sh2 = sh13.to(dtype), sh2.to(dtype)
-    stored = tuple(t for w in (sh13, sh2) for t in M.fp8_rows(*quantize_fp8(w.float(), (32, 32)), (32, 32))) \
-        if fp8_shared else (None,) * 4
-    x, gate = route_inputs(E, D, 42, bf16)
-    routing = (*gate, k, 1.0, 2.5, True, "sqrtsoftplus")
-    experts = (w13, s13, w2, s2, sh13, sh2, 1.0)
-    weights, ids = M.gate_route(x, *routing)
-    want = M.moe_gather_slots(x, M.activation_planes(x), ids, weights, *experts, *stored)
-    got = M.route_gather_split(x, M.activation_planes(x), lambda: M.gate_route(x, *routing), k, *experts, stored,
-                               None)
-    assert torch.equal(got, want)
-    assert torch.equal(M.moe_route_gather_slots(x, M.activation_planes(x), *routing, *experts, *stored), want)
-
-
 def test_tile_table():
     """Tiles cover each expert's sorted rows exactly once, never straddle experts; padding tiles are -1."""
     g = torch.Generator().manual_seed(0)
@@ -494,8 +463,14 @@ def test_gpu_gather_slots_read_the_shared_expert_as_stored():
     assert err.max().item() <= 2**-7 and err.median().item() <= 1e-4
 
 
-def captured(run):
-    """run() once on a side stream (compiles and allocates), then captured in a CUDA graph -> (graph, its output)."""
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("path", ["gather", "grouped", "gather_tc"])
+def test_gpu_cuda_graph(path):
+    """Every path captures in a CUDA graph (no host syncs) and replays with new ids in place."""
+    N = 64 if path == "grouped" else 8
+    x, ids, wts, w13, s13, w2, s2, sh13, sh2 = _v41_inputs(N, seed=1)
+    run = lambda: M.moe_mxfp4_with_shared(x, ids, wts, w13, s13, w2, s2, sh13, sh2, 10.0, path)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -504,42 +479,6 @@ def captured(run):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = run()
-    return graph, y
-
-
-@gpu
-@needs_cuda
-def test_gpu_route_gather_on_two_streams():
-    """V4.1 shapes, batch 1: moe_route_gather_slots (the shared slot on a second stream beside the routing) gives the
-    slots of gate_route + moe_gather_slots bit for bit, run eagerly and replayed from a CUDA graph with a new token."""
-    x, _, _, w13, s13, w2, s2, sh13, sh2 = _v41_inputs(1, seed=5)
-    E, D = w13.shape[0], V41["D"]
-    g = torch.Generator().manual_seed(5)
-    gate = (torch.randn(E, D, generator=g).bfloat16().cuda(), (torch.randn(E, generator=g) * 0.1).cuda(), None)
-    routing = (*gate, 6, 1.0, 2.5, True, "sqrtsoftplus")
-    experts = (w13, s13, w2, s2, sh13, sh2, 10.0)
-
-    def in_turn():
-        weights, ids = M.gate_route(x, *routing)
-        return M.moe_gather_slots(x, M.activation_planes(x), ids, weights, *experts)
-
-    two = lambda: M.moe_route_gather_slots(x, M.activation_planes(x), *routing, *experts)
-    assert torch.equal(two(), in_turn())
-    graph, y = captured(two)
-    x.copy_(_v41_inputs(1, seed=6)[0])
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y, in_turn())
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("path", ["gather", "grouped", "gather_tc"])
-def test_gpu_cuda_graph(path):
-    """Every path captures in a CUDA graph (no host syncs) and replays with new ids in place."""
-    N = 64 if path == "grouped" else 8
-    x, ids, wts, w13, s13, w2, s2, sh13, sh2 = _v41_inputs(N, seed=1)
-    graph, y = captured(lambda: M.moe_mxfp4_with_shared(x, ids, wts, w13, s13, w2, s2, sh13, sh2, 10.0, path))
     x2, ids2, wts2 = _v41_inputs(N, seed=2)[:3]
     x.copy_(x2), ids.copy_(ids2), wts.copy_(wts2)
     graph.replay()

@@ -694,48 +694,6 @@ def test_a_batch_1_decode_reads_the_shared_experts_as_stored(arch_dir, monkeypat
     assert passed == []
 
 
-def one_sequence_decode(fast, ref, beside: bool, steps: int = 3, runner_kw: dict | None = None) -> torch.Tensor:
-    """A sequence's prompt, then `steps` greedy batch-1 decode steps with the shared expert beside the routing or not
-    (`FastModel.shared_expert_beside_routing`) -> their logits [steps, vocab]."""
-    fast.shared_expert_beside_routing(beside)
-    runner = Runner(fast, max_seqs=2, max_len=96, **(runner_kw or {"compile": False}))
-    slots, _, tokens = prefill_two(runner, ref)
-    out, token = [], tokens[:1]
-    for _ in range(steps):
-        out.append(runner.decode(slots[:1], token)[0].clone())
-        token = out[-1].argmax()[None]
-    return torch.stack(out)
-
-
-def test_the_shared_expert_beside_the_routing_changes_nothing(arch_dir, monkeypatch):
-    """With FastModel.shared_expert_beside_routing a batch-1 decode step routes and gathers each MoE layer's
-    experts through moe_route_gather_slots (here, off the GPU, the two ops in turn): the same logits."""
-    ref, fast = models(arch_dir, packed=False, fp8_decode=True)
-    calls = []
-    op = model_module.moe_route_gather_slots
-    monkeypatch.setattr(model_module, "moe_route_gather_slots", lambda *a: calls.append(len(a)) or op(*a))
-    off = one_sequence_decode(fast, ref, beside=False)
-    assert calls == []
-    on = one_sequence_decode(fast, ref, beside=True)
-    assert len(calls) == 3 * len(fast.layers) and set(calls) == {21}  # the shared expert's FP8 rows passed on
-    assert torch.equal(on, off)
-    torch._dynamo.reset()
-    counters.clear()
-    traced = one_sequence_decode(fast, ref, beside=True, runner_kw={"compile": "aot_eager"})  # the op's fake
-    assert not counters["graph_break"] and torch.equal(traced, off)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_shared_expert_on_a_second_stream_changes_nothing_in_graphs(tiny_v41_dir):
-    """On the GPU, compiled and replayed from CUDA graphs: the shared expert on its own stream beside the routing gives
-    the logits of the step without it, bit for bit (each slot is the same program's output either way)."""
-    ref, fast = models(tiny_v41_dir, packed=False, dtype=torch.bfloat16, device="cuda", fp8_decode=True)
-    off = one_sequence_decode(fast, ref, beside=False, runner_kw={})
-    on = one_sequence_decode(fast, ref, beside=True, runner_kw={})
-    assert torch.equal(on, off)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_batch_1_decode_from_fp8_weights_on_cuda_is_as_close_to_the_reference(tiny_v41_dir):

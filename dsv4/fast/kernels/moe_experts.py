@@ -31,10 +31,7 @@ Paths (all free of host syncs, so they can be captured in a CUDA graph):
   (`activation_planes`, S = k, + 1 with the shared expert); kernel 2, one program per (token, D tile, slot),
   streams w2 rows and writes the slot's rounded output to [N, S, D]; a torch sum over slots gives y (the
   caller's compiled sum with `moe_gather_slots`, which takes the planes from the caller too). Both read
-  the router's ids and weights as they are (the shared expert is the slot past them).
-  `moe_route_gather_slots` runs the routing too, for one token, with the shared expert's slot on a second
-  CUDA stream beside the gate GEMM and the routing (the two kernels launched for it alone, then for the routed
-  slots alone: the same programs, so the same slots). Summing the slots inside
+  the router's ids and weights as they are (the shared expert is the slot past them). Summing the slots inside
   kernel 2 (one program per token and D tile) measured slower on the H200: 104.4 against 99.7 us at V4.1 batch
   1, 195 against 171 us at two tokens. At batch 1 every selected expert's weights are read exactly once.
   V4.1 batch 1 takes ~90 us against a 42.7 us byte floor on the H200 (graph, shared expert included). Not the
@@ -80,7 +77,6 @@ The tensor-core paths step K by a power of two dividing D (and I), at least 64 o
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -88,7 +84,6 @@ import torch.nn.functional as F
 
 from dsv4.fast.kernels import pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.fp8_gemv import _dot4
-from dsv4.fast.kernels.moe_routing import gate_route
 from dsv4.fast.kernels.quant import _e2m1_values
 from dsv4.quant import dequantize_mxfp4
 
@@ -100,7 +95,6 @@ __all__ = [
     "moe_experts_twin",
     "moe_gather_slots",
     "moe_mxfp4_with_shared",
-    "moe_route_gather_slots",
     "moe_slots_twin",
     "stack_expert_weights",
 ]
@@ -832,16 +826,15 @@ def down_k_step(c: dict) -> int:
 
 
 def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, has_shared: bool, c: dict,
-            shared_fp8: tuple | None = None, out: torch.Tensor | None = None, hp: torch.Tensor | None = None):
+            shared_fp8: tuple | None = None):
     """The gather path's kernels on prepared operands (x contiguous, planes = activation_planes(x), expert bytes
-    uint8): each slot's output [N, S, D] fp32 (into `out` where given, contiguous). The router's ids and weights go
-    in as they are. `shared_fp8`: the shared expert's rows as `fp8_rows` gives them (codes and exponents of w1 / w3,
-    then of w2), read in place of sh13 / sh2. `hp`: the workspace h [N, S, I] fp32, where the caller allocates it."""
+    uint8): each slot's output [N, S, D] fp32. The router's ids and weights go in as they are. `shared_fp8`: the
+    shared expert's rows as `fp8_rows` gives them (codes and exponents of w1 / w3, then of w2), read in place of
+    sh13 / sh2."""
     (N, D), (E, I2, _) = x.shape, w13.shape
     I, S = I2 // 2, ids.shape[1] + has_shared
     ids_r, wts_r = ids.contiguous(), weights.float().contiguous()
-    if hp is None:
-        hp = torch.empty(N, S, I, dtype=torch.float32, device=x.device)  # h as planes, rounded to x's dtype
+    hp = torch.empty(N, S, I, dtype=torch.float32, device=x.device)  # h as planes, rounded to x's dtype
     is_bf16 = x.dtype == torch.bfloat16
     q13, e13, q2, e2 = shared_fp8 or (w13, s13, w2, s2)  # the routed bytes stand in where the branch is compiled out
     words = lambda q: q.view(torch.int64 if shared_fp8 else torch.int32)
@@ -852,8 +845,7 @@ def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, 
     _gather_up_kernel[(N, S, triton.cdiv(I, c["BI"]))](
         x, planes, ids_r, wts_r, w13.view(torch.int32), s13, sh13, words(q13), e13, hp, D, I, S, ids.shape[1], E,
         limit, BI=c["BI"], BK=c["BK"], EVEN_K=even(D, c["BK"], s13, e13), **kw)
-    if out is None:
-        out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
+    out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
     _gather_down_kernel[(N, triton.cdiv(D, c["BD"]), S)](
         hp, ids_r, w2.view(torch.int32), s2, sh2, words(q2), e2, out, D, I, S, ids.shape[1], E, BD=c["BD"],
         BK=bk_down, EVEN_K=even(I, bk_down, s2, e2), **kw)
@@ -960,94 +952,23 @@ def moe_gather_slots(
     on them. shared13_fp8 .. shared2_exp, all or none: the shared expert's weights as stored, per row (`fp8_rows`
     of the rows of shared13 and of shared2: the same values), which the kernels then read instead, in half the
     bytes."""
-    stored = (shared13_fp8, shared13_exp, shared2_fp8, shared2_exp)
-    N, D, _, shared_fp8 = _check_slots(x, planes, ids, weights, w13, s13, w2, s2, shared13, shared2, stored)
+    N, D, _, _ = _check(x, ids, weights, w13, s13, w2, s2, shared13, shared2)
+    if tuple(planes.shape) != (N, 8, D // 8) or planes.dtype != torch.float32:
+        raise ValueError(f"moe_gather_slots: planes must be [{N}, 8, {D // 8}] float32 (activation_planes(x)), got "
+                         f"{tuple(planes.shape)} {planes.dtype}")
+    shared_fp8 = _check_fp8_rows((shared13_fp8, shared13_exp, shared2_fp8, shared2_exp), shared13, shared2)
     if not use_triton(x):
         return moe_slots_twin(x, ids, weights, _u8(w13), _u8(s13), _u8(w2), _u8(s2), limit, shared13, shared2)
     if N == 0:
         return x.new_zeros((0, ids.shape[1] + 1, D), dtype=torch.float32)
-    x, planes, operands, shared_fp8, c = _slot_operands(x, planes, w13, s13, w2, s2, shared13, shared2, limit,
-                                                        shared_fp8)
-    return _gather(x, planes, ids, weights, *operands, True, c, shared_fp8)
-
-
-def _check_slots(x, planes, ids, weights, w13, s13, w2, s2, shared13, shared2, stored):
-    """moe_gather_slots' inputs checked -> (N, D, I, the shared expert's FP8 rows or None: `_check_fp8_rows`)."""
-    N, D, _, I = _check(x, ids, weights, w13, s13, w2, s2, shared13, shared2)
-    if tuple(planes.shape) != (N, 8, D // 8) or planes.dtype != torch.float32:
-        raise ValueError(f"moe_gather_slots: planes must be [{N}, 8, {D // 8}] float32 (activation_planes(x)), got "
-                         f"{tuple(planes.shape)} {planes.dtype}")
-    return N, D, I, _check_fp8_rows(stored, shared13, shared2)
-
-
-def _slot_operands(x, planes, w13, s13, w2, s2, shared13, shared2, limit: float, shared_fp8: tuple | None):
-    """What the gather kernels read for the slot ops: (x, planes, (w13, s13, w2, s2, sh13, sh2, limit) as `_gather`
-    takes them, the shared FP8 rows as bytes, the gather config)."""
     x, w13, s13, w2, s2, sh13, sh2 = _operands(x, w13, s13, w2, s2, shared13, shared2)
     if shared_fp8 is not None:
         shared_fp8 = tuple(_u8(t).contiguous() for t in shared_fp8)
-    return x, planes.contiguous(), (w13, s13, w2, s2, sh13, sh2, float(limit)), shared_fp8, _cfg(x, x.shape[0], "gather")
+    return _gather(x, planes.contiguous(), ids, weights, w13, s13, w2, s2, sh13, sh2, float(limit), True,
+                   _cfg(x, N, "gather"), shared_fp8)
 
 
 @moe_gather_slots.register_fake
 def _(x, planes, ids, weights, w13, s13, w2, s2, shared13, shared2, limit, shared13_fp8=None, shared13_exp=None,
       shared2_fp8=None, shared2_exp=None):
     return x.new_empty((x.shape[0], ids.shape[1] + 1, x.shape[1]), dtype=torch.float32)
-
-
-@torch.library.custom_op("dsv4::moe_route_gather_slots", mutates_args=())
-def moe_route_gather_slots(
-    x: torch.Tensor, planes: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor | None,
-    hashed_ids: torch.Tensor | None, topk: int, temp: float, scale: float, normalize: bool, score_func: str,
-    w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-    shared13: torch.Tensor, shared2: torch.Tensor, limit: float,
-    shared13_fp8: torch.Tensor | None = None, shared13_exp: torch.Tensor | None = None,
-    shared2_fp8: torch.Tensor | None = None, shared2_exp: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`dsv4::gate_route` then `dsv4::moe_gather_slots` for one token: its slots [1, k + 1, D] fp32, the same values.
-    The shared expert's slot reads neither the router's ids nor its weights, so on a GPU it runs on a second stream
-    while the gate GEMM and the routing run on the caller's (at V4.1's batch-1 step those two launches take ~9 us
-    and read ~4 MB), and the routed slots follow on the caller's; the caller's stream waits for the
-    second before the op returns, so a CUDA graph captures the fork and the join. Each slot is computed by the same
-    program as in moe_gather_slots (the routed slots and the shared one in two launches of the kernels), so the
-    slots are bit for bit moe_gather_slots'. More rows than one, or no GPU: the two ops in turn."""
-    route = lambda: gate_route(x, gate_weight, gate_bias, hashed_ids, topk, temp, scale, normalize, score_func)
-    stored = (shared13_fp8, shared13_exp, shared2_fp8, shared2_exp)
-    if x.shape[0] != 1 or not (use_triton(x) and x.is_cuda):
-        weights, ids = route()
-        return moe_gather_slots(x, planes, ids, weights, w13, s13, w2, s2, shared13, shared2, limit, *stored)
-    return route_gather_split(x, planes, route, topk, w13, s13, w2, s2, shared13, shared2, limit, stored,
-                              torch.cuda.Stream(x.device))
-
-
-def route_gather_split(x, planes, route, topk: int, w13, s13, w2, s2, shared13, shared2, limit: float, stored,
-                       side: torch.cuda.Stream | None):
-    """moe_route_gather_slots' work for one token: the shared expert's slot (a gather launch pair with no routed slot,
-    on stream `side`), `route()` -> (weights, ids) and the routed slots (a pair with no shared slot) on the current
-    stream, both into one [1, k + 1, D] output; everything either side reads is allocated before the fork, on the
-    current stream. `side` None (the interpreter's CPU): one stream, the same launches in the same order."""
-    ids_shape, weights_shape = x.new_empty((1, topk), dtype=torch.int64), x.new_empty((1, topk), dtype=torch.float32)
-    N, D, I, shared_fp8 = _check_slots(x, planes, ids_shape, weights_shape, w13, s13, w2, s2, shared13, shared2,
-                                       stored)
-    xc, planes, operands, shared_fp8, c = _slot_operands(x, planes, w13, s13, w2, s2, shared13, shared2, limit,
-                                                         shared_fp8)
-    out = torch.empty(N, topk + 1, D, dtype=torch.float32, device=x.device)
-    hp = torch.empty(N, topk + 1, I, dtype=torch.float32, device=x.device)
-    # no routed slot, so slot 0 is the shared expert: empty views of allocated memory (an empty tensor's pointer is null)
-    no_ids, no_weights = ids_shape[:, :0], weights_shape[:, :0]
-    main = torch.cuda.current_stream(x.device) if side is not None else None
-    if side is not None:
-        side.wait_stream(main)
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        _gather(xc, planes, no_ids, no_weights, *operands, True, c, shared_fp8, out[:, topk:], hp[:, topk:])
-    weights, ids = route()
-    _gather(xc, planes, ids, weights, *operands, False, c, None, out[:, :topk], hp[:, :topk])
-    if side is not None:
-        main.wait_stream(side)
-    return out
-
-
-@moe_route_gather_slots.register_fake
-def _(x, planes, gate_weight, gate_bias, hashed_ids, topk, temp, scale, normalize, score_func, w13, s13, w2, s2,
-      shared13, shared2, limit, shared13_fp8=None, shared13_exp=None, shared2_fp8=None, shared2_exp=None):
-    return x.new_empty((x.shape[0], topk + 1, x.shape[1]), dtype=torch.float32)
