@@ -53,7 +53,15 @@ from dsv4.fast.kernels.indexer import (
     select_candidate_block_ids,
 )
 from dsv4.fast.kernels.indexer_query import indexer_query
-from dsv4.fast.kernels.mhc import mhc_post, mhc_post_finish, mhc_post_partial, mhc_pre, mhc_pre_partial
+from dsv4.fast.kernels.mhc import (
+    mhc_post,
+    mhc_post_finish,
+    mhc_post_partial,
+    mhc_post_sums,
+    mhc_pre,
+    mhc_pre_finish,
+    mhc_pre_partial,
+)
 from dsv4.fast.kernels.moe_experts import (
     activation_planes,
     fp8_rows,
@@ -550,8 +558,11 @@ class FastBlock(Block):
     def site(self, h: torch.Tensor, site: str, collapse_pre: torch.Tensor | None):
         """mHC pre-site pass for h [N, hc, D] -> (x, pre, post, comb); see dsv4.fast.kernels.mhc."""
         c = self.config
-        fn, scale, base = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "scale", "base"))
-        return mhc_pre(h, fn, scale, base, collapse_pre, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        return mhc_pre(h, *self.site_params(site), collapse_pre, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+
+    def site_params(self, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An mHC site's (fn, scale, base): hc_{site}_fn, hc_{site}_scale, hc_{site}_base."""
+        return tuple(getattr(self, f"hc_{site}_{p}") for p in ("fn", "scale", "base"))
 
     def forward(self, h, pre, input_ids, positions, shared, cache=None, hash_ids=None):
         """As Block.forward: h [B, S, hc, D]."""
@@ -569,23 +580,23 @@ class FastBlock(Block):
         return flat.view_as(h), ffn_pre.view(B, S, -1)
 
     def decode(self, h, pre, ids, pos, slots, rows, view: LayerSlots, picks, pool, engram_rows, compress=True,
-               next_fn=None):
+               next_site=None):
         """One token per row: h [B, hc, D], pre, the step's cache rows, the layer's buffers `view`, the top-k and
         candidate blocks it takes and `compress` (FastAttention.decode), its Engram rows [B, C, head_dim] -> (h, pre,
         picks, pool). Everything layer-specific comes in as arguments, so layers of one kind share compiled code.
 
-        pre (V4.1; None for V4) is what the layer before left: the collapse weights [B, hc], or, where it took this
-        layer's attention-site pass (`next_fn`), that pass: (x [B, D], the site's partial sums). With `next_fn` (the
-        next layer's hc_attn_fn) this layer's FFN post takes the next one's pass in the same kernel and returns it
-        as pre."""
+        pre is what the layer before left: V4.1's collapse weights [B, hc] (None for V4), or, where it took this
+        layer's attention-site pass (`next_site`), that pass: (x [B, D], the site's coefficients as
+        `decode_post_partial` returns them). With `next_site` (the next layer's attention site: `site_params`) this
+        layer's FFN post takes the next one's pass (`decode_post_partial`) and returns it as pre."""
         if self.role.engram:
             h = self.engram.mix(h[:, None], engram_rows[:, None])[:, 0]
         x, coefficients = pre if isinstance(pre, tuple) else self.decode_pre_site(h, "attn", pre)
         a, picks, pool = self.attn.decode(self.attn_norm(x), pos, slots, rows, view, picks, pool, compress)
         h, x, coefficients = self.decode_between_sites(a, h, coefficients)
         f = self.ffn(self.ffn_norm(x)[:, None], ids[:, None])[:, 0]
-        if next_fn is not None:
-            h, x, coefficients = self.decode_post_partial(f, h, "ffn", coefficients, next_fn)
+        if next_site is not None:
+            h, x, coefficients = self.decode_post_partial(f, h, "ffn", coefficients, next_site)
             return h, (x, coefficients), picks, pool
         h, pre = self.decode_post_site(f, h, "ffn", coefficients)
         return h, pre, picks, pool
@@ -601,27 +612,31 @@ class FastBlock(Block):
 
     def decode_between_sites(self, a: torch.Tensor, h: torch.Tensor, coefficients):
         """The attention site's post, then the FFN site's pre pass: (h', x, the FFN site's coefficients)."""
-        if self.config.is_v41:
-            return self.decode_post_partial(a, h, "attn", coefficients, self.hc_ffn_fn)
-        h, pre = self.decode_post_site(a, h, "attn", coefficients)
-        return (h, *self.decode_pre_site(h, "ffn", pre))
+        return self.decode_post_partial(a, h, "attn", coefficients, self.site_params("ffn"))
 
-    def decode_post_partial(self, f: torch.Tensor, h: torch.Tensor, site: str, coefficients, fn_next: torch.Tensor):
-        """V4.1: a site's post, then the pre pass of the site fn_next mixes for (this layer's FFN site, or the next
-        layer's attention site) in one kernel (`mhc_post_partial`: the new streams' partial sums and collapse taken
-        while they are in registers; at one token 8-9 us where mhc_post_finish and mhc_pre_partial took 18, H100,
-        `bench/mhc.py --sweep`) -> (h', x, that site's coefficients)."""
+    def decode_post_partial(self, f: torch.Tensor, h: torch.Tensor, site: str, coefficients, next_site: tuple):
+        """A site's post, then the pre pass of the next site (this layer's FFN site, or the next layer's attention
+        site; next_site: its `site_params`) -> (h', x, that site's coefficients). V4.1: one kernel
+        (`mhc_post_partial`: the new streams' partial sums and collapse taken while they are in registers; at one
+        token 8-9 us where mhc_post_finish and mhc_pre_partial took 18, H100, `bench/mhc.py --sweep`). V4, whose
+        sites collapse with their own pre: the post and the next site's partial sums in one kernel
+        (`mhc_post_sums`), then its finish (`mhc_pre_finish`), two launches where mhc_post and mhc_pre took three."""
         c = self.config
-        scale, base = getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base")
-        return mhc_post_partial(f, h, coefficients, scale, base, fn_next, c.rms_norm_eps, c.hc_eps,
-                                c.hc_sinkhorn_iters)
+        fn_next, scale_next, base_next = next_site
+        eps = (c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        if c.is_v41:
+            scale, base = self.site_params(site)[1:]
+            return mhc_post_partial(f, h, coefficients, scale, base, fn_next, *eps)
+        h, ws = mhc_post_sums(f, h, *coefficients, fn_next)
+        x, _, post, comb = mhc_pre_finish(h, ws, scale_next, base_next, *eps)
+        return h, x, (post, comb)
 
     def decode_post_site(self, f: torch.Tensor, h: torch.Tensor, site: str, coefficients):
         """The sub-layer's output f [B, D] spread over the streams h [B, hc, D] -> (h', this site's pre: V4.1's next
         collapse weights, None for V4)."""
         c = self.config
         if c.is_v41:
-            scale, base = getattr(self, f"hc_{site}_scale"), getattr(self, f"hc_{site}_base")
+            scale, base = self.site_params(site)[1:]
             return mhc_post_finish(f, h, coefficients, scale, base, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
         return mhc_post(f, h, *coefficients), None
 
@@ -662,20 +677,20 @@ class FastModel(Dsv4Model):
             engram_rows = self._engram_rows(layer, hash_ids) if role.engram else None
             view = state.layer_slots[role.layer_id]
             h, pre, picks, pool = block(layer, h, pre, ids, pos, slots, step_rows, view, picks, pool, engram_rows,
-                                        replay_from is None, self._next_attn_fn(i))
+                                        replay_from is None, self._next_attn_site(i))
             if role.owns_indexer:
                 topk[role.layer_id] = picks
             if role.candidate_role == "source":
                 candidates = pool
         return leave(h, pre) if replay_from is None else None
 
-    def _next_attn_fn(self, i: int) -> torch.Tensor | None:
-        """V4.1: the attention-site fn of self.layers[i + 1], whose pre pass the FFN post of self.layers[i] then
-        takes (one kernel for the two); None after the last layer and before an Engram layer (it mixes its rows
-        into the streams before that pass)."""
-        if not self.config.is_v41 or i + 1 == len(self.layers) or self.layers[i + 1].role.engram:
+    def _next_attn_site(self, i: int) -> tuple | None:
+        """The attention site of self.layers[i + 1] (`site_params`), whose pre pass the FFN post of self.layers[i]
+        then takes (`FastBlock.decode_post_partial`); None after the last layer and before an Engram layer (it mixes
+        its rows into the streams before that pass)."""
+        if i + 1 == len(self.layers) or self.layers[i + 1].role.engram:
             return None
-        return self.layers[i + 1].hc_attn_fn
+        return self.layers[i + 1].site_params("attn")
 
     def decode_enter(self, ids: torch.Tensor, slots: torch.Tensor, state: SlotState,
                      replay_from: torch.Tensor | None = None):
@@ -712,9 +727,9 @@ class FastModel(Dsv4Model):
         """decode_step with its entry, block and exit compiled (torch.compile fuses the torch glue between the
         kernels). Shapes are automatic dynamic: each part compiles for batch 1 and then once with the batch as
         a symbol, which serves every larger size. The block compiles per layer kind, not per layer (V4.1-Flash:
-        8 kinds in 40 layers, V4-Flash: 4 in 43), so the start-up does not grow with depth; V4.1's kinds split a
-        little further by whether the layer's attention-site pass came from the layer before and whether it takes
-        the next one's (`_next_attn_fn`: not around an Engram layer or at the ends).
+        8 kinds in 40 layers, V4-Flash: 4 in 43), so the start-up does not grow with depth; the kinds split a little
+        further by whether the layer's attention-site pass came from the layer before and whether it takes the next
+        one's (`_next_attn_site`: not around an Engram layer or at the ends).
 
         Compiled code lives on the functions' code objects, shared by every model in the process (a second
         runner of other slot sizes compiles again, with those sizes symbolic too). Past a code object's limit of

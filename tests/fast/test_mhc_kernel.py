@@ -1,5 +1,6 @@
-"""dsv4::mhc_pre and dsv4::mhc_post against their twins (dsv4.reference.mhc), and V4.1's decode pair
-dsv4::mhc_pre_partial + dsv4::mhc_post_finish against mhc_pre's and mhc_post's twins.
+"""dsv4::mhc_pre and dsv4::mhc_post against their twins (dsv4.reference.mhc), and the decode pairs (V4.1's
+dsv4::mhc_pre_partial + dsv4::mhc_post_finish / mhc_post_partial, V4's dsv4::mhc_post_sums + dsv4::mhc_pre_finish)
+against mhc_pre's and mhc_post's twins.
 
 Without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set before the kernel
 module is imported); the `gpu` tests run them compiled, at the real width too.
@@ -224,6 +225,47 @@ def test_v41_decode_ops_fallback_is_their_twins(monkeypatch):
     check_post_then_partial(h, fn, scale, base, pre_prev, torch.randn(3, 64), fn * 0.5, 20)
 
 
+def check_v4_pair(h, fn, scale, base, f, fn_next, iters, post_sums=K.mhc_post_sums):
+    """V4's decode pair: mhc_post_sums (a site's post with its coefficients as given, then the next site's partial
+    sums in the same kernel) gives mhc_post's twin's h', and mhc_pre_finish on that h' (its own: one bf16 rounding
+    of it may land on the other neighbour) and that workspace gives mhc_pre's twin's x, pre, post and comb at the
+    next site. `post_sums`: the op, or its Triton path at a launch configuration."""
+    N, _, D = h.shape
+    _, _, post, comb = K.mhc_pre_twin(h, fn, scale, base, None, 1e-6, 1e-6, iters)
+    out, ws = post_sums(f, h, post, comb, fn_next)
+    assert ws.shape == (K.partial_splits(D, f.element_size()), N, fn.shape[0] + 1) and ws.dtype == torch.float32
+    assert out.dtype == f.dtype and out.shape == h.shape
+    check = assert_bf16_within_ulp if f.dtype == torch.bfloat16 else assert_fp32_close
+    check(out, K.mhc_post_twin(f, h, post, comb), "h'")
+    got = K.mhc_pre_finish(out, ws, scale, base, 1e-6, 1e-6, iters)
+    check_pre(got, K.mhc_pre_twin(out, fn_next, scale, base, None, 1e-6, 1e-6, iters), f.dtype)
+
+
+@settings(deadline=None, max_examples=examples(20))
+@given(
+    N=st.integers(1, 12),
+    hc=st.sampled_from([2, 4]),
+    D=st.sampled_from([32, 64, 96]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    iters=st.sampled_from([1, 2, 20]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_v4_decode_ops_match_post_then_pre(N, hc, D, dtype, iters, seed):
+    """V4's decode ops (the post with the next site's partial sums, one kernel up to POST_PARTIAL_MAX_N rows, two
+    past it; then the finish alone) against mhc_post's and mhc_pre's twins."""
+    h, fn, scale, base, _ = make_inputs(N, hc, D, dtype, False, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    f = torch.randn(N, D, generator=g).to(dtype)
+    check_v4_pair(h, fn, scale, base, f, torch.randn(fn.shape, generator=g) / (hc * D) ** 0.5 * 4, iters)
+
+
+def test_v4_decode_ops_fallback_is_their_twins(monkeypatch):
+    """Without Triton V4's decode ops run their twins, which give mhc_post's and mhc_pre's."""
+    monkeypatch.setattr(K, "use_triton", lambda t: False)
+    h, fn, scale, base, _ = make_inputs(3, 4, 64, torch.float32, False, 5)
+    check_v4_pair(h, fn, scale, base, torch.randn(3, 64), fn * 0.5, 20)
+
+
 def test_opcheck():
     h, fn, scale, base, pre_prev = make_inputs(5, 4, 32, torch.bfloat16, True, 2)
     tests = ("test_schema", "test_faketensor")
@@ -236,6 +278,8 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.dsv4.mhc_post_finish, (f, h, ws, scale, base, 1e-20, 1e-6, 20), test_utils=tests)
     torch.library.opcheck(torch.ops.dsv4.mhc_post_partial, (f, h, ws, scale, base, fn, 1e-20, 1e-6, 20),
                           test_utils=tests)
+    torch.library.opcheck(torch.ops.dsv4.mhc_post_sums, (f, h, post, comb, fn), test_utils=tests)
+    torch.library.opcheck(torch.ops.dsv4.mhc_pre_finish, (h, ws, scale, base, 1e-6, 1e-6, 20), test_utils=tests)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -304,6 +348,17 @@ def test_v41_decode_ops_gpu(N, dtype):
     f = torch.randn(N, 5120, generator=torch.Generator().manual_seed(N + 1)).to(dtype).cuda()
     check_finish_in_post(h, fn, scale, base, pre_prev, f, 20)
     check_post_then_partial(h, fn, scale, base, pre_prev, f, fn * 0.5, 20)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N", [1, 7, 64])
+def test_v4_decode_ops_gpu(N, dtype):
+    """V4's decode ops at V4's width, compiled."""
+    h, fn, scale, base, _ = make_inputs(N, 4, 4096, dtype, False, N, device="cuda")
+    f = torch.randn(N, 4096, generator=torch.Generator().manual_seed(N + 1)).to(dtype).cuda()
+    check_v4_pair(h, fn, scale, base, f, fn * 0.5, 20)
 
 
 def check_post_partial_at(warps, D, device):

@@ -13,6 +13,7 @@ tests run the Triton kernels and CUDA graphs.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from itertools import pairwise
 
 import pytest
@@ -315,8 +316,10 @@ def test_the_decode_parts_ask_inductor_for_its_deterministic_mode(tiny_v41_dir, 
 
 def test_the_decode_block_compiles_per_layer_kind_and_batch_1_or_more(tmp_path):
     """The runner compiles the decode step's entry, block and exit with the batch dynamic (batch 1, then one
-    compile for every larger padded size) and the block once per layer kind, not per layer: 8 layers of 3
-    kinds (window, CSA, HCA) make 2 x (3 + 2) graphs. The prefill's pieces (query-KV, output, index queries)
+    compile for every larger padded size) and the block once per layer kind, not per layer, the kinds split by
+    whether the layer's attention-site pass came from the layer before and whether it takes the next one's
+    (`_next_attn_site`): 8 layers of 3 kinds (window, CSA, HCA), the first and the last a window layer, make 4
+    block variants and 2 x (4 + 2) graphs. The prefill's pieces (query-KV, output, index queries)
     compile once for the first chunk length and once with the length symbolic, shared by every layer, and the
     decode step's compile inlines them. The compiled steps' logits are the uncompiled ones'."""
     path = make_tiny_checkpoint("v4-flash", tmp_path, overrides={"num_hidden_layers": 8,
@@ -338,7 +341,9 @@ def test_the_decode_block_compiles_per_layer_kind_and_batch_1_or_more(tmp_path):
     for B in (1, 2, 3, 5, 8):
         ids = torch.randint(0, 256, (B,), generator=g)
         assert torch.equal(compiled.decode(slots[compiled][:B], ids), plain.decode(slots[plain][:B], ids))
-    assert counters["stats"]["unique_graphs"] == 2 * 3 + 2 * (len(kinds) + 2)
+    variants = {(r.compress_ratio, r.owns_indexer, r.hash_moe, i == 0, i == len(roles) - 1) for i, r in enumerate(roles)}
+    assert len(variants) == 4
+    assert counters["stats"]["unique_graphs"] == 2 * 3 + 2 * (len(variants) + 2)
 
 
 def test_packed_kv_formats_stay_within_one_rounding_code(tiny_v41_dir):
@@ -462,12 +467,42 @@ def test_a_v41_layer_takes_the_next_layers_attention_site_pass_but_before_an_eng
     assert [i for i, layer in enumerate(fast.layers) if layer.role.engram] == [1, 3] and len(fast.layers) == 8
     fused, fed = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
     assert len(calls) == 2 * 13
-    monkeypatch.setattr(model_module.FastModel, "_next_attn_fn", lambda self, i: None)
+    monkeypatch.setattr(model_module.FastModel, "_next_attn_site", lambda self, i: None)
     calls.clear()
     unfused = models(tiny_v41_dir, packed=True)[1]
     apart, _ = decode_steps(Runner(unfused, max_seqs=4, max_len=128, compile=False), 2, fed)
     assert len(calls) == 2 * 8
     assert torch.equal(fused, apart)
+
+
+def test_a_v4_decode_step_takes_each_sites_partial_sums_in_the_post_before_it(tiny_v4_dir, monkeypatch):
+    """V4's decode step runs every post but the last with the next site's partial sums (`mhc_post_sums`, within a
+    layer and across layers: V4 has no Engram layer) and finishes that site alone (`mhc_pre_finish`), so mhc_pre
+    runs once a step (the first layer's attention site). The logits are those of the step with mhc_post and
+    mhc_pre at every site (the launches before) up to the fp32 order of the partial sums."""
+    calls = Counter()
+    for name in ("mhc_post_sums", "mhc_pre", "mhc_pre_finish"):
+        op = getattr(model_module, name)
+        monkeypatch.setattr(model_module, name, lambda *a, op=op, name=name: calls.update([name]) or op(*a))
+    fast = models(tiny_v4_dir, packed=True)[1]
+    L = len(fast.layers)
+    paired, fed = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
+    # two steps; mhc_pre also at every site of the three prompts' prefills (one chunk each)
+    assert calls == Counter(mhc_post_sums=2 * (2 * L - 1), mhc_pre=3 * 2 * L + 2, mhc_pre_finish=2 * (2 * L - 1))
+
+    def post_then_pre(self, f, h, site, coefficients, next_site):  # the sites as before: mhc_post, then mhc_pre
+        h = model_module.mhc_post(f, h, *coefficients)
+        c = self.config
+        x, _, post, comb = model_module.mhc_pre(h, *next_site, None, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+        return h, x, (post, comb)
+
+    monkeypatch.setattr(model_module.FastBlock, "decode_post_partial", post_then_pre)
+    apart, _ = decode_steps(Runner(models(tiny_v4_dir, packed=True)[1], max_seqs=4, max_len=128, compile=False), 2,
+                            fed)
+    # the mHC kernel tests' fp32 tolerance (test_mhc_kernel.py: 1e-5 of the scale): the partial sums' order moves
+    # the coefficients by a few fp32 ulps, and the logits by as little (1.7e-6 of 3.7 here; the fast step's
+    # distance from the reference is ~1e-3)
+    assert (paired - apart).abs().max() <= 1e-5 * apart.abs().max()
 
 
 def test_a_v41_decode_step_writes_each_layers_window_row_in_one_op(tiny_v41_dir, monkeypatch):
@@ -548,19 +583,19 @@ def test_the_replay_graph_changes_nothing(tiny_v41_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_change_nothing(tiny_v41_dir):
-    """The same requests with the compiled decode steps replayed from CUDA graphs and run eagerly:
+def test_cuda_graphs_change_nothing(arch_dir):
+    """The same requests with the compiled decode steps replayed from CUDA graphs and run eagerly (V4.1 and V4):
     bit-identical. Compiled against uncompiled: inductor sums some reductions in another order, and in
     bf16 a one-ulp difference can flip a routing or top-k choice of this tiny random model, so the two
     are not equal; both must then be as close to the exact (float32, rounding-free) reference as each
     other, on the same tokens."""
-    _, fast = models(tiny_v41_dir, packed=False, dtype=torch.bfloat16, device="cuda")
-    ref = load_model(str(tiny_v41_dir), torch.float32, progress=False).cuda()
+    _, fast = models(arch_dir, packed=False, dtype=torch.bfloat16, device="cuda")
+    ref = load_model(str(arch_dir), torch.float32, progress=False).cuda()
     ref.set_quant_sim(False, activations=False)
     outputs = {graphs: decode_steps(Runner(fast, max_seqs=4, max_len=128, cuda_graphs=graphs), 8) for graphs in (False, True)}
     assert torch.equal(outputs[False][0], outputs[True][0])
     compiled, fed = outputs[True]
-    _, plain = models(tiny_v41_dir, packed=False, dtype=torch.bfloat16, device="cuda")  # compile_prefill works in place
+    _, plain = models(arch_dir, packed=False, dtype=torch.bfloat16, device="cuda")  # compile_prefill works in place
     uncompiled, _ = decode_steps(Runner(plain, max_seqs=4, max_len=128, compile=False), 8, fed)
     want = reference_steps(ref, fed)
     err_compiled, err_uncompiled = ((x - want).abs().max().item() for x in (compiled, uncompiled))

@@ -20,6 +20,12 @@
     kernel, a program per (row, d step of the partial pass): V4.1's attention post and FFN pre in one launch. Its
     projection runs on the CUDA cores in fp32 (one row a program, so the Sinkhorn stays in threads). Up to
     POST_PARTIAL_MAX_N rows; more take the two kernels (every program finishes its row's coefficients again).
+`dsv4::mhc_post_sums(f, residual, post, comb, fn_next) -> (h', ws_next)` and
+`dsv4::mhc_pre_finish(h, ws, scale, base, norm_eps, hc_eps, iters) -> (x, pre, post, comb)`
+    V4's decode pair (each site collapses with its own pre, so x waits for the finish): the post with the
+    coefficients given and the next site's partial sums on h' in the same kernel (mhc_post_partial's, without
+    the finish and the collapse), then mhc_pre's second kernel alone: two launches a site where mhc_post and
+    mhc_pre took three.
 
 Twins: `dsv4.reference.mhc` (hc_project, hc_split_sinkhorn, hc_collapse, hc_expand) on [1, N, ...]; the pair's
 twins split hc_project's sums by D range as the workspace holds them.
@@ -66,15 +72,19 @@ def mhc_post_twin(f, residual, post, comb):
     return hc_expand(f.unsqueeze(0), residual.unsqueeze(0), post.unsqueeze(0), comb.unsqueeze(0))[0]
 
 
-def mhc_pre_partial_twin(h, fn, collapse_pre):
-    """x collapsed with collapse_pre, and the workspace [S, N, M + 1]: split s's partial mixes (its d range of every
-    stream against fn) and partial sum of squares, S = `partial_splits`."""
+def partial_sums_twin(h, fn):
+    """The workspace [S, N, M + 1] of h's pre pass: split s's partial mixes (its d range of every stream against
+    fn) and partial sum of squares, S = `partial_splits`."""
     N, hc, D = h.shape
     S = partial_splits(D, h.element_size())
     hf = h.float().view(N, hc, S, D // S)
     fv = fn.float().view(-1, hc, S, D // S)
-    ws = torch.cat([torch.einsum("nksd,mksd->snm", hf, fv), hf.square().sum(dim=(1, 3)).T[..., None]], dim=-1)
-    return hc_collapse(h.unsqueeze(0), collapse_pre.float().unsqueeze(0))[0], ws
+    return torch.cat([torch.einsum("nksd,mksd->snm", hf, fv), hf.square().sum(dim=(1, 3)).T[..., None]], dim=-1)
+
+
+def mhc_pre_partial_twin(h, fn, collapse_pre):
+    """x collapsed with collapse_pre, and the workspace (`partial_sums_twin`)."""
+    return hc_collapse(h.unsqueeze(0), collapse_pre.float().unsqueeze(0))[0], partial_sums_twin(h, fn)
 
 
 def mhc_post_partial_twin(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters):
@@ -84,13 +94,30 @@ def mhc_post_partial_twin(f, residual, ws, scale, base, fn_next, norm_eps, hc_ep
     return (out, *mhc_pre_partial_twin(out, fn_next, pre))
 
 
-def mhc_post_finish_twin(f, residual, ws, scale, base, norm_eps, hc_eps, iters):
-    """The workspace's splits summed into the site's mixes (hc_project's), split and Sinkhorn, then the expand:
-    (h', pre)."""
-    _, hc, D = residual.shape
+def finished_coefficients_twin(ws, scale, base, hc, D, norm_eps, hc_eps, iters):
+    """The workspace's splits summed into the site's mixes (hc_project's), split and Sinkhorn: (pre, post, comb)."""
     mixes = ws[..., :-1].sum(dim=0) * torch.rsqrt(ws[..., -1].sum(dim=0) / (hc * D) + norm_eps)[:, None]
-    pre, post, comb = hc_split_sinkhorn(mixes.unsqueeze(0), scale, base, hc, iters, hc_eps)
-    return mhc_post_twin(f, residual, post[0], comb[0]), pre[0]
+    return tuple(t[0] for t in hc_split_sinkhorn(mixes.unsqueeze(0), scale, base, hc, iters, hc_eps))
+
+
+def mhc_post_finish_twin(f, residual, ws, scale, base, norm_eps, hc_eps, iters):
+    """The site's coefficients finished from the workspace, then the expand: (h', pre)."""
+    _, hc, D = residual.shape
+    pre, post, comb = finished_coefficients_twin(ws, scale, base, hc, D, norm_eps, hc_eps, iters)
+    return mhc_post_twin(f, residual, post, comb), pre
+
+
+def mhc_post_sums_twin(f, residual, post, comb, fn_next):
+    """V4's post, then the next site's partial sums on its output: (h', the next site's workspace)."""
+    out = mhc_post_twin(f, residual, post, comb)
+    return out, partial_sums_twin(out, fn_next)
+
+
+def mhc_pre_finish_twin(h, ws, scale, base, norm_eps, hc_eps, iters):
+    """A site's coefficients finished from its workspace, and x collapsed with its own pre: (x, pre, post, comb)."""
+    _, hc, D = h.shape
+    pre, post, comb = finished_coefficients_twin(ws, scale, base, hc, D, norm_eps, hc_eps, iters)
+    return hc_collapse(h.unsqueeze(0), pre.unsqueeze(0))[0], pre, post, comb
 
 
 # ------------------------------------------------------------------------------------------------
@@ -418,16 +445,17 @@ def _post_finish_kernel(
 
 @triton.jit
 def _post_partial_kernel(
-    f_ptr, res_ptr, ws_ptr, scale_ptr, base_ptr, fn_ptr, out_ptr, x_ptr, ws_next_ptr,
+    f_ptr, res_ptr, ws_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, fn_ptr, out_ptr, x_ptr, ws_next_ptr,
     N, D, n_split, norm_eps, hc_eps, iters,
     stride_fn, stride_rn, stride_rk, stride_on, stride_ok, stride_xn,
-    HC: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr,
+    HC: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr, FINISH: tl.constexpr,
     ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (row, d step): a site's post with its coefficients finished from its workspace ws (as
-    `_post_finish_kernel`), then the next site's partial pass over the new streams' d step while they are in
-    registers (as `_pre_partial_kernel`, its projection in fp32 on the CUDA cores: one row), collapsing x with
-    this site's pre."""
+    """Program (row, d step): a site's post, then the next site's partial pass over the new streams' d step while
+    they are in registers (as `_pre_partial_kernel`, its projection in fp32 on the CUDA cores: one row). FINISH
+    (V4.1): the post's coefficients finished from this site's workspace ws (as `_post_finish_kernel`) and x
+    collapsed with this site's pre; else (V4) post and comb as given and no x (the next site collapses with its
+    own pre, which its finish makes)."""
     wait_for_predecessor(PDL)
     rows64 = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)  # [1]: one row (the Sinkhorn in threads, at hc 4)
     rmask = rows64 < N
@@ -440,15 +468,23 @@ def _post_partial_kernel(
     fn = tl.load(fn_ptr + cols[None, :, None].to(tl.int64) * (HC * D) + (c[:, None, None] * D + dd[None, None, :]),
                  mask=(cols < M)[None, :, None], other=0.0)
     fv, res = _expand_inputs(f_ptr, res_ptr, rows64, rmask, pid_s, D, stride_fn, stride_rn, stride_rk, HC, BD)
-    pre, post, comb = _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps,
-                                    iters, HC, M, SB, ACCURATE, THREAD_SINKHORN)
+    if FINISH:
+        pre, post, comb = _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps,
+                                        iters, HC, M, SB, ACCURATE, THREAD_SINKHORN)
+    else:
+        jk = c[:, None] * HC + c[None, :]
+        post = tl.load(post_ptr + rows64[:, None] * HC + c[None, :], mask=rmask[:, None], other=0.0)
+        comb = tl.load(comb_ptr + rows64[:, None, None] * (HC * HC) + jk[None, :, :], mask=rmask[:, None, None],
+                       other=0.0)
     h = _expand(fv, res, out_ptr, post, comb, rows64, rmask, pid_s, D, stride_on, stride_ok, HC, BD,
                 INTERP).to(tl.float32)  # [1, HC, BD], as stored
     # the next site's partial mixes and this row's x, each one reduction over the streams: summed stream by stream
     # in order (each stream picked out by a masked sum first), the kernel ran ~700 more instructions a thread
     acc = tl.sum(tl.sum(tl.reshape(h, (HC, BD))[:, None, :] * fn, axis=2), axis=0)[None, :]  # [1, MP]
-    x = tl.sum(pre[:, :, None] * h, axis=1)  # [1, BD]: collapsed with this site's pre
-    tl.store(x_ptr + rows64[:, None] * stride_xn + dd[None, :], x.to(x_ptr.dtype.element_ty), mask=rmask[:, None])
+    if FINISH:
+        x = tl.sum(pre[:, :, None] * h, axis=1)  # [1, BD]: collapsed with this site's pre
+        tl.store(x_ptr + rows64[:, None] * stride_xn + dd[None, :], x.to(x_ptr.dtype.element_ty),
+                 mask=rmask[:, None])
     ws_row = ws_next_ptr + (pid_s * N + rows64) * (M + 1)
     tl.store(ws_row[:, None] + cols[None, :], acc, mask=rmask[:, None] & (cols < M)[None, :])
     tl.store(ws_row + M, tl.sum(tl.sum(h * h, axis=2), axis=1), mask=rmask)
@@ -567,29 +603,42 @@ def mhc_pre_triton(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters, cf
     h = h.contiguous()
     fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
     N, hc, D = h.shape
-    M = (2 + hc) * hc
-    interp = not h.is_cuda
     target = cfg.get("target") or _programs_target(h)
     c = pre_config(N, D, hc, h.element_size(), target, cfg)
-    x = torch.empty(N, D, dtype=h.dtype, device=h.device)
-    pre = torch.empty(N, hc, dtype=torch.float32, device=h.device)
-    post = torch.empty_like(pre)
-    comb = torch.empty(N, hc, hc, dtype=torch.float32, device=h.device)
+    outs = _pre_outputs(h)
     if N == 0:
-        return x, pre, post, comb
+        return outs
     collapse_now = collapse_pre is not None
+    x, pre = outs[:2]
     ws = _partials(h, fn, collapse_pre.float().contiguous() if collapse_now else pre, x, c, collapse_now)
-    split = c["split"]
-    f = finish_config(N, D, split, collapse_now, target, cfg)
+    _finish(h, ws, scale, base, outs, norm_eps, hc_eps, iters, not collapse_now, target, cfg)
+    return outs
+
+
+def _pre_outputs(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A pre pass's outputs for h [N, hc, D]: x [N, D] in h's dtype, pre and post [N, hc], comb [N, hc, hc] fp32."""
+    N, hc, D = h.shape
+    pre = torch.empty(N, hc, dtype=torch.float32, device=h.device)
+    return (torch.empty(N, D, dtype=h.dtype, device=h.device), pre, torch.empty_like(pre),
+            torch.empty(N, hc, hc, dtype=torch.float32, device=h.device))
+
+
+def _finish(h, ws, scale, base, outs: tuple, norm_eps, hc_eps, iters, collapse: bool, target: int,
+            cfg: dict | None):
+    """`_pre_finish_kernel` on the workspace ws [split, N, M + 1] of h [N, hc, D] (contiguous; scale and base fp32)
+    into outs (`_pre_outputs`); with `collapse` it collapses x with the pre it makes (h read again)."""
+    x, pre, post, comb = outs
+    N, hc, D = h.shape
+    split = ws.shape[0]
+    f = finish_config(N, D, split, not collapse, target, cfg)
     _pre_finish_kernel[(triton.cdiv(N, f["BN"]), f["chunks"])](
         ws, scale, base, h, x, pre, post, comb,
         N, D, split, f["d_per"], norm_eps, hc_eps, iters,
         h.stride(0), h.stride(1), x.stride(0),
-        HC=hc, M=M, BN=f["BN"], BD=f["BD"], SB=f["SB"],
-        COLLAPSE=not collapse_now, ACCURATE=not interp, THREAD_SINKHORN=sinkhorn_in_threads(hc, f["BN"]), PDL=pdl(h),
+        HC=hc, M=(2 + hc) * hc, BN=f["BN"], BD=f["BD"], SB=f["SB"],
+        COLLAPSE=collapse, ACCURATE=h.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, f["BN"]), PDL=pdl(h),
         num_warps=f["num_warps"], launch_pdl=pdl(h),
     )
-    return x, pre, post, comb
 
 
 def _partials(h, fn, w, x, c: dict, collapse: bool) -> torch.Tensor:
@@ -615,6 +664,7 @@ def _partials(h, fn, w, x, c: dict, collapse: bool) -> torch.Tensor:
 
 
 def mhc_pre_partial_triton(h, fn, collapse_pre):
+    """The Triton path of mhc_pre_partial; collapse_pre None: the workspace alone (x is left empty)."""
     h, fn = h.contiguous(), fn.float().contiguous()
     N, hc, D = h.shape
     x = torch.empty(N, D, dtype=h.dtype, device=h.device)
@@ -622,7 +672,18 @@ def mhc_pre_partial_triton(h, fn, collapse_pre):
     if N == 0:
         return x, torch.empty(S, 0, (2 + hc) * hc + 1, dtype=torch.float32, device=h.device)
     c = pre_config(N, D, hc, h.element_size(), _programs_target(h), {"BD": D // S, "split": S})
-    return x, _partials(h, fn, collapse_pre.float().contiguous(), x, c, True)
+    collapse = collapse_pre is not None
+    w = collapse_pre.float().contiguous() if collapse else torch.empty(N, hc, dtype=torch.float32, device=h.device)
+    return x, _partials(h, fn, w, x, c, collapse)
+
+
+def mhc_pre_finish_triton(h, ws, scale, base, norm_eps, hc_eps, iters):
+    h, ws = h.contiguous(), ws.contiguous()
+    scale, base = scale.float().contiguous(), base.float().contiguous()
+    outs = _pre_outputs(h)
+    if h.shape[0]:
+        _finish(h, ws, scale, base, outs, norm_eps, hc_eps, iters, True, _programs_target(h), None)
+    return outs
 
 
 def mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters, cfg: dict | None = None):
@@ -651,8 +712,25 @@ def mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_
     if residual.shape[0] > POST_PARTIAL_MAX_N:
         out, pre = mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters)
         return (out, *mhc_pre_partial_triton(out, fn_next, pre))
-    f, residual, ws = f.contiguous(), residual.contiguous(), ws.contiguous()
-    scale, base, fn_next = scale.float().contiguous(), base.float().contiguous(), fn_next.float().contiguous()
+    ws, scale, base = ws.contiguous(), scale.float().contiguous(), base.float().contiguous()
+    return _post_partial(f, residual, fn_next, (ws, scale, base, ws, ws), (norm_eps, hc_eps, iters), True, cfg)
+
+
+def mhc_post_sums_triton(f, residual, post, comb, fn_next, cfg: dict | None = None):
+    """The Triton path of mhc_post_sums; `cfg` as mhc_post_partial_triton's."""
+    if residual.shape[0] > POST_PARTIAL_MAX_N:
+        out = mhc_post_triton(f, residual, post, comb)
+        return out, mhc_pre_partial_triton(out, fn_next, None)[1]
+    post, comb = post.float().contiguous(), comb.float().contiguous()
+    out, _, ws_next = _post_partial(f, residual, fn_next, (post, post, post, post, comb), (0.0, 0.0, 0), False, cfg)
+    return out, ws_next
+
+
+def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple, finish: bool, cfg: dict | None):
+    """`_post_partial_kernel` -> (h', x, the next site's workspace); coefficients: (ws, scale, base, post, comb) as
+    the kernel takes them (FINISH reads the first three, else the last two; the others stand in for the pointers),
+    finish_args (norm_eps, hc_eps, iters)."""
+    f, residual, fn_next = f.contiguous(), residual.contiguous(), fn_next.float().contiguous()
     N, hc, D = residual.shape
     M = (2 + hc) * hc
     S = partial_splits(D, f.element_size())
@@ -661,14 +739,14 @@ def mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_
     ws_next = torch.empty(S, N, M + 1, dtype=torch.float32, device=f.device)
     if N == 0:
         return out, x, ws_next
-    split = ws.shape[0]
+    split = coefficients[0].shape[0]
     _post_partial_kernel[(N, S)](
-        f, residual, ws, scale, base, fn_next, out, x, ws_next,
-        N, D, split, norm_eps, hc_eps, iters,
+        f, residual, *coefficients, fn_next, out, x, ws_next,
+        N, D, split, *finish_args,
         f.stride(0), residual.stride(0), residual.stride(1), out.stride(0), out.stride(1), x.stride(0),
         HC=hc, M=M, MP=triton.next_power_of_2(M), BD=D // S, SB=min(triton.next_power_of_2(split), 32),
-        ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, 1), INTERP=not f.is_cuda, PDL=pdl(f),
-        num_warps=(cfg or {}).get("num_warps", post_partial_warps(N)), launch_pdl=pdl(f),
+        FINISH=finish, ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, 1), INTERP=not f.is_cuda,
+        PDL=pdl(f), num_warps=(cfg or {}).get("num_warps", post_partial_warps(N)), launch_pdl=pdl(f),
     )
     return out, x, ws_next
 
@@ -711,6 +789,11 @@ def mhc_pre(
 
 @mhc_pre.register_fake
 def _(h, fn, scale, base, collapse_pre, norm_eps, hc_eps, iters):
+    return _fake_pre(h)
+
+
+def _fake_pre(h: torch.Tensor):
+    """A pre pass's outputs for h [N, hc, D] (as `_pre_outputs` makes them)."""
     N, hc, D = h.shape
     f32 = torch.float32
     return h.new_empty(N, D), h.new_empty(N, hc, dtype=f32), h.new_empty(N, hc, dtype=f32), h.new_empty(N, hc, hc, dtype=f32)
@@ -743,8 +826,7 @@ def mhc_pre_partial(h: torch.Tensor, fn: torch.Tensor, collapse_pre: torch.Tenso
 @mhc_pre_partial.register_fake
 def _(h, fn, collapse_pre):
     N, hc, D = h.shape
-    return h.new_empty(N, D), h.new_empty(partial_splits(D, h.element_size()), N, (2 + hc) * hc + 1,
-                                          dtype=torch.float32)
+    return h.new_empty(N, D), _fake_workspace(h, hc, D)
 
 
 @torch.library.custom_op("dsv4::mhc_post_finish", mutates_args=())
@@ -779,5 +861,42 @@ def mhc_post_partial(f: torch.Tensor, residual: torch.Tensor, ws: torch.Tensor, 
 @mhc_post_partial.register_fake
 def _(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters):
     N, hc, D = residual.shape
-    return (residual.new_empty(residual.shape, dtype=f.dtype), f.new_empty(N, D),
-            f.new_empty(partial_splits(D, f.element_size()), N, (2 + hc) * hc + 1, dtype=torch.float32))
+    return (residual.new_empty(residual.shape, dtype=f.dtype), f.new_empty(N, D), _fake_workspace(f, hc, D))
+
+
+def _fake_workspace(t: torch.Tensor, hc: int, D: int) -> torch.Tensor:
+    """The partial pass's workspace [S, N, M + 1] for rows of t's dtype."""
+    return t.new_empty(partial_splits(D, t.element_size()), t.shape[0], (2 + hc) * hc + 1, dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv4::mhc_post_sums", mutates_args=())
+def mhc_post_sums(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                  fn_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4's decode: mhc_post, then the next site's partial sums (fn_next) on its output, in one kernel (up to
+    POST_PARTIAL_MAX_N rows): f [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc] -> (h' [N, hc, D],
+    the next site's workspace [S, N, M + 1], which `mhc_pre_finish` finishes)."""
+    if use_triton(f) and _hc_supported(residual.shape[1], residual.shape[2]):
+        return mhc_post_sums_triton(f, residual, post, comb, fn_next)
+    out, ws = mhc_post_sums_twin(f, residual, post, comb, fn_next)
+    return out.contiguous(), ws.contiguous()
+
+
+@mhc_post_sums.register_fake
+def _(f, residual, post, comb, fn_next):
+    _, hc, D = residual.shape
+    return residual.new_empty(residual.shape, dtype=f.dtype), _fake_workspace(f, hc, D)
+
+
+@torch.library.custom_op("dsv4::mhc_pre_finish", mutates_args=())
+def mhc_pre_finish(h: torch.Tensor, ws: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+                   hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mhc_pre from the partial sums of h [N, hc, D] already made (`mhc_post_sums`' workspace ws): the second
+    kernel alone -> x [N, D] collapsed with this site's pre, pre, post [N, hc], comb [N, hc, hc]."""
+    if use_triton(h) and _hc_supported(h.shape[1], h.shape[2]):
+        return mhc_pre_finish_triton(h, ws, scale, base, norm_eps, hc_eps, iters)
+    return tuple(t.contiguous() for t in mhc_pre_finish_twin(h, ws, scale, base, norm_eps, hc_eps, iters))
+
+
+@mhc_pre_finish.register_fake
+def _(h, ws, scale, base, norm_eps, hc_eps, iters):
+    return _fake_pre(h)
