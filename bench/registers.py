@@ -133,9 +133,10 @@ def resources(k: Kernel) -> dict:
 
 
 def mhc_kernels() -> list[Kernel]:
-    """The pre pass at one token collapsing with the previous site's pre (V4.1), its finish and the post (V4 and
-    prefill), the post that finishes the coefficients itself and the one that also runs the next site's partial
-    pass (V4.1's decode)."""
+    """The pre pass at one token collapsing with the previous site's pre (V4.1), its finish, the finish that
+    collapses with its own pre (V4's decode) and the post (prefill), the post that finishes the coefficients itself
+    and the one that also runs the next site's partial pass (V4.1's decode), and that one with the coefficients
+    given (V4's decode)."""
     c = mhc.pre_config(1, D, HC, 2, TARGET)
     M = (2 + HC) * HC
     partial = Kernel("mhc_pre partial", mhc._pre_partial_kernel, {"h_ptr": "*bf16", "x_ptr": "*bf16"},
@@ -147,6 +148,10 @@ def mhc_kernels() -> list[Kernel]:
                     {"HC": HC, "M": M, "BN": f["BN"], "BD": f["BD"], "SB": f["SB"], "COLLAPSE": False,
                      "ACCURATE": True, "THREAD_SINKHORN": mhc.sinkhorn_in_threads(HC, f["BN"]), "PDL": True},
                     f["num_warps"])
+    f_own = mhc.finish_config(1, D, mhc.partial_splits(D, 2), False, TARGET)
+    finish_own = Kernel("mhc_pre finish collapsing", mhc._pre_finish_kernel, finish.types,
+                        {**finish.constexprs, "BN": f_own["BN"], "BD": f_own["BD"], "SB": f_own["SB"], "COLLAPSE": True,
+                         "THREAD_SINKHORN": mhc.sinkhorn_in_threads(HC, f_own["BN"])}, f_own["num_warps"])
     p = mhc.post_config(1, D)
     post = Kernel("mhc_post", mhc._post_kernel, {"f_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16"},
                   {"HC": HC, "BN": p["BN"], "BD": p["BD"], "INTERP": False, "PDL": True}, p["num_warps"])
@@ -158,9 +163,12 @@ def mhc_kernels() -> list[Kernel]:
     splits = mhc.partial_splits(D, 2)
     post_partial = Kernel("mhc_post partial", mhc._post_partial_kernel,
                           {**post_finish.types, "x_ptr": "*bf16"},
-                          {"HC": HC, "M": M, "MP": c["MP"], "BD": D // splits, "SB": f["SB"], "ACCURATE": True,
-                           "THREAD_SINKHORN": True, "INTERP": False, "PDL": True}, mhc.post_partial_warps(1))
-    return [partial, finish, post, post_finish, post_partial]
+                          {"HC": HC, "M": M, "MP": c["MP"], "BD": D // splits, "SB": f["SB"], "FINISH": True,
+                           "ACCURATE": True, "THREAD_SINKHORN": True, "INTERP": False, "PDL": True},
+                          mhc.post_partial_warps(1))
+    post_sums = Kernel("mhc_post sums", mhc._post_partial_kernel, post_partial.types,
+                       {**post_partial.constexprs, "FINISH": False}, mhc.post_partial_warps(1))
+    return [partial, finish, finish_own, post, post_finish, post_partial, post_sums]
 
 
 def routing_kernels() -> list[Kernel]:
@@ -332,6 +340,10 @@ LAUNCH_INTS = {
     "mhc_pre finish": {"N": 1, "D": D, "n_split": 80, "d_per_prog": D, **_ATTN},
     "mhc_post finish": {"N": 1, "D": D, "n_split": 80},
     "mhc_post partial": {"N": 1, "D": D, "n_split": 80},
+    # V4's decode pair: the finish alone, its collapse over d chunks of 64; the post with given coefficients, whose
+    # unused split count is the stand-in's rows
+    "mhc_pre finish collapsing": {"N": 1, "D": D, "n_split": 80, "d_per_prog": 64, **_ATTN},
+    "mhc_post sums": {"N": 1, "D": D, "n_split": 1},
     "moe gate GEMM": {"N": 1, "E": EXPERTS, "D": D, "steps_per_prog": 1, "stride_xn": D, "stride_we": D},
     "moe route": {"N": 1, "E": EXPERTS, "n_split": 40, "stride_split": EXPERTS, "stride_ln": EXPERTS},
     **{f"moe gather {part}{tokens}": {"D": D, "I": I, "E": EXPERTS}
