@@ -72,9 +72,9 @@ from dsv4.fast.kernels.moe_experts import (
 from dsv4.fast.kernels.moe_routing import gate_route
 from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant
 from dsv4.fast.kernels.topk import topk_select
-from dsv4.fast.kernels.window_write import window_rows, window_write
+from dsv4.fast.kernels.window_write import window_rows, window_write, window_write_rounded
 from dsv4.quant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
-from dsv4.reference.attention import Attention, SharedKV
+from dsv4.reference.attention import V4_WINDOW_FP8_BLOCK, Attention, SharedKV
 from dsv4.reference.indexer import Indexer, hadamard, index_scores
 from dsv4.reference.linear import Linear
 from dsv4.reference.mhc import hc_collapse, hc_head_pre
@@ -427,10 +427,14 @@ class FastAttention(Attention):
     def _window_decode(self, kv, cos, sin, slots, ring, window: Rows) -> None:
         """wkv's output kv [B, Dh] normed, rotated and stored at the rows' window places (`ring`). V4.1's FP8
         rounding (blocks of 32 over the whole row) is the window store's own encoding, so a packed V4.1 window
-        takes the three in one kernel (`dsv4::window_write`, the same rows)."""
+        takes the three in one kernel (`dsv4::window_write`, the same rows); V4's rounding (an FP8 round trip of the
+        unrotated channels) into its dense window likewise (`dsv4::window_write_rounded`)."""
         norm = self.kv_norm
         if self.is_v41 and window.fmt == "fp8":
             window_write(kv, norm.weight, norm.eps, cos, sin, window.data, window.scale, slots, ring, window.block)
+            return
+        if not self.is_v41 and self.quant_sim and window.fmt == "dense":  # V4's rounding (`_window_quant`)
+            window_write_rounded(kv, norm.weight, norm.eps, cos, sin, window.data, slots, ring, V4_WINDOW_FP8_BLOCK)
             return
         kv = window_rows(kv, norm.weight, norm.eps, cos, sin)  # [B, Dh]
         window.write(slots, ring, kv if self.is_v41 else self._window_quant(kv))

@@ -26,6 +26,8 @@ from dsv4.reference.indexer import Indexer, picks_mask
 from dsv4.reference.linear import Linear, RMSNorm
 from dsv4.reference.rope import Rotary, apply_rope
 
+V4_WINDOW_FP8_BLOCK = 64  # V4's window (and compressed) rows: FP8 in blocks of 64 on the channels RoPE leaves alone
+
 
 @dataclass
 class SharedKV:
@@ -118,7 +120,7 @@ class Attention(nn.Module):
         if self.is_v41:
             return self._fake_fp8(kv, 32)
         rd = self.rope_dim
-        return torch.cat((self._fake_fp8(kv[..., :-rd], 64), kv[..., -rd:]), dim=-1)
+        return torch.cat((self._fake_fp8(kv[..., :-rd], V4_WINDOW_FP8_BLOCK), kv[..., -rd:]), dim=-1)
 
     def _compressed_quant(self, kv: torch.Tensor) -> torch.Tensor:
         """V4: as the window; V4.1: e2m1 with an e4m3 scale per 16, after RoPE."""

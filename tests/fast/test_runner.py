@@ -25,6 +25,7 @@ from dsv4.engine.request import SamplingParams
 from dsv4.fast import engram_prefetch
 from dsv4.fast import model as model_module
 from dsv4.fast.engram_prefetch import HostEngramEmbedding, keep_engram_on_host
+from dsv4.fast.kernels.window_write import window_write_rounded_twin
 from dsv4.fast.model import FastIndexer, FastLinear, Fp8Copy, compile_options, make_fast
 from dsv4.fast.runner import OutOfSlots, Runner, write_padded
 from dsv4.quant import dequantize_fp8
@@ -516,6 +517,29 @@ def test_a_v41_decode_step_writes_each_layers_window_row_in_one_op(tiny_v41_dir,
     assert len(calls) == 2 * len(fast.layers) and set(calls) == {4}  # 3 sequences in the batch-4 bucket
     calls.clear()
     decode_steps(Runner(models(tiny_v41_dir, packed=False)[1], max_seqs=4, max_len=128, compile=False), 1)
+    assert calls == []
+
+
+def test_a_v4_decode_step_writes_each_layers_rounded_window_row_in_one_op(tiny_v4_dir, monkeypatch):
+    """V4's window rows (kv_norm, RoPE, the FP8 round trip of the unrotated channels) go through
+    `dsv4::window_write_rounded`, one call a layer and step; the logits are those of the rows written as before
+    (the op's twin: window_rows, fake_quant_fp8, an index write), up to the norm's fp32 sum order. Without quant_sim
+    the step stores the rows as they are, as before."""
+    calls = []
+    write = model_module.window_write_rounded
+    monkeypatch.setattr(model_module, "window_write_rounded", lambda kv, *a: calls.append(kv.shape[0]) or write(kv, *a))
+    fast = models(tiny_v4_dir, packed=True)[1]
+    fused, fed = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
+    assert len(calls) == 2 * len(fast.layers) and set(calls) == {4}  # 3 sequences in the batch-4 bucket
+    monkeypatch.setattr(model_module, "window_write_rounded", window_write_rounded_twin)
+    apart, _ = decode_steps(Runner(models(tiny_v4_dir, packed=True)[1], max_seqs=4, max_len=128, compile=False), 2,
+                            fed)
+    assert (fused - apart).abs().max() <= 1e-5 * apart.abs().max()  # as the mHC pairing's test above
+    monkeypatch.setattr(model_module, "window_write_rounded", lambda kv, *a: calls.append(kv.shape[0]) or write(kv, *a))
+    calls.clear()
+    plain = models(tiny_v4_dir, packed=True)[1]
+    plain.set_quant_sim(False)
+    decode_steps(Runner(plain, max_seqs=4, max_len=128, compile=False), 1)
     assert calls == []
 
 

@@ -1,5 +1,6 @@
 """dsv4.fast.kernels.window_write against its twin (rms_norm, apply_rope, quant_write): the same bytes where the
-row's mean square is exact, one FP8 code at most elsewhere (the only difference is the order of its sum).
+row's mean square is exact, one FP8 code at most elsewhere (the only difference is the order of its sum); and V4's
+window_write_rounded against its twin (the unrotated channels through fake_quant_fp8) the same way.
 
 On CPU the kernel runs under the Triton interpreter (TRITON_INTERPRET=1, as the test session sets it)."""
 
@@ -15,7 +16,12 @@ from hypothesis import strategies as st
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (else the op only calls its twin)", allow_module_level=True)
 
-from dsv4.fast.kernels.window_write import window_write, window_write_twin
+from dsv4.fast.kernels.window_write import (
+    window_write,
+    window_write_rounded,
+    window_write_rounded_twin,
+    window_write_twin,
+)
 from dsv4.reference.rope import Rotary
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,3 +106,50 @@ def test_bad_arguments_fail_clearly():
         window_write(kv, weight, 1e-6, cos, sin, data[..., :64], scale, slots, rows, 32)
     with pytest.raises(ValueError, match="slots and rows"):
         window_write(kv, weight, 1e-6, cos, sin, data, scale, slots.float(), rows, 32)
+
+
+def rounded_both(kv, weight, cos, sin, slots, rows, block: int):
+    """(kernel's, twin's) dense store [SLOTS, SLOT_ROWS, D] in kv's dtype, filled with 7 (a marker) before the write."""
+    got, want = (torch.full((SLOTS, SLOT_ROWS, kv.shape[1]), 7.0, dtype=kv.dtype, device=DEVICE) for _ in range(2))
+    window_write_rounded(kv, weight, 1e-6, cos, sin, got, slots, rows, block)
+    window_write_rounded_twin(kv, weight, 1e-6, cos, sin, want, slots, rows, block)
+    return got, want
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 4),
+       shape=st.sampled_from([(64, 16, 16), (128, 32, 32), (512, 64, 64), (256, 64, 32)]), fp32=st.booleans())
+def test_a_v4_row_with_an_exact_mean_square_gets_the_twins_values(seed, n, shape, fp32):
+    """V4's rows (its window: 512 channels, 64 rotated, FP8 blocks of 64 on the other 448) written rounded: the
+    twin's values bit for bit, rotated channels and FP8 round trips alike, and nothing else written."""
+    width, rope, block = shape
+    kv, weight, cos, sin, slots, rows = case(seed, n, width, rope, exact=True,
+                                             dtype=torch.float32 if fp32 else torch.bfloat16)
+    got, want = rounded_both(kv, weight, cos, sin, slots, rows, block)
+    assert torch.equal(got, want)
+    written = torch.zeros(SLOTS, SLOT_ROWS, dtype=torch.bool, device=DEVICE)
+    written[slots, rows] = True
+    assert (got[~written] == 7).all() and (got[written] != 7).any()
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 4))
+def test_any_v4_row_is_within_one_fp8_step_of_the_twins(seed, n):
+    """From random values the norm's sum in another order moves a value by one bf16 step at most, and so its FP8
+    round trip by one FP8 step (1/8 of it at most) and rarely."""
+    kv, weight, cos, sin, slots, rows = case(seed, n, 512, 64, exact=False)
+    got, want = rounded_both(kv, weight, cos, sin, slots, rows, 64)
+    got, want = got[slots, rows].float(), want[slots, rows].float()
+    assert ((got - want).abs() <= want.abs() / 8).all()
+    assert (got != want).float().mean() < 0.01
+
+
+def test_bad_arguments_to_the_rounded_write_fail_clearly():
+    kv, weight, cos, sin, slots, rows = case(1, 2, 128, 32, exact=True)
+    data = torch.zeros(SLOTS, SLOT_ROWS, 128, dtype=kv.dtype, device=DEVICE)
+    with pytest.raises(ValueError, match="whole blocks of 64"):
+        window_write_rounded(kv, weight, 1e-6, cos, sin, data, slots, rows, 64)
+    with pytest.raises(ValueError, match="data must be contiguous"):
+        window_write_rounded(kv, weight, 1e-6, cos, sin, data.float(), slots, rows, 32)
+    with pytest.raises(ValueError, match="slots and rows"):
+        window_write_rounded(kv, weight, 1e-6, cos, sin, data, slots.float(), rows, 32)
