@@ -315,11 +315,15 @@ def quant_kernels() -> list[Kernel]:
 
 
 def window_write_kernels() -> list[Kernel]:
-    """V4.1's window row of one bf16 token (kv_norm, RoPE, FP8 into the window store)."""
-    return [Kernel("window write", window_write._window_write_kernel,
-                   {"kv_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "slot_ptr": "*i64",
-                    "row_ptr": "*i64", "eps": "fp32"},
-                   {"D": DH, "R": ROPE, "BLOCK": 32, "BF16": True, "INTERP": False, "PDL": True}, 2)]
+    """V4.1's window row of one bf16 token (kv_norm, RoPE, FP8 into the window store), and V4's (the unrotated
+    channels' FP8 round trip in blocks of 64, stored as bf16)."""
+    types = {"kv_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "slot_ptr": "*i64",
+             "row_ptr": "*i64", "eps": "fp32"}
+    constexprs = {"D": DH, "R": ROPE, "BLOCK": 32, "BF16": True, "ROUNDED": False, "INTERP": False, "PDL": True}
+    return [Kernel("window write", window_write._window_write_kernel, types, constexprs, 2),
+            Kernel("window write rounded (V4)", window_write._window_write_kernel,
+                   {**types, "q_ptr": "*bf16", "s_ptr": "*bf16"},
+                   {**constexprs, "BLOCK": 64, "ROUNDED": True}, 2)]
 
 
 def indexer_query_kernels() -> list[Kernel]:
