@@ -109,11 +109,16 @@ def test_bad_arguments_fail_clearly():
 
 
 def rounded_both(kv, weight, cos, sin, slots, rows, block: int):
-    """(kernel's, twin's) dense store [SLOTS, SLOT_ROWS, D] in kv's dtype, filled with 7 (a marker) before the write."""
-    got, want = (torch.full((SLOTS, SLOT_ROWS, kv.shape[1]), 7.0, dtype=kv.dtype, device=DEVICE) for _ in range(2))
+    """(kernel's, twin's) dense store [SLOTS, SLOT_ROWS, D] in kv's dtype, filled with 7 (a marker) before the write.
+    The twin runs on the CPU: CUDA's rsqrt in its norm is not correctly rounded (up to 2 ulps; the kernel's 1 / sqrt
+    is, as the CPU's), which an fp32 store can show in its last bits (against the twin run on CUDA an fp32 case
+    failed on the H100 in session 45, the bf16 ones passed)."""
+    got, want = (torch.full((SLOTS, SLOT_ROWS, kv.shape[1]), 7.0, dtype=kv.dtype) for _ in range(2))
+    got = got.to(DEVICE)
     window_write_rounded(kv, weight, 1e-6, cos, sin, got, slots, rows, block)
-    window_write_rounded_twin(kv, weight, 1e-6, cos, sin, want, slots, rows, block)
-    return got, want
+    window_write_rounded_twin(*(t.cpu() for t in (kv, weight)), 1e-6, cos.cpu(), sin.cpu(), want, slots.cpu(),
+                              rows.cpu(), block)
+    return got.cpu(), want
 
 
 @settings(max_examples=20, deadline=None)
@@ -127,8 +132,8 @@ def test_a_v4_row_with_an_exact_mean_square_gets_the_twins_values(seed, n, shape
                                              dtype=torch.float32 if fp32 else torch.bfloat16)
     got, want = rounded_both(kv, weight, cos, sin, slots, rows, block)
     assert torch.equal(got, want)
-    written = torch.zeros(SLOTS, SLOT_ROWS, dtype=torch.bool, device=DEVICE)
-    written[slots, rows] = True
+    written = torch.zeros(SLOTS, SLOT_ROWS, dtype=torch.bool)
+    written[slots.cpu(), rows.cpu()] = True
     assert (got[~written] == 7).all() and (got[written] != 7).any()
 
 
@@ -139,7 +144,7 @@ def test_any_v4_row_is_within_one_fp8_step_of_the_twins(seed, n):
     round trip by one FP8 step (1/8 of it at most) and rarely."""
     kv, weight, cos, sin, slots, rows = case(seed, n, 512, 64, exact=False)
     got, want = rounded_both(kv, weight, cos, sin, slots, rows, 64)
-    got, want = got[slots, rows].float(), want[slots, rows].float()
+    got, want = got[slots.cpu(), rows.cpu()].float(), want[slots.cpu(), rows.cpu()].float()
     assert ((got - want).abs() <= want.abs() / 8).all()
     assert (got != want).float().mean() < 0.01
 
