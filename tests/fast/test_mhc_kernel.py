@@ -196,43 +196,14 @@ def check_post_then_partial(h, fn, scale, base, pre_prev, f, fn_next, iters, pos
     assert_fp32_close(next_pre, rnext_pre, "the next site's pre")
 
 
-@settings(deadline=None, max_examples=examples(20))
-@given(
-    N=st.integers(1, 12),
-    hc=st.sampled_from([2, 4]),
-    D=st.sampled_from([32, 64, 96]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    iters=st.sampled_from([1, 2, 20]),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_v41_decode_ops_match_pre_then_post(N, hc, D, dtype, iters, seed):
-    """V4.1's decode ops (the coefficients finished in the post; the post with the next site's partial pass, one
-    kernel up to POST_PARTIAL_MAX_N rows, two past it) against mhc_pre's and mhc_post's twins."""
-    h, fn, scale, base, pre_prev = make_inputs(N, hc, D, dtype, True, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    f = torch.randn(N, D, generator=g).to(dtype)
-    check_finish_in_post(h, fn, scale, base, pre_prev, f, iters)
-    check_post_then_partial(h, fn, scale, base, pre_prev, f, torch.randn(fn.shape, generator=g) / (hc * D) ** 0.5 * 4,
-                            iters)
-
-
-def test_v41_decode_ops_fallback_is_their_twins(monkeypatch):
-    """Without Triton V4.1's decode ops run their twins (the partial sums by D split, summed in the post), which
-    give the same as mhc_pre's and mhc_post's."""
-    monkeypatch.setattr(K, "use_triton", lambda t: False)
-    h, fn, scale, base, pre_prev = make_inputs(3, 4, 64, torch.float32, True, 4)
-    check_finish_in_post(h, fn, scale, base, pre_prev, torch.randn(3, 64), 20)
-    check_post_then_partial(h, fn, scale, base, pre_prev, torch.randn(3, 64), fn * 0.5, 20)
-
-
-def check_v4_pair(h, fn, scale, base, f, fn_next, iters, post_sums=K.mhc_post_sums):
+def check_v4_pair(h, fn, scale, base, f, fn_next, iters):
     """V4's decode pair: mhc_post_sums (a site's post with its coefficients as given, then the next site's partial
     sums in the same kernel) gives mhc_post's twin's h', and mhc_pre_finish on that h' (its own: one bf16 rounding
     of it may land on the other neighbour) and that workspace gives mhc_pre's twin's x, pre, post and comb at the
-    next site. `post_sums`: the op, or its Triton path at a launch configuration."""
+    next site."""
     N, _, D = h.shape
     _, _, post, comb = K.mhc_pre_twin(h, fn, scale, base, None, 1e-6, 1e-6, iters)
-    out, ws = post_sums(f, h, post, comb, fn_next)
+    out, ws = K.mhc_post_sums(f, h, post, comb, fn_next)
     assert ws.shape == (K.partial_splits(D, f.element_size()), N, fn.shape[0] + 1) and ws.dtype == torch.float32
     assert out.dtype == f.dtype and out.shape == h.shape
     check = assert_bf16_within_ulp if f.dtype == torch.bfloat16 else assert_fp32_close
@@ -241,6 +212,17 @@ def check_v4_pair(h, fn, scale, base, f, fn_next, iters, post_sums=K.mhc_post_su
     check_pre(got, K.mhc_pre_twin(out, fn_next, scale, base, None, 1e-6, 1e-6, iters), f.dtype)
 
 
+def check_decode_ops(arch, h, fn, scale, base, pre_prev, f, fn_next, iters):
+    """An architecture's decode ops against mhc_pre's and mhc_post's twins: V4.1's (`check_finish_in_post`,
+    `check_post_then_partial`), V4's (`check_v4_pair`)."""
+    if arch == "v41":
+        check_finish_in_post(h, fn, scale, base, pre_prev, f, iters)
+        check_post_then_partial(h, fn, scale, base, pre_prev, f, fn_next, iters)
+    else:
+        check_v4_pair(h, fn, scale, base, f, fn_next, iters)
+
+
+@pytest.mark.parametrize("arch", ["v41", "v4"])
 @settings(deadline=None, max_examples=examples(20))
 @given(
     N=st.integers(1, 12),
@@ -250,20 +232,24 @@ def check_v4_pair(h, fn, scale, base, f, fn_next, iters, post_sums=K.mhc_post_su
     iters=st.sampled_from([1, 2, 20]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_v4_decode_ops_match_post_then_pre(N, hc, D, dtype, iters, seed):
-    """V4's decode ops (the post with the next site's partial sums, one kernel up to POST_PARTIAL_MAX_N rows, two
-    past it; then the finish alone) against mhc_post's and mhc_pre's twins."""
-    h, fn, scale, base, _ = make_inputs(N, hc, D, dtype, False, seed)
+def test_decode_ops_match_pre_then_post(arch, N, hc, D, dtype, iters, seed):
+    """The decode ops (V4.1: the coefficients finished in the post, the post with the next site's partial pass; V4:
+    the post with the next site's partial sums, then the finish alone; the fused posts one kernel up to
+    POST_PARTIAL_MAX_N rows, two past it) against mhc_pre's and mhc_post's twins."""
+    h, fn, scale, base, pre_prev = make_inputs(N, hc, D, dtype, arch == "v41", seed)
     g = torch.Generator().manual_seed(seed + 1)
     f = torch.randn(N, D, generator=g).to(dtype)
-    check_v4_pair(h, fn, scale, base, f, torch.randn(fn.shape, generator=g) / (hc * D) ** 0.5 * 4, iters)
+    check_decode_ops(arch, h, fn, scale, base, pre_prev, f, torch.randn(fn.shape, generator=g) / (hc * D) ** 0.5 * 4,
+                     iters)
 
 
-def test_v4_decode_ops_fallback_is_their_twins(monkeypatch):
-    """Without Triton V4's decode ops run their twins, which give mhc_post's and mhc_pre's."""
+@pytest.mark.parametrize("arch", ["v41", "v4"])
+def test_decode_ops_fallback_is_their_twins(arch, monkeypatch):
+    """Without Triton the decode ops run their twins (the partial sums by D split, summed where they are finished),
+    which give the same as mhc_pre's and mhc_post's."""
     monkeypatch.setattr(K, "use_triton", lambda t: False)
-    h, fn, scale, base, _ = make_inputs(3, 4, 64, torch.float32, False, 5)
-    check_v4_pair(h, fn, scale, base, torch.randn(3, 64), fn * 0.5, 20)
+    h, fn, scale, base, pre_prev = make_inputs(3, 4, 64, torch.float32, arch == "v41", 4)
+    check_decode_ops(arch, h, fn, scale, base, pre_prev, torch.randn(3, 64), fn * 0.5, 20)
 
 
 def test_opcheck():
@@ -341,24 +327,12 @@ def test_mhc_post_gpu(N, D, dtype):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("N", [1, 7, 64])
-def test_v41_decode_ops_gpu(N, dtype):
-    """V4.1's decode ops at the real width, compiled: the coefficients finished in the post, and the post with the
-    next site's partial pass."""
-    h, fn, scale, base, pre_prev = make_inputs(N, 4, 5120, dtype, True, N, device="cuda")
-    f = torch.randn(N, 5120, generator=torch.Generator().manual_seed(N + 1)).to(dtype).cuda()
-    check_finish_in_post(h, fn, scale, base, pre_prev, f, 20)
-    check_post_then_partial(h, fn, scale, base, pre_prev, f, fn * 0.5, 20)
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("N", [1, 7, 64])
-def test_v4_decode_ops_gpu(N, dtype):
-    """V4's decode ops at V4's width, compiled."""
-    h, fn, scale, base, _ = make_inputs(N, 4, 4096, dtype, False, N, device="cuda")
-    f = torch.randn(N, 4096, generator=torch.Generator().manual_seed(N + 1)).to(dtype).cuda()
-    check_v4_pair(h, fn, scale, base, f, fn * 0.5, 20)
+@pytest.mark.parametrize("arch,D", [("v41", 5120), ("v4", 4096)])
+def test_decode_ops_gpu(arch, D, N, dtype):
+    """The decode ops at the architecture's width, compiled."""
+    h, fn, scale, base, pre_prev = make_inputs(N, 4, D, dtype, arch == "v41", N, device="cuda")
+    f = torch.randn(N, D, generator=torch.Generator().manual_seed(N + 1)).to(dtype).cuda()
+    check_decode_ops(arch, h, fn, scale, base, pre_prev, f, fn * 0.5, 20)
 
 
 def check_post_partial_at(warps, D, device):
