@@ -739,7 +739,7 @@ def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple,
     ws_next = torch.empty(S, N, M + 1, dtype=torch.float32, device=f.device)
     if N == 0:
         return out, x, ws_next
-    split = coefficients[0].shape[0]
+    split = coefficients[0].shape[0] if finish else 1  # without a finish no splits are read: one compile for all N
     _post_partial_kernel[(N, S)](
         f, residual, *coefficients, fn_next, out, x, ws_next,
         N, D, split, *finish_args,
