@@ -467,8 +467,8 @@ class FastAttention(Attention):
         cos, sin = self.rotary.cos_sin(pos)
         keys, cap = view.index_keys, view.capacity
         q_proj, w_proj = on_qr["indexer.wq_b"], on_x["indexer.weights_proj"]
-        if self.is_v41 and ix.quant_sim and keys.fmt == "mxfp4":  # the kernels' operands, in one kernel
-            q, w = indexer_query(q_proj, w_proj, cos, sin, ix.weights_scale)
+        if ix.quant_sim and keys.fmt == "mxfp4":  # the kernels' operands, in one kernel (V4's with its Hadamard)
+            q, w = indexer_query(q_proj, w_proj, cos, sin, ix.weights_scale, not self.is_v41)
         else:
             q, w = ix._query_heads(q_proj[:, None], w_proj[:, None], cos[:, None], sin[:, None])
             q, w = q[:, 0], w[:, 0]  # [B, Hi, di], [B, Hi]

@@ -1,4 +1,5 @@
-"""dsv4.fast.kernels.indexer_query against its twin (the reference's RoPE and MXFP4 rounding): the same bits.
+"""dsv4.fast.kernels.indexer_query against its twin (the reference's RoPE, V4's Hadamard transform and MXFP4
+rounding): the same bits.
 
 On CPU the kernel runs under the Triton interpreter (TRITON_INTERPRET=1, as the test session sets it)."""
 
@@ -43,15 +44,26 @@ def same(got: torch.Tensor, want: torch.Tensor) -> bool:
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 3),
        shape=st.sampled_from([(4, 64, 16), (2, 32, 32), (8, 128, 64)]), spread=st.sampled_from([1.0, 2.0**-100, 2.0**60]),
-       fp32=st.booleans())
-def test_kernel_gives_the_twins_bits(seed, n, shape, spread, fp32):
+       fp32=st.booleans(), hadamard=st.booleans())
+def test_kernel_gives_the_twins_bits(seed, n, shape, spread, fp32, hadamard):
     heads, width, rope = shape
     q, w, cos, sin = case(seed, n, heads, width, rope, spread)
     if fp32:  # a float32 model's projections
         q, w = q.float(), w.float()
     scale = width**-0.5 * heads**-0.5
-    got, want = indexer_query(q, w, cos, sin, scale), indexer_query_twin(q, w, cos, sin, scale)
+    got = indexer_query(q, w, cos, sin, scale, hadamard)
+    want = indexer_query_twin(q, w, cos, sin, scale, hadamard)
     assert same(got[0], want[0]) and same(got[1], want[1])
+
+
+def test_v4_width_with_the_hadamard_transform():
+    """V4's indexer: 64 heads of 128, 64 RoPE channels, Hadamard-transformed before the MXFP4 rounding: the twin's
+    bits, and not the bits without the transform."""
+    q, w, cos, sin = case(11, 2, 64, 128, 64)
+    scale = 128**-0.5 * 64**-0.5
+    got, want = indexer_query(q, w, cos, sin, scale, True), indexer_query_twin(q, w, cos, sin, scale, True)
+    assert same(got[0], want[0]) and same(got[1], want[1])
+    assert not same(got[0], indexer_query_twin(q, w, cos, sin, scale)[0])
 
 
 def test_v41_width():
@@ -91,15 +103,19 @@ def test_bad_input_names_the_problem(bad, message):
 
 def test_opcheck():
     q, w, cos, sin = case(3, 2, 4, 64, 16)
-    torch.library.opcheck(indexer_query, (q, w, cos, sin, 0.125), test_utils=("test_schema", "test_faketensor"))
+    for hadamard in (False, True):
+        torch.library.opcheck(indexer_query, (q, w, cos, sin, 0.125, hadamard),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n", [1, 8, 64])
-def test_gpu_v41_rows(n):
-    """V4.1's indexer queries on the GPU for decode batches, against the twin: the same bits."""
-    q, w, cos, sin = case(n, n, 32, 128, 64)
-    scale = 128**-0.5 * 32**-0.5
-    got, want = indexer_query(q, w, cos, sin, scale), indexer_query_twin(q, w, cos, sin, scale)
+@pytest.mark.parametrize("heads,hadamard", [(32, False), (64, True)])
+def test_gpu_rows(n, heads, hadamard):
+    """V4.1's (32 heads) and V4's (64, the Hadamard transform) indexer queries on the GPU for decode batches, against
+    the twin: the same bits."""
+    q, w, cos, sin = case(n, n, heads, 128, 64)
+    scale = 128**-0.5 * heads**-0.5
+    got, want = indexer_query(q, w, cos, sin, scale, hadamard), indexer_query_twin(q, w, cos, sin, scale, hadamard)
     assert same(got[0], want[0]) and same(got[1], want[1])

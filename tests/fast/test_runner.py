@@ -25,6 +25,7 @@ from dsv4.engine.request import SamplingParams
 from dsv4.fast import engram_prefetch
 from dsv4.fast import model as model_module
 from dsv4.fast.engram_prefetch import HostEngramEmbedding, keep_engram_on_host
+from dsv4.fast.kernels.indexer_query import indexer_query_twin
 from dsv4.fast.kernels.window_write import window_write_rounded_twin
 from dsv4.fast.model import FastIndexer, FastLinear, Fp8Copy, compile_options, make_fast
 from dsv4.fast.runner import OutOfSlots, Runner, write_padded
@@ -541,6 +542,22 @@ def test_a_v4_decode_step_writes_each_layers_rounded_window_row_in_one_op(tiny_v
     plain.set_quant_sim(False)
     decode_steps(Runner(plain, max_seqs=4, max_len=128, compile=False), 1)
     assert calls == []
+
+
+def test_a_decode_step_makes_each_indexers_queries_in_one_op(arch_dir, monkeypatch):
+    """With packed index keys every indexer's decode queries (RoPE, V4's Hadamard transform, MXFP4 rounding, head
+    weights) come from `dsv4::indexer_query`, one call a layer and step, Hadamard-transformed for V4 alone; the logits
+    are those of the queries made by its twin (the reference's functions), bit for bit."""
+    calls = []
+    op = model_module.indexer_query
+    monkeypatch.setattr(model_module, "indexer_query", lambda *a: calls.append(a[5]) or op(*a))
+    fast = models(arch_dir, packed=True)[1]
+    indexers = sum(role.owns_indexer for role in fast.config.layer_roles)
+    fused, fed = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
+    assert indexers and calls == [not fast.config.is_v41] * (2 * indexers)
+    monkeypatch.setattr(model_module, "indexer_query", indexer_query_twin)
+    apart, _ = decode_steps(Runner(models(arch_dir, packed=True)[1], max_seqs=4, max_len=128, compile=False), 2, fed)
+    assert torch.equal(fused, apart)
 
 
 def test_compiled_decode_step_and_prefill_trace_without_graph_breaks_and_change_nothing(tiny_v41_dir):
