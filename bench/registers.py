@@ -327,11 +327,14 @@ def window_write_kernels() -> list[Kernel]:
 
 
 def indexer_query_kernels() -> list[Kernel]:
-    """The V4.1 indexer's decode queries (RoPE, MXFP4 rounding, head weights) of one bf16 row."""
-    return [Kernel("indexer queries", indexer_query._indexer_query_kernel,
-                   {"q_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "w_scale": "fp32"},
-                   {"H": 32, "HB": indexer_query._HEADS_A_PROGRAM, "D": INDEX_DH, "R": ROPE, "BF16": True,
-                    "INTERP": False, "PDL": True}, 1)]
+    """The indexer's decode queries (RoPE, MXFP4 rounding, head weights) of one bf16 row: V4.1's, and V4's (64
+    heads, the Hadamard transform before the rounding)."""
+    types = {"q_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "w_scale": "fp32"}
+    constexprs = {"H": 32, "HB": indexer_query._HEADS_A_PROGRAM, "D": INDEX_DH, "R": ROPE, "BF16": True,
+                  "HADAMARD": False, "LOG_D": INDEX_DH.bit_length() - 1, "INTERP": False, "PDL": True}
+    return [Kernel("indexer queries", indexer_query._indexer_query_kernel, types, constexprs, 1),
+            Kernel("indexer queries (V4, Hadamard)", indexer_query._indexer_query_kernel, types,
+                   {**constexprs, "H": 64, "HADAMARD": True}, 1)]
 
 
 _ATTN = {"stride_hn": HC * D, "stride_hk": D, "stride_xn": D}
