@@ -500,33 +500,36 @@ class FastAttention(Attention):
         """The compressor step of one token per row (on_x: the projections of its x, dtype: x's): carry the
         token, and store the entry (and index key) of the group it completes at `row` [B] (`StepRows.group`:
         rows completing no group write to the slot's spare row)."""
-        role, r = self.role, self.role.compress_ratio
-        latent = _compressor_step(self.compressor, on_x, "compressor.", dtype, pos, slots, view.carry)
+        role, r, comp, store = self.role, self.role.compress_ratio, self.compressor, view.store
+        pooled = _compressor_pool(comp, on_x, "compressor.", dtype, pos, slots, view.carry)
         first = (pos + 1) // r - 1  # the group this token would complete
         cos, sin = self.rotary.cos_sin(first.clamp(min=0) * r)
-        cos, sin = cos[:, None], sin[:, None]
-        entry = apply_rope(latent[:, None], cos, sin)
-        # V4.1's NVFP4 rounding is the store's own encoding
-        view.store.write(slots, row, (entry if self.is_v41 else self._window_quant(entry))[:, 0])
+        if not self.is_v41 and self.quant_sim and store.fmt == "dense":  # V4's rounding, as its window rows'
+            window_write_rounded(pooled, comp.norm.weight, comp.norm.eps, cos, sin, store.data, slots, row,
+                                 V4_WINDOW_FP8_BLOCK)
+        else:  # V4.1's NVFP4 rounding is the store's own encoding
+            entry = apply_rope(comp.norm(pooled)[:, None], cos[:, None], sin[:, None])[:, 0]
+            store.write(slots, row, entry if self.is_v41 else self._window_quant(entry))
         if role.owns_index_keys:
             ix = self.indexer
             if self.is_v41:
-                k = ix.k_norm(ix.wk(latent))
+                k = ix.k_norm(ix.wk(comp.norm(pooled)))
             else:
-                k = _compressor_step(ix.compressor, on_x, "indexer.compressor.", dtype, pos, slots, view.index_carry)
-            k = apply_rope(k[:, None], cos, sin)[:, 0]
+                k = ix.compressor.norm(_compressor_pool(ix.compressor, on_x, "indexer.compressor.", dtype, pos, slots,
+                                                        view.index_carry))
+            k = apply_rope(k[:, None], cos[:, None], sin[:, None])[:, 0]
             view.index_keys.write(slots, row, k if self.is_v41 or not ix.quant_sim else hadamard(k))
 
 
-def _compressor_step(comp, on_x, name, dtype, pos, slots, carry) -> torch.Tensor:
-    """Compressor.forward for one token per row, on a ring of raw projections (row p % R for position p;
-    R >= 2 * ratio, see SlotState). on_x: the projections of the rows' x, the compressor's under `name`.
+def _compressor_pool(comp, on_x, name, dtype, pos, slots, carry) -> torch.Tensor:
+    """Compressor.forward for one token per row up to its norm, on a ring of raw projections (row p % R for
+    position p; R >= 2 * ratio, see SlotState). on_x: the projections of the rows' x, the compressor's under `name`.
 
-    Returns the normalized latent [B, d] of the group ending at pos (meaningful where (pos + 1) % ratio
-    == 0; elsewhere the caller drops it)."""
+    Returns the pooled latent [B, d] in `dtype` of the group ending at pos (meaningful where (pos + 1) % ratio
+    == 0; elsewhere the caller drops it), which comp.norm then normalizes."""
     r, d = comp.ratio, comp.head_dim
     if r == 1:
-        return comp.norm(on_x[name + "wkv"])
+        return on_x[name + "wkv"]
     kv_ring, score_ring = carry  # [slots, R, coff * d] fp32
     R = kv_ring.shape[1]
     kv, score = on_x[name + "wkv"], on_x[name + "wgate"]
@@ -544,7 +547,7 @@ def _compressor_step(comp, on_x, name, dtype, pos, slots, carry) -> torch.Tensor
         kv = torch.cat((torch.where(has_prev, kv[:, :r, :d], 0.0), kv[:, r:, d:]), dim=1)
         score = torch.cat((torch.where(has_prev, score[:, :r, :d], NEG_INF), score[:, r:, d:]), dim=1)
     pooled = (kv * score.softmax(dim=1)).sum(dim=1)  # [B, d]
-    return comp.norm(pooled.to(dtype))
+    return pooled.to(dtype)
 
 
 def _selected_ids(allowed: torch.Tensor) -> torch.Tensor:

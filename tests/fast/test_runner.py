@@ -521,17 +521,19 @@ def test_a_v41_decode_step_writes_each_layers_window_row_in_one_op(tiny_v41_dir,
     assert calls == []
 
 
-def test_a_v4_decode_step_writes_each_layers_rounded_window_row_in_one_op(tiny_v4_dir, monkeypatch):
+def test_a_v4_decode_step_writes_each_rounded_window_row_and_entry_in_one_op(tiny_v4_dir, monkeypatch):
     """V4's window rows (kv_norm, RoPE, the FP8 round trip of the unrotated channels) go through
-    `dsv4::window_write_rounded`, one call a layer and step; the logits are those of the rows written as before
-    (the op's twin: window_rows, fake_quant_fp8, an index write), up to the norm's fp32 sum order. Without quant_sim
-    the step stores the rows as they are, as before."""
+    `dsv4::window_write_rounded`, one call a layer and step, and so do its compressed entries (the compressor's norm,
+    RoPE at the group's position, the same rounding), one more call a compressing layer; the logits are those of
+    the rows written as before (the op's twin: window_rows, fake_quant_fp8, an index write), up to the norm's fp32
+    sum order. Without quant_sim the step stores the rows as they are, as before."""
     calls = []
     write = model_module.window_write_rounded
     monkeypatch.setattr(model_module, "window_write_rounded", lambda kv, *a: calls.append(kv.shape[0]) or write(kv, *a))
     fast = models(tiny_v4_dir, packed=True)[1]
     fused, fed = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
-    assert len(calls) == 2 * len(fast.layers) and set(calls) == {4}  # 3 sequences in the batch-4 bucket
+    writes = len(fast.layers) + sum(role.owns_compressor for role in fast.config.layer_roles)
+    assert writes > len(fast.layers) and len(calls) == 2 * writes and set(calls) == {4}  # 3 rows, the batch-4 bucket
     monkeypatch.setattr(model_module, "window_write_rounded", window_write_rounded_twin)
     apart, _ = decode_steps(Runner(models(tiny_v4_dir, packed=True)[1], max_seqs=4, max_len=128, compile=False), 2,
                             fed)
