@@ -505,8 +505,8 @@ def launches(prof) -> list[dict]:
     return rows
 
 
-# the kernels that close an mHC site, two a layer (its FFN site's closes it): V4's post, V4.1's post finishing the
-# site's coefficients, or that post with the next site's pass
+# the kernels that close an mHC site, two a layer (its FFN site's closes it): the plain post, V4.1's post finishing
+# the site's coefficients, or the post with the next site's pass (V4.1's) or sums (V4's)
 POST_KERNELS = ("_post_kernel", "_post_finish_kernel", "_post_partial_kernel")
 
 
@@ -557,21 +557,47 @@ def layer_rows(fast, runs: list[list[dict]], layer_bytes: list[int], released: l
             for i, (layer, run, nbytes) in enumerate(zip(fast.layers, runs, layer_bytes))]
 
 
+def profiler_activities(device: torch.device) -> list:
+    """What torch.profiler records on `device`: CPU ops, and CUDA kernels on a GPU."""
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+
 def profile_step(runner, ids: torch.Tensor, slots: list[int]):
-    """torch.profiler over one decode step of `slots` (CPU ops, and CUDA kernels on a GPU) run outside its graph, by
-    the runner's step function (compiled where the runner compiles), after one step unprofiled."""
-    from torch.profiler import ProfilerActivity, profile
+    """torch.profiler over one decode step of `slots` (`profiler_activities`) run outside its graph, by the runner's
+    step function (compiled where the runner compiles), after one step unprofiled."""
+    from torch.profiler import profile
 
     device = runner.state.device
     slot_ids = torch.tensor(slots, device=device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.inference_mode():
         runner.step(ids, slot_ids, runner.state)
-        with profile(activities=activities) as prof:
+        with profile(activities=profiler_activities(device)) as prof:
             runner.step(ids, slot_ids, runner.state)
             if device.type == "cuda":
                 torch.cuda.synchronize()
     return prof
+
+
+def print_breakdown(by_layer: dict | None, bw: float, how: str) -> None:
+    """`layer_breakdown`'s lines: each layer's kind, time (`how` they were timed), bytes and share of the copy rate
+    `bw`, then the step at the released depth by kind."""
+    if by_layer is None:
+        print("by layer: not measured (batch 1 only, where the launches split into the layers at their mHC posts)")
+        return
+    print(f"by layer ({how}; entry and exit {by_layer['outside_us']:.1f} us):")
+    for r in by_layer["layers"]:
+        print(f"  layer {r['layer']} (released {r['released']}, {r['kind']}): {r['us']:7.1f} us, {r['launches']} "
+              f"launches, {r['bytes'] / 1e6:.1f} MB: {r['bytes'] / bw / (r['us'] * 1e-6):.2%} of the copy rate")
+    est = by_layer["estimate"]
+    if "missing_kinds" in est:
+        print(f"released depth: not estimated, no layer of kinds {est['missing_kinds']} measured (--layers 6 measures "
+              "every V4.1 kind, 4 every V4 kind)")
+    else:
+        print(f"released depth ({est['layers']} layers by kind, Engram left out): {est['step_ms']:.3f} ms a step for "
+              f"{est['bytes'] / 1e9:.2f} GB, floor {est['floor_ms']:.3f} ms: {est['roofline']:.1%} of the roofline",
+              flush=True)
 
 
 def released_estimate(arch: str, layers: list[dict], outside_us: float, outside_bytes: int, bw: float) -> dict:

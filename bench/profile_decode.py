@@ -59,7 +59,9 @@ from full_width import (  # noqa: E402
     launches,
     layer_breakdown,
     prefill_chunks,
+    print_breakdown,
     profile_step,
+    profiler_activities,
     random_ids,
 )
 
@@ -114,24 +116,6 @@ def by_op(rows: list[dict]) -> list[dict]:
         calls[group] += 1
     return sorted(({"op": g, "launches": calls[g], "us": total[g], "own_us": own[g]} for g in total),
                   key=lambda r: -r["us"])
-
-
-def print_layers(result: dict) -> None:
-    """The step's layers (kind, time alone, bytes, rate) and the estimate at the released depth."""
-    by_layer = result["by_layer"]
-    if by_layer is None:
-        print("by layer: batch 1 only, where the launches split into the layers at their mHC posts")
-        return
-    print(f"by layer (kernels alone; entry and exit {by_layer['outside_us']:.1f} us):")
-    for r in by_layer["layers"]:
-        print(f"  layer {r['layer']} (released {r['released']}, {r['kind']}): {r['us']:7.1f} us, {r['launches']} "
-              f"launches, {r['bytes'] / 1e6:.1f} MB: {r['bytes'] / r['us'] / 1e6:.2f} TB/s")
-    est = by_layer["estimate"]
-    if "missing_kinds" in est:
-        print(f"released depth: not estimated, no layer of kinds {est['missing_kinds']} measured")
-    else:
-        print(f"released depth ({est['layers']} layers by kind, Engram left out): {est['step_ms']:.3f} ms a step for "
-              f"{est['bytes'] / 1e9:.2f} GB, floor {est['floor_ms']:.3f} ms: {100 * est['roofline']:.1f}% of the roofline")
 
 
 # what the prefill's table by module times, per layer: (attribute path from the block, methods; "" = its forward)
@@ -197,8 +181,7 @@ def profile_prefill(runner, device, context: int) -> dict:
         cold_prefill(runner, ids, ARGS.prefill_chunk)
 
     ms = common.timed(run, device) * 1e3
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=profiler_activities(device)) as prof:
         run()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -267,7 +250,7 @@ def main():
         print(f"own times: the graph replay's {len(unmatched)} kernels did not line up with the {len(steps)} launches; "
               f"not computed (unmatched_replay_kernels in the JSON). Only in the replay: "
               f"{sorted(set(unmatched) - names)[:8]}; only launched: {sorted(names - set(unmatched))[:8]}")
-    print_layers(result)
+    print_breakdown(result["by_layer"], bw, "kernels alone")
     print("the step by the ops that launched its kernels (us alone, own us in the graph replay):")
     for r in result["by_op"]:
         print(f"{r['us']:9.1f} {r['own_us']:9.1f} us {r['launches']:4d}x  {r['op']}")

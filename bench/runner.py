@@ -56,6 +56,7 @@ from full_width import (  # noqa: E402
     fill_slots,
     launches,
     layer_breakdown,
+    print_breakdown,
     profile_step,
     random_ids,
     released_depth,
@@ -212,21 +213,7 @@ def print_fast(result: dict) -> None:
     print(f"per layer: {wm['layer_ms']:.3f} ms for {wm['layer_bytes'] / 1e6:.1f} MB ({wm['layer_fraction']:.2%} of the "
           f"copy rate); head {wm['head_ms']:.3f} ms; {wm['layers']} layers: {wm['step_ms']:.2f} ms/step, "
           f"{wm['tokens_per_s']:.0f} tok/s, roofline {wm['fraction_at_batch1']:.2%}", flush=True)
-    by_kind, bw = result.get("released_by_kind"), rf["copy_bandwidth_Bps"]
-    if by_kind is None:
-        print("by layer kind: not measured (the profiled step's launches did not split into the layers)")
-        return
-    for r in by_kind["layers"]:
-        print(f"  layer {r['layer']} (released {r['released']}, {r['kind']}): {r['us']:.1f} us for "
-              f"{r['bytes'] / 1e6:.1f} MB ({r['bytes'] / bw / (r['us'] * 1e-6):.2%} of the copy rate)")
-    est = by_kind["estimate"]
-    if "missing_kinds" in est:
-        print(f"{released_depth(ARGS.arch)} layers by kind: no layer of {est['missing_kinds']} measured (--layers 6 "
-              "measures every V4.1 kind, 4 every V4 kind)")
-    else:
-        print(f"{est['layers']} layers by kind (Engram lookups left out): {est['step_ms']:.2f} ms/step, roofline "
-              f"{est['roofline']:.2%}", flush=True)
-
+    print_breakdown(result.get("released_by_kind"), rf["copy_bandwidth_Bps"], "kernels scaled to the graph step")
 
 def main():
     if ARGS.replot:
