@@ -433,11 +433,16 @@ class FastAttention(Attention):
         if self.is_v41 and window.fmt == "fp8":
             window_write(kv, norm.weight, norm.eps, cos, sin, window.data, window.scale, slots, ring, window.block)
             return
-        if not self.is_v41 and self.quant_sim and window.fmt == "dense":  # V4's rounding (`_window_quant`)
+        if self._rounds_v4_rows(window):
             window_write_rounded(kv, norm.weight, norm.eps, cos, sin, window.data, slots, ring, V4_WINDOW_FP8_BLOCK)
             return
         kv = window_rows(kv, norm.weight, norm.eps, cos, sin)  # [B, Dh]
         window.write(slots, ring, kv if self.is_v41 else self._window_quant(kv))
+
+    def _rounds_v4_rows(self, rows: Rows) -> bool:
+        """Whether rows written to `rows` take V4's rounding (`_window_quant`) in `dsv4::window_write_rounded`: a V4
+        window or compressed store, dense, with quant_sim on."""
+        return not self.is_v41 and self.quant_sim and rows.fmt == "dense"
 
     def _output_decode(self, o: torch.Tensor) -> torch.Tensor:
         """`_output` of one token a row, o [B, H, Dh] -> [B, D]; at batch 1 from wo_a's and wo_b's FP8 copies."""
@@ -504,7 +509,7 @@ class FastAttention(Attention):
         pooled = _compressor_pool(comp, on_x, "compressor.", dtype, pos, slots, view.carry)
         first = (pos + 1) // r - 1  # the group this token would complete
         cos, sin = self.rotary.cos_sin(first.clamp(min=0) * r)
-        if not self.is_v41 and self.quant_sim and store.fmt == "dense":  # V4's rounding, as its window rows'
+        if self._rounds_v4_rows(store):
             window_write_rounded(pooled, comp.norm.weight, comp.norm.eps, cos, sin, store.data, slots, row,
                                  V4_WINDOW_FP8_BLOCK)
         else:  # V4.1's NVFP4 rounding is the store's own encoding

@@ -29,6 +29,12 @@ from dsv4.reference.rope import Rotary, apply_rope
 V4_WINDOW_FP8_BLOCK = 64  # V4's window (and compressed) rows: FP8 in blocks of 64 on the channels RoPE leaves alone
 
 
+def round_unrotated(kv: torch.Tensor, rope_dim: int, block: int, fake_fp8=fake_quant_fp8) -> torch.Tensor:
+    """V4's rows [..., D] with the D - rope_dim channels RoPE leaves alone through an FP8 round trip (`fake_fp8`, 1 x
+    block blocks), the rotated ones as they are."""
+    return torch.cat((fake_fp8(kv[..., :-rope_dim], block), kv[..., -rope_dim:]), dim=-1)
+
+
 @dataclass
 class SharedKV:
     """Per-query selections index layers hand to later layers within one forward pass.
@@ -119,8 +125,7 @@ class Attention(nn.Module):
             return kv
         if self.is_v41:
             return self._fake_fp8(kv, 32)
-        rd = self.rope_dim
-        return torch.cat((self._fake_fp8(kv[..., :-rd], V4_WINDOW_FP8_BLOCK), kv[..., -rd:]), dim=-1)
+        return round_unrotated(kv, self.rope_dim, V4_WINDOW_FP8_BLOCK, self._fake_fp8)
 
     def _compressed_quant(self, kv: torch.Tensor) -> torch.Tensor:
         """V4: as the window; V4.1: e2m1 with an e4m3 scale per 16, after RoPE."""

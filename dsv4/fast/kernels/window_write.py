@@ -27,7 +27,7 @@ from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.engram import _e4m3_to_f32
 from dsv4.fast.kernels.quant import _check_write, _fp8_blocks, _widen, quant_write
 from dsv4.fast.kernels.rope import rotate_pairs, rounded
-from dsv4.quant import fake_quant_fp8
+from dsv4.reference.attention import round_unrotated
 from dsv4.reference.linear import rms_norm
 from dsv4.reference.rope import apply_rope
 
@@ -45,11 +45,8 @@ def window_write_twin(kv, weight, eps: float, cos, sin, data, scale, slots, rows
 
 
 def window_write_rounded_twin(kv, weight, eps: float, cos, sin, data, slots, rows, block: int) -> None:
-    """`window_rows` with the unrotated channels through `fake_quant_fp8`, stored in data's dtype."""
-    x = window_rows(kv, weight, eps, cos, sin)
-    R = 2 * cos.shape[1]
-    data[slots, rows] = torch.cat((fake_quant_fp8(x[:, : x.shape[1] - R], block), x[:, x.shape[1] - R :]),
-                                  dim=1).to(data.dtype)
+    """`window_rows` through the reference's `round_unrotated`, stored in data's dtype."""
+    data[slots, rows] = round_unrotated(window_rows(kv, weight, eps, cos, sin), 2 * cos.shape[1], block).to(data.dtype)
 
 
 @triton.jit
