@@ -315,15 +315,23 @@ def quant_kernels() -> list[Kernel]:
 
 
 def window_write_kernels() -> list[Kernel]:
-    """V4.1's window row of one bf16 token (kv_norm, RoPE, FP8 into the window store), and V4's (the unrotated
-    channels' FP8 round trip in blocks of 64, stored as bf16)."""
+    """The cache rows of one bf16 token (norm, RoPE, encoding into the store): V4.1's window row (FP8), compressed
+    entry (NVFP4) and index key (MXFP4); V4's window row (the unrotated channels' FP8 round trip in blocks of 64,
+    stored as bf16) and index key (the Hadamard transform, then MXFP4)."""
     types = {"kv_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "slot_ptr": "*i64",
              "row_ptr": "*i64", "eps": "fp32"}
-    constexprs = {"D": DH, "R": ROPE, "BLOCK": 32, "BF16": True, "ROUNDED": False, "INTERP": False, "PDL": True}
+    constexprs = {"D": DH, "R": ROPE, "BLOCK": 32, "BF16": True, "FMT": quant.FORMAT_CODES["fp8"], "ROUNDED": False,
+                  "HADAMARD": False, "LOG_D": DH.bit_length() - 1, "INTERP": False, "PDL": True}
+    key = {"D": INDEX_DH, "LOG_D": INDEX_DH.bit_length() - 1, "FMT": quant.FORMAT_CODES["mxfp4"]}
     return [Kernel("window write", window_write._window_write_kernel, types, constexprs, 2),
+            Kernel("window write nvfp4 entry", window_write._window_write_kernel, types,
+                   {**constexprs, "BLOCK": 16, "FMT": quant.FORMAT_CODES["nvfp4"]}, 2),
+            Kernel("window write mxfp4 index key", window_write._window_write_kernel, types, {**constexprs, **key}, 2),
             Kernel("window write rounded (V4)", window_write._window_write_kernel,
                    {**types, "q_ptr": "*bf16", "s_ptr": "*bf16"},
-                   {**constexprs, "BLOCK": 64, "ROUNDED": True}, 2)]
+                   {**constexprs, "BLOCK": 64, "ROUNDED": True}, 2),
+            Kernel("window write hadamard index key (V4)", window_write._window_write_kernel, types,
+                   {**constexprs, **key, "HADAMARD": True}, 2)]
 
 
 def indexer_query_kernels() -> list[Kernel]:

@@ -76,11 +76,11 @@ from dsv4.fast.kernels.window_write import window_rows, window_write, window_wri
 from dsv4.quant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
 from dsv4.reference.attention import V4_WINDOW_FP8_BLOCK, Attention, SharedKV
 from dsv4.reference.indexer import Indexer, hadamard, index_scores
-from dsv4.reference.linear import Linear
+from dsv4.reference.linear import Linear, RMSNorm
 from dsv4.reference.mhc import hc_collapse, hc_head_pre
 from dsv4.reference.model import Block, Dsv4Model
 from dsv4.reference.moe import MoE
-from dsv4.reference.rope import Rotary, apply_rope
+from dsv4.reference.rope import Rotary
 
 NEG_INF = float("-inf")
 
@@ -425,19 +425,23 @@ class FastAttention(Attention):
         return self._output_decode(o.to(x.dtype)), picks, pool
 
     def _window_decode(self, kv, cos, sin, slots, ring, window: Rows) -> None:
-        """wkv's output kv [B, Dh] normed, rotated and stored at the rows' window places (`ring`). V4.1's FP8
-        rounding (blocks of 32 over the whole row) is the window store's own encoding, so a packed V4.1 window
-        takes the three in one kernel (`dsv4::window_write`, the same rows); V4's rounding (an FP8 round trip of the
-        unrotated channels) into its dense window likewise (`dsv4::window_write_rounded`)."""
-        norm = self.kv_norm
-        if self.is_v41 and window.fmt == "fp8":
-            window_write(kv, norm.weight, norm.eps, cos, sin, window.data, window.scale, slots, ring, window.block)
-            return
-        if self._rounds_v4_rows(window):
-            window_write_rounded(kv, norm.weight, norm.eps, cos, sin, window.data, slots, ring, V4_WINDOW_FP8_BLOCK)
-            return
-        kv = window_rows(kv, norm.weight, norm.eps, cos, sin)  # [B, Dh]
-        window.write(slots, ring, kv if self.is_v41 else self._window_quant(kv))
+        """wkv's output kv [B, Dh] normed, rotated and stored at the rows' window places (`ring`)."""
+        self._write_kv_rows(kv, self.kv_norm, cos, sin, slots, ring, window)
+
+    def _write_kv_rows(self, kv, norm: RMSNorm, cos, sin, slots, places, rows: Rows) -> None:
+        """Window rows or compressed entries kv [B, Dh] (wkv's output, a compressor's pooled latent) normed by
+        `norm`, rotated at cos, sin [B, R/2] and stored at (slots, places) of `rows`. V4.1's rounding is a packed
+        store's own encoding (the window's FP8, the entries' NVFP4): the three in one kernel (`dsv4::window_write`);
+        V4's (an FP8 round trip of the unrotated channels, `_window_quant`) into its dense stores likewise
+        (`dsv4::window_write_rounded`)."""
+        if self.is_v41 and rows.scale is not None:
+            window_write(kv, norm.weight, norm.eps, cos, sin, rows.data, rows.scale, slots, places, rows.block,
+                         rows.fmt)
+        elif self._rounds_v4_rows(rows):
+            window_write_rounded(kv, norm.weight, norm.eps, cos, sin, rows.data, slots, places, V4_WINDOW_FP8_BLOCK)
+        else:
+            kv = window_rows(kv, norm.weight, norm.eps, cos, sin)  # [B, Dh]
+            rows.write(slots, places, kv if self.is_v41 else self._window_quant(kv))
 
     def _rounds_v4_rows(self, rows: Rows) -> bool:
         """Whether rows written to `rows` take V4's rounding (`_window_quant`) in `dsv4::window_write_rounded`: a V4
@@ -509,21 +513,21 @@ class FastAttention(Attention):
         pooled = _compressor_pool(comp, on_x, "compressor.", dtype, pos, slots, view.carry)
         first = (pos + 1) // r - 1  # the group this token would complete
         cos, sin = self.rotary.cos_sin(first.clamp(min=0) * r)
-        if self._rounds_v4_rows(store):
-            window_write_rounded(pooled, comp.norm.weight, comp.norm.eps, cos, sin, store.data, slots, row,
-                                 V4_WINDOW_FP8_BLOCK)
-        else:  # V4.1's NVFP4 rounding is the store's own encoding
-            entry = apply_rope(comp.norm(pooled)[:, None], cos[:, None], sin[:, None])[:, 0]
-            store.write(slots, row, entry if self.is_v41 else self._window_quant(entry))
+        self._write_kv_rows(pooled, comp.norm, cos, sin, slots, row, store)
         if role.owns_index_keys:
-            ix = self.indexer
+            ix, keys = self.indexer, view.index_keys
             if self.is_v41:
-                k = ix.k_norm(ix.wk(comp.norm(pooled)))
+                k, norm = ix.wk(comp.norm(pooled)), ix.k_norm
             else:
-                k = ix.compressor.norm(_compressor_pool(ix.compressor, on_x, "indexer.compressor.", dtype, pos, slots,
-                                                        view.index_carry))
-            k = apply_rope(k[:, None], cos[:, None], sin[:, None])[:, 0]
-            view.index_keys.write(slots, row, k if self.is_v41 or not ix.quant_sim else hadamard(k))
+                k = _compressor_pool(ix.compressor, on_x, "indexer.compressor.", dtype, pos, slots, view.index_carry)
+                norm = ix.compressor.norm
+            transform = not self.is_v41 and ix.quant_sim  # V4's Hadamard rotation of the keys
+            if keys.scale is not None:  # MXFP4: the norm, RoPE, the transform and the encoding in one kernel
+                window_write(k, norm.weight, norm.eps, cos, sin, keys.data, keys.scale, slots, row, keys.block,
+                             keys.fmt, transform)
+            else:
+                k = window_rows(k, norm.weight, norm.eps, cos, sin)
+                keys.write(slots, row, hadamard(k) if transform else k)
 
 
 def _compressor_pool(comp, on_x, name, dtype, pos, slots, carry) -> torch.Tensor:

@@ -26,7 +26,7 @@ from dsv4.fast import engram_prefetch
 from dsv4.fast import model as model_module
 from dsv4.fast.engram_prefetch import HostEngramEmbedding, keep_engram_on_host
 from dsv4.fast.kernels.indexer_query import indexer_query_twin
-from dsv4.fast.kernels.window_write import window_write_rounded_twin
+from dsv4.fast.kernels.window_write import window_write_rounded_twin, window_write_twin
 from dsv4.fast.model import FastIndexer, FastLinear, Fp8Copy, compile_options, make_fast
 from dsv4.fast.runner import OutOfSlots, Runner, write_padded
 from dsv4.quant import dequantize_fp8
@@ -507,17 +507,34 @@ def test_a_v4_decode_step_takes_each_sites_partial_sums_in_the_post_before_it(ti
     assert (paired - apart).abs().max() <= 1e-5 * apart.abs().max()
 
 
-def test_a_v41_decode_step_writes_each_layers_window_row_in_one_op(tiny_v41_dir, monkeypatch):
-    """V4.1's packed window rows (kv_norm, RoPE, FP8) go through `dsv4::window_write`, one call a layer and step
-    holding every row of the (padded) batch; without packed formats (a dense window) the step stores them as before."""
+def test_a_decode_step_writes_each_packed_row_in_one_op(arch_dir, monkeypatch):
+    """A packed store's rows go through `dsv4::window_write`, one call a store and step holding every row of the
+    (padded) batch: V4.1's window rows (kv_norm, RoPE, FP8) in every layer, its compressed entries (NVFP4) where a
+    layer compresses, and both architectures' index keys (MXFP4; V4's Hadamard-transformed) where a layer makes them.
+    The logits are those of the rows written as before (the op's twin: window_rows, the reference's hadamard,
+    quant_write), up to the norm's fp32 sum order. Without packed formats the step stores the rows as before."""
     calls = []
     write = model_module.window_write
-    monkeypatch.setattr(model_module, "window_write", lambda kv, *a: calls.append(kv.shape[0]) or write(kv, *a))
-    fast = models(tiny_v41_dir, packed=True)[1]
-    decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
-    assert len(calls) == 2 * len(fast.layers) and set(calls) == {4}  # 3 sequences in the batch-4 bucket
+
+    def counted(kv, *args):  # (rows, format, transformed)
+        calls.append((kv.shape[0], *(args[9:] + ("fp8", False)[len(args) - 9:])))
+        write(kv, *args)
+
+    monkeypatch.setattr(model_module, "window_write", counted)
+    fast = models(arch_dir, packed=True)[1]
+    fused, fed = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
+    roles, v41 = fast.config.layer_roles, fast.config.is_v41
+    want = Counter({(4, "mxfp4", not v41): 2 * sum(role.owns_index_keys for role in roles)})  # the batch-4 bucket
+    if v41:
+        want[4, "fp8", False] = 2 * len(roles)
+        want[4, "nvfp4", False] = 2 * sum(role.owns_compressor for role in roles)
+    assert min(want.values()) > 0 and Counter(calls) == want
+    monkeypatch.setattr(model_module, "window_write", window_write_twin)
+    apart, _ = decode_steps(Runner(models(arch_dir, packed=True)[1], max_seqs=4, max_len=128, compile=False), 2, fed)
+    assert (fused - apart).abs().max() <= 1e-5 * apart.abs().max()  # as the mHC pairing's test above
+    monkeypatch.setattr(model_module, "window_write", counted)
     calls.clear()
-    decode_steps(Runner(models(tiny_v41_dir, packed=False)[1], max_seqs=4, max_len=128, compile=False), 1)
+    decode_steps(Runner(models(arch_dir, packed=False)[1], max_seqs=4, max_len=128, compile=False), 1)
     assert calls == []
 
 

@@ -1,6 +1,7 @@
-"""dsv4.fast.kernels.window_write against its twin (rms_norm, apply_rope, quant_write): the same bytes where the
-row's mean square is exact, one FP8 code at most elsewhere (the only difference is the order of its sum); and V4's
-window_write_rounded against its twin (the unrotated channels through fake_quant_fp8) the same way.
+"""dsv4.fast.kernels.window_write against its twin (rms_norm, apply_rope, V4's keys' hadamard, quant_write) in every
+store format: the same bytes where the row's mean square is exact, one code at most elsewhere (the only difference is
+the order of its sum); and V4's window_write_rounded against its twin (the unrotated channels through fake_quant_fp8)
+the same way.
 
 On CPU the kernel runs under the Triton interpreter (TRITON_INTERPRET=1, as the test session sets it)."""
 
@@ -45,28 +46,35 @@ def case(seed: int, n: int, width: int, rope: int, exact: bool, dtype=torch.bflo
     return [t.to(DEVICE) for t in tensors]
 
 
-def stores(width: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """An FP8 row store (codes, scales) filled with a marker byte, to show which rows a write touched."""
-    return (torch.full((SLOTS, SLOT_ROWS, width), 0x5A, dtype=torch.uint8, device=DEVICE),
+def stores(width: int, block: int, fmt: str = "fp8") -> tuple[torch.Tensor, torch.Tensor]:
+    """A row store in `fmt` (codes, scales) filled with a marker byte, to show which rows a write touched."""
+    codes = width if fmt == "fp8" else width // 2
+    return (torch.full((SLOTS, SLOT_ROWS, codes), 0x5A, dtype=torch.uint8, device=DEVICE),
             torch.full((SLOTS, SLOT_ROWS, width // block), 0x5A, dtype=torch.uint8, device=DEVICE))
 
 
-def both(kv, weight, cos, sin, slots, rows, block: int):
+def both(kv, weight, cos, sin, slots, rows, block: int, fmt: str = "fp8", hadamard: bool = False):
     """(kernel's store, twin's store) after writing the rows."""
-    got, want = stores(kv.shape[1], block), stores(kv.shape[1], block)
-    window_write(kv, weight, 1e-6, cos, sin, *got, slots, rows, block)
-    window_write_twin(kv, weight, 1e-6, cos, sin, *want, slots, rows, block)
+    got, want = stores(kv.shape[1], block, fmt), stores(kv.shape[1], block, fmt)
+    window_write(kv, weight, 1e-6, cos, sin, *got, slots, rows, block, fmt, hadamard)
+    window_write_twin(kv, weight, 1e-6, cos, sin, *want, slots, rows, block, fmt, hadamard)
     return got, want
 
 
-@settings(max_examples=20, deadline=None)
+# (format, block, Hadamard transform): V4.1's window rows, compressed entries and index keys, V4's index keys
+STORES = [("fp8", 32, False), ("fp8", 64, False), ("nvfp4", 16, False), ("mxfp4", 32, False), ("mxfp4", 32, True)]
+
+
+@settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 4),
-       shape=st.sampled_from([(64, 16, 32), (128, 32, 32), (512, 64, 32), (256, 64, 64)]), fp32=st.booleans())
-def test_a_row_with_an_exact_mean_square_gets_the_twins_bytes(seed, n, shape, fp32):
-    width, rope, block = shape
+       shape=st.sampled_from([(64, 16), (128, 32), (512, 64), (256, 64), (128, 64)]), store=st.sampled_from(STORES),
+       fp32=st.booleans())
+def test_a_row_with_an_exact_mean_square_gets_the_twins_bytes(seed, n, shape, store, fp32):
+    width, rope = shape
+    fmt, block, hadamard = store
     kv, weight, cos, sin, slots, rows = case(seed, n, width, rope, exact=True,
                                              dtype=torch.float32 if fp32 else torch.bfloat16)
-    (codes, scales), (want_codes, want_scales) = both(kv, weight, cos, sin, slots, rows, block)
+    (codes, scales), (want_codes, want_scales) = both(kv, weight, cos, sin, slots, rows, block, fmt, hadamard)
     assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
 
 
@@ -82,6 +90,22 @@ def test_any_row_is_within_one_fp8_code_of_the_twins(seed, n):
     steps = (codes & 0x7F).int() - (want_codes & 0x7F).int()
     assert ((steps.abs() <= 1) & ((sign == want_sign) | ((codes & 0x7F) == 0))).all()
     assert (steps != 0).float().mean() < 0.01  # a rare tie, not a systematic difference
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 4), store=st.sampled_from(STORES[2:]))
+def test_any_fp4_row_is_within_one_code_of_the_twins(seed, n, store):
+    """V4.1's compressed entries (512 channels, NVFP4) and index keys (128, MXFP4), V4's keys (the Hadamard transform
+    first) from random values: a value one bf16 step off moves its e2m1 code by one at most, and rarely."""
+    fmt, block, hadamard = store
+    width = 512 if fmt == "nvfp4" else 128
+    kv, weight, cos, sin, slots, rows = case(seed, n, width, 64, exact=False)
+    (codes, scales), (want_codes, want_scales) = both(kv, weight, cos, sin, slots, rows, block, fmt, hadamard)
+    assert torch.equal(scales, want_scales)
+    nibbles = [torch.stack((c & 15, c >> 4), -1).int() for c in (codes, want_codes)]
+    magnitude, want_magnitude = (t & 7 for t in nibbles)
+    assert ((magnitude - want_magnitude).abs() <= 1).all()
+    assert (nibbles[0] != nibbles[1]).float().mean() < 0.01
 
 
 def test_only_the_rows_given_are_written():
@@ -106,6 +130,10 @@ def test_bad_arguments_fail_clearly():
         window_write(kv, weight, 1e-6, cos, sin, data[..., :64], scale, slots, rows, 32)
     with pytest.raises(ValueError, match="slots and rows"):
         window_write(kv, weight, 1e-6, cos, sin, data, scale, slots.float(), rows, 32)
+    with pytest.raises(ValueError, match=r"data must be contiguous uint8 \[slots, rows, 64\]"):
+        window_write(kv, weight, 1e-6, cos, sin, data, scale, slots, rows, 32, "mxfp4")
+    with pytest.raises(ValueError, match="unknown format"):
+        window_write(kv, weight, 1e-6, cos, sin, data, scale, slots, rows, 32, "fp6")
 
 
 def rounded_both(kv, weight, cos, sin, slots, rows, block: int):

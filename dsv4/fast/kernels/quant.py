@@ -111,6 +111,25 @@ def _fp8_blocks(x, amax):
 
 
 @triton.jit
+def _fp4_blocks(x, amax, FMT: tl.constexpr):
+    """Blocks x [rows, cols] (cols even) with their absolute maxima amax [rows] -> (e2m1 codes packed in pairs,
+    even | odd << 4, uint8 [rows, cols / 2]; scale bytes int32 [rows]): `dsv4.quant.quantize_mxfp4`'s (FMT 1, ue8m0
+    scales) or `quantize_nvfp4`'s (FMT 2, e4m3 scales of amax / 6)."""
+    if FMT == 1:
+        log2s, inv = _ue8m0(tl.maximum(amax, 6.0 * 2.0**-126), 1.0 / 6.0)
+        y = x * inv[:, None]
+        scale = log2s + 127
+    else:
+        sb = tl.math.div_rn(tl.maximum(amax, 6.0 * 2.0**-9), tl.full(amax.shape, 6.0, tl.float32))
+        scale = _e4m3_code(tl.minimum(sb, 448.0))
+        eff = tl.broadcast_to(_e4m3_value(scale)[:, None], x.shape)
+        y = tl.math.div_rn(x, eff)
+    codes = _e2m1_code(tl.minimum(tl.maximum(y, -6.0), 6.0))
+    even, odd = tl.split(tl.reshape(codes, [x.shape[0], x.shape[1] // 2, 2]))
+    return (even | (odd << 4)).to(tl.uint8), scale
+
+
+@triton.jit
 def _quant_kernel(
     x_ptr, q_ptr, s_ptr, slot_ptr, row_ptr, n_blocks, row_blocks, slot_rows,
     FMT: tl.constexpr, BLOCK: tl.constexpr, HALF_P2: tl.constexpr, ROWS: tl.constexpr, SCATTER: tl.constexpr,
@@ -136,20 +155,10 @@ def _quant_kernel(
         codes, scale = _fp8_blocks(x, amax)
         tl.store(q_ptr + out[:, None] * BLOCK + col, codes, mask=mask)
     else:
-        if FMT == 1:  # MXFP4: ue8m0 scale
-            log2s, inv = _ue8m0(tl.maximum(amax, 6.0 * 2.0**-126), 1.0 / 6.0)
-            y = x * inv[:, None]
-            scale = log2s + 127
-        else:  # NVFP4: e4m3 scale = e4m3(amax / 6)
-            sb = tl.math.div_rn(tl.maximum(amax, 6.0 * 2.0**-9), tl.full([ROWS], 6.0, tl.float32))
-            scale = _e4m3_code(tl.minimum(sb, 448.0))
-            eff = tl.broadcast_to(_e4m3_value(scale)[:, None], x.shape)
-            y = tl.math.div_rn(x, eff)
-        codes = _e2m1_code(tl.minimum(tl.maximum(y, -6.0), 6.0))
-        even, odd = tl.split(tl.reshape(codes, [ROWS, HALF_P2, 2]))  # [ROWS, HALF_P2]
+        packed, scale = _fp4_blocks(x, amax, FMT)  # [ROWS, HALF_P2]
         pair = tl.arange(0, HALF_P2)
         pmask = live[:, None] & (pair[None, :] < BLOCK // 2)
-        tl.store(q_ptr + out[:, None] * (BLOCK // 2) + pair[None, :], (even | (odd << 4)).to(tl.uint8), mask=pmask)
+        tl.store(q_ptr + out[:, None] * (BLOCK // 2) + pair[None, :], packed, mask=pmask)
     tl.store(s_ptr + out, scale.to(tl.uint8), mask=live)
 
 
