@@ -158,8 +158,7 @@ def tile_sweep(W, sets, path: str, configs: list[dict], reps: int, device: str) 
     gather path at one token as the batch-1 decode step runs it (the slots from the planes, the shared expert's FP8
     rows)."""
     times = {}
-    for key in configs:
-        cfg = {"BKD": None, **key}  # the down kernel's K step the up kernel's unless the entry sets its own
+    for cfg in configs:
         if path == "gather" and sets[0]["x"].shape[0] == 1:
             calls = [lambda s=s, c=cfg: M._gather(s["x"], s["planes"], s["ids"], s["wts"], W["w13"], W["s13"],
                                                   W["w2"], W["s2"], W["sh13"], W["sh2"], LIMIT, True,
@@ -168,7 +167,7 @@ def tile_sweep(W, sets, path: str, configs: list[dict], reps: int, device: str) 
         else:
             calls = [lambda s=s, c=cfg: M.moe_triton(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"],
                                                      W["s2"], LIMIT, W["sh13"], W["sh2"], path, c) for s in sets]
-        times["_".join(f"{KEY_NAMES.get(k, k)}{v}" for k, v in key.items())] = time_calls(calls, reps, True, device)
+        times["_".join(f"{KEY_NAMES.get(k, k)}{v}" for k, v in cfg.items())] = time_calls(calls, reps, True, device)
     return times
 
 

@@ -796,12 +796,10 @@ def _cfg(x, N, path):
     # tried; the batch-1 step 1.312 -> 1.275 ms), the same in 4 warps above. Then on the H100 (session 42,
     # dev/moe_experts-318eddd-h100-s42.json): at one token 512-wide K steps, 64.2 us against 68.5 (its up grid is
     # under one wave, so only a program's bytes in flight can grow; at two tokens 142.7 against 135.1), and at 8 and
-    # 16 tokens 32 down rows a program, 467.7 / 903.8 us against 507.0 / 979.8. The down kernel keeps 256-wide K
-    # steps (BKD): V4.1's I = 2304 is 9 x 256, and a 512-wide step does not divide it (4.5), which sends the down
-    # loop down its masked path (`_even_k`)
+    # 16 tokens 32 down rows a program, 467.7 / 903.8 us against 507.0 / 979.8
     BI, BD, BK, warps = (16, 16 if N <= 2 else 32, 512 if N == 1 else 256, 2 if N <= 2 else 4)
-    return {"BI": BI, "BK": BK, "BKD": 256, "BD": BD, "BM": None, "BN": 64, "BKG": 64, "gather_warps": warps,
-            "gather_stages": 2, "warps": 4, "stages": 3}
+    return {"BI": BI, "BK": BK, "BD": BD, "BM": None, "BN": 64, "BKG": 64, "gather_warps": warps, "gather_stages": 2,
+            "warps": 4, "stages": 3}
 
 
 def _operands(x, w13, s13, w2, s2, shared13, shared2):
