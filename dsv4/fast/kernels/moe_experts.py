@@ -796,7 +796,9 @@ def _cfg(x, N, path):
     # tried; the batch-1 step 1.312 -> 1.275 ms), the same in 4 warps above. Then on the H100 (session 42,
     # dev/moe_experts-318eddd-h100-s42.json): at one token 512-wide K steps, 64.2 us against 68.5 (its up grid is
     # under one wave, so only a program's bytes in flight can grow; at two tokens 142.7 against 135.1), and at 8 and
-    # 16 tokens 32 down rows a program, 467.7 / 903.8 us against 507.0 / 979.8
+    # 16 tokens 32 down rows a program, 467.7 / 903.8 us against 507.0 / 979.8. At one token the down kernel's 512
+    # steps do not divide V4.1's I = 2304 (its masked path), yet 256-wide ones (9 a row, unmasked) were slower: 63.3
+    # against 62.3 us, the 6-layer step 1.629 against 1.596 ms (H100, session 46)
     BI, BD, BK, warps = (16, 16 if N <= 2 else 32, 512 if N == 1 else 256, 2 if N <= 2 else 4)
     return {"BI": BI, "BK": BK, "BD": BD, "BM": None, "BN": 64, "BKG": 64, "gather_warps": warps, "gather_stages": 2,
             "warps": 4, "stages": 3}
