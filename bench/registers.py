@@ -246,14 +246,17 @@ def dense_gemv_kernels() -> list[Kernel]:
 
 def fp8_gemv_kernels() -> list[Kernel]:
     """The attention's FP8 GEMVs at one row (`FP8_GEMV_SHAPES`): wq_b with the indexer's, wo_a, wo_b, and wq_a
-    with wkv (a layer without an indexer)."""
+    with wkv (a layer without an indexer); those on x and on the query latent with their RMSNorm in the kernel, as
+    the step launches them."""
     out = []
     for name, N, K, groups in FP8_GEMV_SHAPES:
         BN, BK, stages, warps = fp8_gemv._tiles(1, N, K, groups, 32, {})
         out.append(Kernel(f"fp8_gemv {name}", fp8_gemv._fp8_gemv_kernel,
-                          {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16"},
+                          {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16", "nw_ptr": "*bf16",
+                           "eps": "fp32"},
                           {"BM": 1, "BN": BN, "BK": BK, "BLOCK_K": 32, "STAGES": stages, "OUT_BF16": True, "INTERP": False,
-                           "PDL": True, "EVEN_K": K % BK == 0}, warps, stages))
+                           "PDL": True, "EVEN_K": K % BK == 0, "NORM": name.startswith("wq_"), "X_BF16": True,
+                           "NORM_CHUNK": fp8_gemv._NORM_CHUNK}, warps, stages))
     return out
 
 

@@ -126,9 +126,13 @@ class Fp8Copy:
     def serves(x: torch.Tensor) -> bool:
         return x.shape[0] == 1
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype, groups: int = 1) -> torch.Tensor:
-        """x [1, groups * K] -> [1, N] out_dtype (see fp8_gemv for groups)."""
-        return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups)
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype, groups: int = 1,
+                 norm: RMSNorm | None = None) -> torch.Tensor:
+        """x [1, groups * K] (with `norm`, norm(x), normalized in the kernel) -> [1, N] out_dtype (see fp8_gemv for
+        groups)."""
+        if norm is None:
+            return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups)
+        return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups, norm.weight, norm.eps)
 
     @staticmethod
     def stacked(copies: Iterable[Fp8Copy | None]) -> Fp8Copy | None:
@@ -169,17 +173,22 @@ class SharedInput:
     def names(self) -> tuple[str, ...]:
         return tuple(name for names, *_ in self.parts for name in names)
 
-    def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """x [B, K] -> each linear's output by name [B, N]."""
-        outs = {}
+    def __call__(self, x: torch.Tensor, norm: RMSNorm | None = None) -> dict[str, torch.Tensor]:
+        """x [B, K] -> each linear's output by name [B, N]; with `norm`, of norm(x): the batch-1 FP8 GEMV normalizes
+        the rows it reads (`fp8_gemv`'s norm_weight: the norm's launch of its own gone where no other part reads
+        x), the other parts read norm(x)."""
+        outs, normed = {}, None
         for names, widths, fp32, weight, stored in self.parts:
             out_dtype = torch.float32 if fp32 else x.dtype
             if stored is not None and stored.serves(x):
-                y = stored(x, out_dtype)
-            elif beats_cublas(x, weight):
-                y = dense_gemv(x, weight, out_dtype)
+                y = stored(x, out_dtype, norm=norm)
             else:
-                y = fp32_linear(x, weight) if fp32 else F.linear(x, weight)
+                if normed is None:
+                    normed = x if norm is None else norm(x)
+                if beats_cublas(normed, weight):
+                    y = dense_gemv(normed, weight, out_dtype)
+                else:
+                    y = fp32_linear(normed, weight) if fp32 else F.linear(normed, weight)
             outs.update(zip(names, y.split(widths, dim=-1)))
         return outs
 
@@ -390,18 +399,18 @@ class FastAttention(Attention):
         return dequantize_nvfp4(*nvfp4_quant(x.contiguous(), block), block).to(x.dtype)
 
     # -------------------------------------------------------------- decode step
-    def decode(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, rows: StepRows, view: LayerSlots,
-               picks: torch.Tensor | None, pool: torch.Tensor | None, compress: bool = True):
-        """x [B, D]: one token of each sequence, at positions pos [B] of slots [B] (the cache rows they write and
+    def decode(self, x: torch.Tensor, norm: RMSNorm, pos: torch.Tensor, slots: torch.Tensor, rows: StepRows,
+               view: LayerSlots, picks: torch.Tensor | None, pool: torch.Tensor | None, compress: bool = True):
+        """norm(x) [B, D] (x before the layer's attn_norm, `norm`, which the linears reading it apply: see
+        SharedInput): one token of each sequence, at positions pos [B] of slots [B] (the cache rows they write and
         read: `rows`), in the layer's buffers `view`. `picks` [B, k]: the index source's top-k (a CSA layer without
         its own indexer); `pool`: the candidate source's blocks (a candidate consumer; see `_index_decode`);
         `compress`: run the compressor (off in a bounded replay, whose positions' entries and carries are restored).
         -> (out [B, D], picks, pool): this layer's top-k and candidate blocks where it computes them, else those
         given."""
         cos, sin = self.rotary.cos_sin(pos)  # [B, R/2]
-        on_x = self.on_x(x)  # {linear: [B, N]}, as on_qr below
-        qr = self.q_norm(on_x["wq_a"])
-        on_qr = self.on_qr(qr)
+        on_x = self.on_x(x, norm)  # {linear: [B, N]}, as on_qr below
+        on_qr = self.on_qr(on_x["wq_a"], self.q_norm)
         q = self._query_heads(on_qr["wq_b"][:, None], cos[:, None], sin[:, None])[:, 0]  # [B, H, Dh]
         self._window_decode(on_x["wkv"], cos, sin, slots, rows.ring, view.window)
         win_idx = rows.attended
@@ -608,7 +617,7 @@ class FastBlock(Block):
         if self.role.engram:
             h = self.engram.mix(h[:, None], engram_rows[:, None])[:, 0]
         x, coefficients = pre if isinstance(pre, tuple) else self.decode_pre_site(h, "attn", pre)
-        a, picks, pool = self.attn.decode(self.attn_norm(x), pos, slots, rows, view, picks, pool, compress)
+        a, picks, pool = self.attn.decode(x, self.attn_norm, pos, slots, rows, view, picks, pool, compress)
         h, x, coefficients = self.decode_between_sites(a, h, coefficients)
         f = self.ffn(self.ffn_norm(x)[:, None], ids[:, None])[:, 0]
         if next_site is not None:

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4.quant import dequantize_fp8, quantize_fp8
+from dsv4.reference.linear import rms_norm
 
 pytest.importorskip("triton")
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
@@ -93,6 +94,37 @@ def test_groups_match_twin(M, groups, rows, words, seed):
     assert not torch.equal(y, fp8_gemv(x.roll(4 * words, dims=1), w, s, 16, 16, torch.float32, groups))
 
 
+def normed_case(seed: int, M: int, N: int, K: int, block: tuple[int, int], dtype=torch.bfloat16):
+    """make_case's weight with x of values k / 8, |k| <= 8 (their squares sum exactly in fp32 in any order, so the
+    kernel's mean square is the twin's bits), and an RMSNorm weight [K]."""
+    x, w, s = make_case(seed, M, N, K, block, dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = (torch.randint(-8, 9, (M, K), generator=gen).float() / 8).to(dtype).to(DEVICE)
+    norm = (1 + torch.randn(K, generator=gen) / 4).to(dtype).to(DEVICE)
+    return x, w, s, norm
+
+
+@settings(max_examples=30, deadline=None)
+@given(M=st.integers(1, 4), N=st.integers(1, 48), words=st.integers(1, 300),
+       block=st.sampled_from([(32, 32), (128, 128), (16, 64)]), x_bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_norm_weight_makes_the_gemv_read_the_normed_rows(M, N, words, block, x_bf16, seed):
+    """With norm_weight the kernel reads rms_norm(x) (rounded to x's dtype) as the twin does: the GEMV of the twin's
+    normed rows up to the fp32 summation order, across norm chunks (K up to 1200: two of 1024) and K masks."""
+    x, w, s, norm = normed_case(seed, M, N, 4 * words, block, torch.bfloat16 if x_bf16 else torch.float32)
+    y = fp8_gemv(x, w, s, *block, torch.float32, 1, norm, 1e-6)
+    check(y, rms_norm(x, norm, 1e-6), w, s, block)
+    assert torch.equal(fp8_gemv_reference(x, w, s, *block, torch.float32, 1, norm, 1e-6),
+                       fp8_gemv_reference(rms_norm(x, norm, 1e-6), w, s, *block, torch.float32))
+
+
+def test_a_norm_weight_of_another_width_or_with_groups_is_refused():
+    x, w, s, norm = normed_case(0, 1, 64, 64, (32, 32))
+    with pytest.raises(ValueError, match=r"a norm weight \[64\] goes with one group"):
+        fp8_gemv(x, w, s, 32, 32, torch.bfloat16, 1, norm[:32])
+    with pytest.raises(ValueError, match="goes with one group"):
+        fp8_gemv(torch.cat((x, x), 1), w, s, 32, 32, torch.bfloat16, 2, norm)
+
+
 def test_every_code_decodes_exactly():
     """Each of the 254 finite e4m3 codes at its own K position against x = 1: y is the code's value times the
     scale, exactly (the decode itself, with no summation to hide an error)."""
@@ -146,3 +178,7 @@ def test_gpu_decode_shapes(M, N, K, groups, block):
     sizes, in V4.1's and V4's weight blocks, through the PTX decode and the default tiles of each batch size."""
     x, w, s = make_case(M + N, M, N, K, block, groups=groups)
     check(fp8_gemv(x, w, s, *block, torch.bfloat16, groups), x, w, s, block, groups)
+    if groups == 1:  # with the norm before it (attn_norm before wq_a + wkv, q_norm before wq_b), on the CPU's norm
+        x, _, _, norm = normed_case(M + N, M, N, K, block)
+        y = fp8_gemv(x, w, s, *block, torch.bfloat16, 1, norm, 1e-6)
+        check(y, rms_norm(x.cpu(), norm.cpu(), 1e-6).to(DEVICE), w, s, block)

@@ -2,10 +2,13 @@
 
     y[m, n] = round( sum over k of x[m, k] * e4m3[n, k] * 2^(e8m0[n // bn, k // bk] - 127) )      (fp32 sums)
 
-- `dsv4::fp8_gemv(x, w, w_scale, bn, bk, out_dtype, groups=1) -> [M, N]`: x bf16 / fp32 [M, groups * K] (a
-    decode batch), w float8_e4m3fn [N, K], w_scale float8_e8m0fnu [ceil(N / bn), ceil(K / bk)], out_dtype
-    bfloat16 / float32. With groups G, output rows g * N / G .. (g + 1) * N / G read x's g-th K columns (the
-    attention's grouped `wo_a`); G = 1 is the plain GEMV.
+- `dsv4::fp8_gemv(x, w, w_scale, bn, bk, out_dtype, groups=1, norm_weight=None, eps=0.0) -> [M, N]`: x bf16 /
+    fp32 [M, groups * K] (a decode batch), w float8_e4m3fn [N, K], w_scale float8_e8m0fnu [ceil(N / bn), ceil(K /
+    bk)], out_dtype bfloat16 / float32. With groups G, output rows g * N / G .. (g + 1) * N / G read x's g-th K
+    columns (the attention's grouped `wo_a`); G = 1 is the plain GEMV. With `norm_weight` [K] (G = 1) the GEMV
+    reads rms_norm(x, norm_weight, eps) (`dsv4.reference.linear.rms_norm`, rounded to x's dtype) in place of x:
+    the RMSNorm before the attention's first linears (attn_norm before wq_a and wkv, q_norm before wq_b), which in
+    the compiled decode step was a launch of its own before each GEMV (a one-program reduction, 1.8-2.8 us).
 
 The value of `F.linear(x, dequantize_fp8(w, w_scale))` (the fast model's bf16 copies) up to fp32 summation
 order: an e4m3 code times a power of two is a bf16 number and its product with a bf16 activation is exact in
@@ -29,13 +32,16 @@ import torch
 
 from dsv4.fast.kernels import pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.engram import _e4m3_to_f32
+from dsv4.fast.kernels.rope import rounded
 from dsv4.quant import dequantize_fp8
+from dsv4.reference.linear import rms_norm
 
 __all__ = ["MAX_M", "fp8_gemv", "fp8_gemv_reference"]
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_M = 16  # decode batches; larger M belongs to a GEMM (tensor cores)
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
+_NORM_CHUNK = 1024  # x's columns a step of the norm's sum of squares
 
 # acc + sum_j e4m3_j * x_j over the four codes of one int32 word (K positions 0..3, lowest byte first)
 _DOT4_PTX = tl.constexpr("\n".join([
@@ -68,9 +74,10 @@ def _dot4(acc, w, x0, x1, x2, x3, INTERP: tl.constexpr):
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, KW, KS, block_n, G,
+    x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, eps, M, N, K, KW, KS, block_n, G,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    OUT_BF16: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
+    OUT_BF16: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
+    X_BF16: tl.constexpr, NORM_CHUNK: tl.constexpr,
 ):
     """Program: weight rows pid * BN .. + BN for all BM <= M activation rows; of G groups of N / G rows (BN
     divides N / G when G > 1), each reading its own K columns of x's rows. KW = K / 4 (words a row) comes as an
@@ -79,7 +86,8 @@ def _fp8_gemv_kernel(
     along K made them one word each: 8 four-byte asynchronous copies a step per thread at wo_a's tile). The scales are
     loaded a step ahead: the pipeliner copies nothing under 4 bytes asynchronously, so a byte load in the step
     that uses it waited on memory every step (sm_90 SASS); BLOCK_K is a constexpr so that finding a word's K block
-    is a shift, not a division by a runtime int."""
+    is a shift, not a division by a runtime int. NORM: every program first sums its rows' squares (x is a few KB,
+    read from L2 by each), then normalizes the activations it loads as `rms_norm` does, weight nw_ptr."""
     wait_for_predecessor(PDL)
     pid = tl.program_id(0)
     n = pid * BN + tl.arange(0, BN)
@@ -91,6 +99,8 @@ def _fp8_gemv_kernel(
     words = w_ptr.to(tl.pointer_type(tl.int32)) + n.to(tl.int64)[:, None] * KW
     s_row = s_ptr + ((pid * BN) // block_n) * KS  # BN divides block_n: one scale row for the program
     x_rows = x_ptr + ((pid * BN) // (N // G)) * K + mm[:, None, None] * (G * K)  # the program's group's columns
+    if NORM:  # 1 / sqrt(mean square + eps), as torch computes rsqrt on the CPU (correctly rounded)
+        r = _rms_scale(x_ptr, mm, mmask, K, eps, NORM_CHUNK)[:, None, None]
     acc = tl.zeros((BM, BN, NW), dtype=tl.float32)
     scale = _word_scales(s_row, c, KW, BLOCK_K)  # [NW]
     for k0 in tl.range(0, KW, NW, num_stages=STAGES):
@@ -101,8 +111,12 @@ def _fp8_gemv_kernel(
             cm = cw < KW
         w = tl.load(words + cw[None, :], mask=nmask[:, None] & cm[None, :], other=0)  # [BN, NW]
         next_scale = _word_scales(s_row, cw + NW, KW, BLOCK_K)
-        xq = tl.load(x_rows + (4 * cw)[None, :, None] + tl.arange(0, 4)[None, None, :],
-                     mask=mmask[:, None, None] & cm[None, :, None], other=0.0).to(tl.float32) * scale[None, :, None]
+        cols = (4 * cw)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, NW, 4]
+        xv = tl.load(x_rows + cols, mask=mmask[:, None, None] & cm[None, :, None], other=0.0).to(tl.float32)
+        if NORM:
+            nw = tl.load(nw_ptr + cols, mask=cm[None, :, None], other=0.0).to(tl.float32)
+            xv = rounded(nw * (xv * r), X_BF16, INTERP)
+        xq = xv * scale[None, :, None]
         even, odd = tl.split(tl.reshape(xq, (BM, NW, 2, 2)))  # positions (0, 2) and (1, 3) of each word
         x0, x2 = tl.split(even)
         x1, x3 = tl.split(odd)
@@ -110,6 +124,19 @@ def _fp8_gemv_kernel(
                     _rows(x2, BN), _rows(x3, BN), INTERP)
         scale = next_scale
     store_rows(y_ptr, tl.sum(acc, axis=2), mm, n, mmask, nmask, N, OUT_BF16, INTERP)
+
+
+@triton.jit
+def _rms_scale(x_ptr, mm, mmask, K, eps, CHUNK: tl.constexpr):
+    """1 / sqrt(mean of the squares + eps) of x's rows mm [BM] (K columns), fp32 [BM]."""
+    squares = tl.zeros((mm.shape[0],), dtype=tl.float32)
+    for k0 in tl.range(0, K, CHUNK):
+        k = k0 + tl.arange(0, CHUNK)
+        xs = tl.load(x_ptr + mm[:, None] * K + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
+        xs = xs.to(tl.float32)
+        squares += tl.sum(xs * xs, axis=1)
+    mean_square = tl.math.div_rn(squares, tl.zeros_like(squares) + K)
+    return tl.math.div_rn(tl.full(squares.shape, 1.0, tl.float32), tl.sqrt_rn(mean_square + eps))
 
 
 @triton.jit
@@ -141,7 +168,7 @@ def _pow2_divisor(n: int, most: int) -> int:
     return min(most, n & -n)
 
 
-def _check(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int) -> None:
+def _check(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int, norm_weight=None) -> None:
     if x.dim() != 2 or w.dim() != 2 or w_scale.dim() != 2:
         raise ValueError("fp8_gemv: x, w and w_scale must be 2-D")
     if x.dtype not in (torch.bfloat16, torch.float32):
@@ -162,11 +189,18 @@ def _check(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int) -> None:
         raise ValueError(f"fp8_gemv: K ({K}) and the block's K side ({bk}) must be multiples of 4 (int32 words)")
     if w_scale.shape != (-(-N // bn), -(-K // bk)):
         raise ValueError(f"fp8_gemv: w_scale must be [{-(-N // bn)}, {-(-K // bk)}], got {tuple(w_scale.shape)}")
+    if norm_weight is not None and (groups != 1 or norm_weight.shape != (K,)):
+        raise ValueError(f"fp8_gemv: a norm weight [{K}] goes with one group, got {tuple(norm_weight.shape)} and "
+                         f"{groups} groups")
 
 
-def fp8_gemv_reference(x, w, w_scale, bn: int, bk: int, out_dtype=torch.bfloat16, groups: int = 1):
-    """The twin: the weight dequantized exactly (dsv4.quant), fp32 matmul per group, one rounding."""
-    _check(x, w, w_scale, bn, bk, out_dtype, groups)
+def fp8_gemv_reference(x, w, w_scale, bn: int, bk: int, out_dtype=torch.bfloat16, groups: int = 1,
+                       norm_weight: torch.Tensor | None = None, eps: float = 0.0):
+    """The twin: x through `rms_norm` where norm_weight is given, the weight dequantized exactly (dsv4.quant), fp32
+    matmul per group, one rounding."""
+    _check(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight)
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
     M, (N, K) = x.shape[0], w.shape
     wf = dequantize_fp8(w, w_scale, (bn, bk)).view(groups, N // groups, K)
     return torch.einsum("mgk,gnk->mgn", x.float().view(M, groups, K), wf).reshape(M, N).to(out_dtype)
@@ -199,31 +233,35 @@ def gemv_output(M: int, N: int, K: int, out_dtype, device) -> tuple[torch.Tensor
     return y, M == 0 or N == 0 or K == 0
 
 
-def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1, cfg: dict | None = None):
+def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1, cfg: dict | None = None,
+                     norm_weight: torch.Tensor | None = None, eps: float = 0.0):
     M, (N, K) = x.shape[0], w.shape
     y, done = gemv_output(M, N, K, out_dtype, x.device)
     if done:
         return y
     BN, BK, stages, warps = _tiles(M, N, K, groups, bn, cfg or {})
+    norm = norm_weight is not None
     _fp8_gemv_kernel[(triton.cdiv(N, BN),)](
-        x.contiguous(), w.contiguous(), w_scale.view(torch.uint8).contiguous(), y, M, N, K, K // 4, w_scale.shape[1],
-        bn, groups, BM=triton.next_power_of_2(M), BN=BN, BK=BK, BLOCK_K=bk, STAGES=stages,
-        OUT_BF16=out_dtype == torch.bfloat16, INTERP=_INTERP, PDL=pdl(x), EVEN_K=K % BK == 0, num_warps=warps,
-        launch_pdl=pdl(x))
+        x.contiguous(), w.contiguous(), w_scale.view(torch.uint8).contiguous(), y,
+        norm_weight.contiguous() if norm else x, float(eps), M, N, K, K // 4, w_scale.shape[1], bn, groups,
+        BM=triton.next_power_of_2(M), BN=BN, BK=BK, BLOCK_K=bk, STAGES=stages, OUT_BF16=out_dtype == torch.bfloat16,
+        INTERP=_INTERP, PDL=pdl(x), EVEN_K=K % BK == 0, NORM=norm, X_BF16=x.dtype == torch.bfloat16,
+        NORM_CHUNK=_NORM_CHUNK, num_warps=warps, launch_pdl=pdl(x))
     return y
 
 
 @torch.library.custom_op("dsv4::fp8_gemv", mutates_args=())
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bn: int, bk: int,
-             out_dtype: torch.dtype = torch.bfloat16, groups: int = 1) -> torch.Tensor:
-    """x [M <= MAX_M, groups * K] times the block-scaled FP8 weight w [N, K] transposed, group by group ->
-    [M, N] out_dtype."""
-    _check(x, w, w_scale, bn, bk, out_dtype, groups)
+             out_dtype: torch.dtype = torch.bfloat16, groups: int = 1, norm_weight: torch.Tensor | None = None,
+             eps: float = 0.0) -> torch.Tensor:
+    """x [M <= MAX_M, groups * K] (with norm_weight [K], rms_norm(x, norm_weight, eps)) times the block-scaled FP8
+    weight w [N, K] transposed, group by group -> [M, N] out_dtype."""
+    _check(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight)
     if use_triton(x):
-        return _fp8_gemv_triton(x, w, w_scale, bn, bk, out_dtype, groups)
-    return fp8_gemv_reference(x, w, w_scale, bn, bk, out_dtype, groups)
+        return _fp8_gemv_triton(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight=norm_weight, eps=eps)
+    return fp8_gemv_reference(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight, eps)
 
 
 @fp8_gemv.register_fake
-def _(x, w, w_scale, bn, bk, out_dtype=torch.bfloat16, groups=1):
+def _(x, w, w_scale, bn, bk, out_dtype=torch.bfloat16, groups=1, norm_weight=None, eps=0.0):
     return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype)
