@@ -328,6 +328,19 @@ def test_gather_slots_read_the_shared_expert_as_stored(K, block, bk, bf16):
         assert torch.equal(op, stored)
 
 
+def test_fp8_rows_of_a_view_at_an_odd_offset_are_read_as_words():
+    """A shared expert's FP8 weight viewing a checkpoint's bytes at an offset that is no multiple of 8 (as a tiny
+    bf16 checkpoint's w2 did: the gather op failed to view its codes as 8-byte words): fp8_rows gives codes the
+    kernels can read as words, the same bytes."""
+    q, e = quantize_fp8(torch.randn(64, 64), (32, 32))
+    raw = torch.zeros(1 + q.numel(), dtype=torch.uint8)
+    raw[1:] = q.view(torch.uint8).flatten()
+    view = raw[1:].view(64, 64).view(torch.float8_e4m3fn)  # storage offset 1
+    codes, exps = M.fp8_rows(view, e, (32, 32))
+    assert torch.equal(codes, q.view(torch.uint8)) and codes.view(torch.int64).shape == (64, 8)
+    assert torch.equal(exps, M.fp8_rows(q, e, (32, 32))[1])
+
+
 def test_gather_slots_refuse_partial_or_misshapen_fp8_rows():
     E, k, D, I = 4, 2, 64, 64
     w13, s13, w2, s2, sh13, sh2 = rand_experts(E, D, I, 5)

@@ -704,7 +704,10 @@ def fp8_rows(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) 
         raise ValueError(f"fp8_rows: needs an e4m3 weight of K % 32 == 0 in blocks of bk % 32 == 0, got {weight.dtype} "
                          f"{tuple(weight.shape)} in {tuple(block)} blocks")
     exps = _u8(scale).repeat_interleave(bn, dim=0)[:N].repeat_interleave(bk // 32, dim=1)[:, : K // 32]
-    return _u8(weight).contiguous(), exps.contiguous()
+    codes = _u8(weight).contiguous()
+    if codes.storage_offset() % 16:  # a view into a checkpoint's bytes: the kernels read the codes as 8-byte words
+        codes = codes.clone()
+    return codes, exps.contiguous()
 
 
 def _check_fp8_rows(tensors, shared13, shared2) -> tuple | None:
