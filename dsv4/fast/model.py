@@ -325,16 +325,20 @@ class StepRows(NamedTuple):
     # by an index-key store's capacity, [B, capacity / POOL_BLOCK] int32: the pool blocks of each row's slot (every
     # block of the slot, in the flat layout of all slots' keys), which its indexers score
     pool_blocks: dict[int, torch.Tensor]
+    # by `FastAttention.rotation`, the RoPE tables (cos, sin) [B, R/2] fp32 of the rows' positions: each layer
+    # computed its own in a launch before its window write (the q rotation and the attention read them too)
+    cos_sin: dict[bool, tuple[torch.Tensor, torch.Tensor]]
 
     @classmethod
-    def of(cls, pos: torch.Tensor, slots: torch.Tensor, state: SlotState) -> StepRows:
+    def of(cls, pos: torch.Tensor, slots: torch.Tensor, state: SlotState, rotaries: dict[bool, Rotary]) -> StepRows:
         W = state.window_size
         back = pos[:, None] - torch.arange(W, device=pos.device)  # [B, W]: positions p - W + 1 .. p
         attended = torch.where(back >= state.window_start[slots, None], slots[:, None] * W + back % W, -1).int()
         group = {r: torch.where((pos + 1) % r == 0, (pos + 1) // r - 1, cap) for r, cap in state.ratio_capacity.items()}
         blocks = {cap: slots[:, None] * (cap // POOL_BLOCK + 1) + torch.arange(cap // POOL_BLOCK, device=pos.device)
                   for cap in state.key_capacities}  # a slot's cap + POOL_BLOCK rows: its blocks and a spare one
-        return cls(pos % W, attended, group, {cap: b.int() for cap, b in blocks.items()})
+        cos_sin = {rotation: rotary.cos_sin(pos) for rotation, rotary in rotaries.items()}
+        return cls(pos % W, attended, group, {cap: b.int() for cap, b in blocks.items()}, cos_sin)
 
 
 class FastAttention(Attention):
@@ -344,6 +348,12 @@ class FastAttention(Attention):
     ON_X = ("wq_a", "wkv", "compressor.wkv", "compressor.wgate", "indexer.weights_proj", "indexer.compressor.wkv",
             "indexer.compressor.wgate")
     ON_QR = ("wq_b", "indexer.wq_b")
+
+    @property
+    def rotation(self) -> bool:
+        """Which RoPE tables of a decode step this layer's positions take (`StepRows.cos_sin`): a compressed layer's
+        (compress_rope_theta, YaRN) or a window layer's (rope_theta), as `Attention` builds its rotary."""
+        return bool(self.role.compress_ratio)
 
     def share_inputs(self, fp8: dict[Linear, Fp8Copy]) -> None:
         """Concatenate the dense linears reading x, and those reading the query latent (see SharedInput); keep the
@@ -408,7 +418,7 @@ class FastAttention(Attention):
         `compress`: run the compressor (off in a bounded replay, whose positions' entries and carries are restored).
         -> (out [B, D], picks, pool): this layer's top-k and candidate blocks where it computes them, else those
         given."""
-        cos, sin = self.rotary.cos_sin(pos)  # [B, R/2]
+        cos, sin = rows.cos_sin[self.rotation]  # [B, R/2]
         on_x = self.on_x(x, norm)  # {linear: [B, N]}, as on_qr below
         on_qr = self.on_qr(on_x["wq_a"], self.q_norm)
         q = self._query_heads(on_qr["wq_b"][:, None], cos[:, None], sin[:, None])[:, 0]  # [B, H, Dh]
@@ -482,7 +492,7 @@ class FastAttention(Attention):
         ix, role = self.indexer, self.role
         B = pos.shape[0]
         visible = (pos + 1) // role.compress_ratio  # [B]
-        cos, sin = self.rotary.cos_sin(pos)
+        cos, sin = rows.cos_sin[self.rotation]
         keys, cap = view.index_keys, view.capacity
         q_proj, w_proj = on_qr["indexer.wq_b"], on_x["indexer.weights_proj"]
         if ix.quant_sim and keys.fmt == "mxfp4":  # the kernels' operands, in one kernel (V4's with its Hadamard)
@@ -736,7 +746,8 @@ class FastModel(Dsv4Model):
         # contiguous, as every later layer's pre: the first layer's kind shares their compiled block
         pre = one_hot.expand(ids.shape[0], -1).contiguous() if c.is_v41 else None
         hash_ids = self._decode_hash_ids(pos, slots, state) if c.is_v41 and c.engram_layer_ids else None
-        return h, pre, pos, StepRows.of(pos, slots, state), hash_ids
+        rotaries = {layer.attn.rotation: layer.attn.rotary for layer in self.layers}
+        return h, pre, pos, StepRows.of(pos, slots, state, rotaries), hash_ids
 
     def decode_exit(self, h: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
         """The streams h [B, hc, D] collapsed, normed and projected: logits [B, vocab] fp32."""

@@ -563,6 +563,24 @@ def test_a_v4_decode_step_writes_each_rounded_window_row_and_entry_in_one_op(tin
     assert calls == []
 
 
+def test_a_decode_steps_rope_tables_are_every_layers_own(arch_dir):
+    """The step's entry computes the RoPE tables once for each rotation (`StepRows.cos_sin`); every layer's own
+    rotary gives those of its rotation at the step's positions, bit for bit (a compressed layer's and a window
+    layer's, whose thetas differ)."""
+    fast = models(arch_dir, packed=True)[1]
+    runner = Runner(fast, max_seqs=2, max_len=64, compile=False)
+    slots = torch.tensor([runner.allocate(), runner.allocate()])
+    *_, pos, rows, _ = fast.decode_enter(torch.tensor([5, 7]), slots, runner.state)
+    assert set(rows.cos_sin) == {False, True}  # the tiny configs have both kinds of layer
+    for layer in fast.layers:
+        cos, sin = layer.attn.rotary.cos_sin(pos)
+        got_cos, got_sin = rows.cos_sin[layer.attn.rotation]
+        assert torch.equal(got_cos, cos) and torch.equal(got_sin, sin)
+    thetas = {rotation: rotary.theta for rotation, rotary in
+              ((layer.attn.rotation, layer.attn.rotary) for layer in fast.layers)}
+    assert thetas[True] != thetas[False] or fast.config.rope_theta == fast.config.compress_rope_theta
+
+
 def test_a_decode_step_makes_each_indexers_queries_in_one_op(arch_dir, monkeypatch):
     """With packed index keys every indexer's decode queries (RoPE, V4's Hadamard transform, MXFP4 rounding, head
     weights) come from `dsv4::indexer_query`, one call a layer and step, Hadamard-transformed for V4 alone; the logits
