@@ -53,6 +53,7 @@ from dsv4.fast.kernels import (
     moe_experts,
     moe_routing,
     quant,
+    rope,
     topk,
     window_write,
 )
@@ -337,6 +338,14 @@ def window_write_kernels() -> list[Kernel]:
                    {**constexprs, **key, "HADAMARD": True}, 2)]
 
 
+def query_heads_kernels() -> list[Kernel]:
+    """V4's decode queries of one bf16 row (64 heads of 512: each head RMS-normed, then rotated)."""
+    return [Kernel("query heads (V4)", rope._query_heads_kernel,
+                   {"q_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
+                   {"H": H, "HB": rope._HEADS_A_PROGRAM, "D": DH, "R": ROPE, "BF16": True, "NORM": True,
+                    "INTERP": False, "PDL": True}, 2)]
+
+
 def indexer_query_kernels() -> list[Kernel]:
     """The indexer's decode queries (RoPE, MXFP4 rounding, head weights) of one bf16 row: V4.1's, and V4's (64
     heads, the Hadamard transform before the rounding)."""
@@ -398,7 +407,7 @@ def launch_compile(k: Kernel):
 
 def kernels() -> list[Kernel]:
     return (mhc_kernels() + routing_kernels() + moe_kernels() + fp8_gemv_kernels() + dense_gemv_kernels()
-            + attention_kernels() + topk_kernels() + quant_kernels() + window_write_kernels() + indexer_query_kernels()
+            + attention_kernels() + topk_kernels() + quant_kernels() + window_write_kernels() + query_heads_kernels() + indexer_query_kernels()
             + batched_moe_kernels())
 
 

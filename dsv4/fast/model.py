@@ -71,6 +71,7 @@ from dsv4.fast.kernels.moe_experts import (
 )
 from dsv4.fast.kernels.moe_routing import gate_route
 from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant
+from dsv4.fast.kernels.rope import query_heads
 from dsv4.fast.kernels.topk import topk_select
 from dsv4.fast.kernels.window_write import window_rows, window_write, window_write_rounded
 from dsv4.quant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
@@ -421,7 +422,10 @@ class FastAttention(Attention):
         cos, sin = rows.cos_sin[self.rotation]  # [B, R/2]
         on_x = self.on_x(x, norm)  # {linear: [B, N]}, as on_qr below
         on_qr = self.on_qr(on_x["wq_a"], self.q_norm)
-        q = self._query_heads(on_qr["wq_b"][:, None], cos[:, None], sin[:, None])[:, 0]  # [B, H, Dh]
+        if self.is_v41:  # the rotation alone: one compiled kernel already
+            q = self._query_heads(on_qr["wq_b"][:, None], cos[:, None], sin[:, None])[:, 0]  # [B, H, Dh]
+        else:  # V4's per-head norm, then the rotation: one kernel where the compiled step took three
+            q = query_heads(on_qr["wq_b"], cos, sin, self.n_heads, self.eps, True)
         self._window_decode(on_x["wkv"], cos, sin, slots, rows.ring, view.window)
         win_idx = rows.attended
         win_data, win_scale = view.window.flat()

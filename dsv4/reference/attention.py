@@ -29,6 +29,12 @@ from dsv4.reference.rope import Rotary, apply_rope
 V4_WINDOW_FP8_BLOCK = 64  # V4's window (and compressed) rows: FP8 in blocks of 64 on the channels RoPE leaves alone
 
 
+def head_rms_norm(q: torch.Tensor, eps: float) -> torch.Tensor:
+    """V4's query heads q [..., Dh] each divided by its root mean square, weightless, in fp32, cast back."""
+    qf = q.float()
+    return (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + eps)).to(q.dtype)
+
+
 def round_unrotated(kv: torch.Tensor, rope_dim: int, block: int, fake_fp8=fake_quant_fp8) -> torch.Tensor:
     """V4's rows [..., D] with the D - rope_dim channels RoPE leaves alone through an FP8 round trip (`fake_fp8`, 1 x
     block blocks), the rotated ones as they are."""
@@ -168,8 +174,7 @@ class Attention(nn.Module):
         """wq_b's output [B, S, H * Dh] -> the rotated query heads [B, S, H, Dh]."""
         q = q.unflatten(-1, (self.n_heads, self.head_dim))
         if not self.is_v41:  # V4 only: weightless RMS norm per query head
-            qf = q.float()
-            q = (qf * torch.rsqrt(qf.square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
+            q = head_rms_norm(q, self.eps)
         return apply_rope(q, cos, sin)
 
     def _window_rows(self, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from dsv4.fast import engram_prefetch
 from dsv4.fast import model as model_module
 from dsv4.fast.engram_prefetch import HostEngramEmbedding, keep_engram_on_host
 from dsv4.fast.kernels.indexer_query import indexer_query_twin
+from dsv4.fast.kernels.rope import query_heads_twin
 from dsv4.fast.kernels.window_write import window_write_rounded_twin, window_write_twin
 from dsv4.fast.model import FastIndexer, FastLinear, Fp8Copy, compile_options, make_fast
 from dsv4.fast.runner import OutOfSlots, Runner, write_padded
@@ -561,6 +562,22 @@ def test_a_v4_decode_step_writes_each_rounded_window_row_and_entry_in_one_op(tin
     plain.set_quant_sim(False)
     decode_steps(Runner(plain, max_seqs=4, max_len=128, compile=False), 1)
     assert calls == []
+
+
+def test_a_v4_decode_step_makes_each_layers_query_heads_in_one_op(tiny_v4_dir, monkeypatch):
+    """V4's decode queries (each head RMS-normed, then rotated) come from `dsv4::query_heads`, one call a layer and
+    step holding every row of the batch; the logits are those of the queries made by its twin (the reference's
+    head_rms_norm and apply_rope), up to the heads' fp32 sums of squares."""
+    calls = []
+    op = model_module.query_heads
+    monkeypatch.setattr(model_module, "query_heads", lambda q, *a: calls.append((q.shape[0], a[-1])) or op(q, *a))
+    fast = models(tiny_v4_dir, packed=True)[1]
+    fused, fed = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
+    assert calls == [(4, True)] * (2 * len(fast.layers))  # 3 rows, the batch-4 bucket
+    monkeypatch.setattr(model_module, "query_heads", query_heads_twin)
+    apart, _ = decode_steps(Runner(models(tiny_v4_dir, packed=True)[1], max_seqs=4, max_len=128, compile=False), 2,
+                            fed)
+    assert (fused - apart).abs().max() <= 1e-5 * apart.abs().max()  # as the mHC pairing's test above
 
 
 def test_a_decode_steps_rope_tables_are_every_layers_own(arch_dir):

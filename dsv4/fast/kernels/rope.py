@@ -1,14 +1,28 @@
-"""RoPE inside a kernel, as `dsv4.reference.rope.apply_rope` computes it: shared by the kernels that rotate a row.
+"""RoPE inside a kernel, as `dsv4.reference.rope.apply_rope` computes it: shared by the kernels that rotate a row,
+and the attention's decode queries.
 
 `rotate_pairs` takes a row's channels as (even, odd) pairs [.., D/2], rotates the trailing R/2 pairs by the row's
 tables and rounds them to the model's dtype; the products and sums are the reference's fp32 ones, exact only where
 the kernel compiles with fp fusion off (a fused multiply-add rounds once where the reference rounds twice).
+
+`dsv4::query_heads(q, cos, sin, heads, eps, normed) -> [N, heads, D]`
+    q [N, heads * D] (wq_b's output, bf16 or fp32), cos / sin [N, R/2] fp32: the rotated query heads of one position
+    a row, `Attention._query_heads`; with `normed` (V4) each head first divided by its root mean square
+    (`head_rms_norm`). V4's compiled decode step took three launches a layer for it (the sums of squares, the
+    rotation, the concatenation). Exact as the twin (`query_heads_twin`) but for the order of a head's sum of
+    squares, as `window_write`'s norm.
 """
 
 from __future__ import annotations
 
-from dsv4.fast.kernels import tl, to_bf16, triton
+import torch
+
+from dsv4.fast.kernels import pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.quant import _widen
+from dsv4.reference.attention import head_rms_norm
+from dsv4.reference.rope import apply_rope
+
+_HEADS_A_PROGRAM = 2
 
 
 @triton.jit
@@ -32,3 +46,71 @@ def rotate_pairs(even, odd, cos_row, sin_row, p, D: tl.constexpr, R: tl.constexp
     s = tl.load(sin_row + j, mask=j >= 0, other=0.0)[None, :]
     return (tl.where(rot, rounded(even * c - odd * s, BF16, INTERP), even),
             tl.where(rot, rounded(even * s + odd * c, BF16, INTERP), odd))
+
+
+
+def query_heads_twin(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, eps: float,
+                     normed: bool) -> torch.Tensor:
+    """The reference's rotated query heads of one position a row: q [N, heads * D] -> [N, heads, D]."""
+    x = q.unflatten(-1, (heads, -1))[:, None]  # [N, 1, heads, D]
+    return apply_rope(head_rms_norm(x, eps) if normed else x, cos[:, None], sin[:, None])[:, 0]
+
+
+@triton.jit
+def _query_heads_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, eps, H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
+                        R: tl.constexpr, BF16: tl.constexpr, NORM: tl.constexpr, INTERP: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Program: HB heads of one row."""
+    wait_for_predecessor(PDL)
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)
+    p = tl.arange(0, D // 2)  # channel pairs (2p, 2p + 1)
+    at = n * (H * D) + h[:, None] * D + 2 * p[None, :]  # [HB, D/2]
+    even = _widen(tl.load(q_ptr + at))
+    odd = _widen(tl.load(q_ptr + at + 1))
+    if NORM:  # 1 / sqrt(mean square + eps), as torch computes rsqrt on the CPU (correctly rounded)
+        mean_square = tl.math.div_rn(tl.sum(even * even + odd * odd, axis=1), tl.full([HB], D, tl.float32))
+        r = tl.math.div_rn(tl.full([HB], 1.0, tl.float32), tl.sqrt_rn(mean_square + eps))[:, None]
+        even, odd = rounded(even * r, BF16, INTERP), rounded(odd * r, BF16, INTERP)
+    even, odd = rotate_pairs(even, odd, cos_ptr + n * (R // 2), sin_ptr + n * (R // 2), p, D, R, BF16, INTERP)
+    x = tl.reshape(tl.join(even, odd), (HB, D))
+    tl.store(out_ptr + n * (H * D) + h[:, None] * D + tl.arange(0, D)[None, :], x.to(out_ptr.dtype.element_ty))
+
+
+def _check(q, cos, sin, heads: int) -> int:
+    if q.dim() != 2 or heads < 1 or q.shape[1] % heads:
+        raise ValueError(f"query_heads: q [N, heads * D] with {heads} heads expected, got {tuple(q.shape)}")
+    D = q.shape[1] // heads
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != q.shape[0] or 2 * cos.shape[1] > D:
+        raise ValueError(f"query_heads: cos and sin [N, R/2] with R <= D = {D} expected, got {tuple(cos.shape)}, "
+                         f"{tuple(sin.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float32) or {cos.dtype, sin.dtype} != {torch.float32}:
+        raise ValueError(f"query_heads: q bf16 or fp32 and cos, sin fp32 expected, got {q.dtype}, {cos.dtype}, "
+                         f"{sin.dtype}")
+    if heads & (heads - 1) or D & (D - 1):
+        raise ValueError(f"query_heads: heads ({heads}) and head width ({D}) must be powers of two")
+    return D
+
+
+@torch.library.custom_op("dsv4::query_heads", mutates_args=())
+def query_heads(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, eps: float,
+                normed: bool) -> torch.Tensor:
+    """The rotated query heads [N, heads, D] of wq_b's output q [N, heads * D] at RoPE tables cos, sin [N, R/2],
+    each head RMS-normed first with `normed` (V4): see the module doc."""
+    D = _check(q, cos, sin, heads)
+    if not use_triton(q):
+        return query_heads_twin(q, cos, sin, heads, eps, normed)
+    out = torch.empty(q.shape[0], heads, D, dtype=q.dtype, device=q.device)
+    if q.shape[0]:
+        hb = min(_HEADS_A_PROGRAM, heads)
+        _query_heads_kernel[(q.shape[0], heads // hb)](
+            q.contiguous(), cos.contiguous(), sin.contiguous(), out, float(eps), H=heads, HB=hb, D=D,
+            R=2 * cos.shape[1], BF16=q.dtype == torch.bfloat16, NORM=bool(normed), INTERP=not q.is_cuda, PDL=pdl(q),
+            num_warps=2, launch_pdl=pdl(q), enable_fp_fusion=False)
+    return out
+
+
+@query_heads.register_fake
+def _(q, cos, sin, heads, eps, normed):
+    D = _check(q, cos, sin, heads)
+    return q.new_empty(q.shape[0], heads, D)
