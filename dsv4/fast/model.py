@@ -426,7 +426,7 @@ class FastAttention(Attention):
             q = self._query_heads(on_qr["wq_b"][:, None], cos[:, None], sin[:, None])[:, 0]  # [B, H, Dh]
         else:  # V4's per-head norm, then the rotation: one kernel where the compiled step took three
             q = query_heads(on_qr["wq_b"], cos, sin, self.n_heads, self.eps, True)
-        self._window_decode(on_x["wkv"], cos, sin, slots, rows.ring, view.window)
+        self._write_kv_rows(on_x["wkv"], self.kv_norm, cos, sin, slots, rows.ring, view.window)  # the window row
         win_idx = rows.attended
         win_data, win_scale = view.window.flat()
         store = view.store
@@ -446,10 +446,6 @@ class FastAttention(Attention):
         else:
             o = sparse_attn_bf16(q, win_data, win_idx, glob_data, glob_idx, self.attn_sink, scale, cos, sin)
         return self._output_decode(o.to(x.dtype)), picks, pool
-
-    def _window_decode(self, kv, cos, sin, slots, ring, window: Rows) -> None:
-        """wkv's output kv [B, Dh] normed, rotated and stored at the rows' window places (`ring`)."""
-        self._write_kv_rows(kv, self.kv_norm, cos, sin, slots, ring, window)
 
     def _write_kv_rows(self, kv, norm: RMSNorm, cos, sin, slots, places, rows: Rows) -> None:
         """Window rows or compressed entries kv [B, Dh] (wkv's output, a compressor's pooled latent) normed by
