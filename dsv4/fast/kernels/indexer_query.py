@@ -26,7 +26,7 @@ import torch
 
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.quant import _e2m1_code, _e2m1_values, _ue8m0, _widen
-from dsv4.fast.kernels.rope import rotate_pairs, rounded
+from dsv4.fast.kernels.rope import load_head_pairs, rotate_pairs, rounded
 from dsv4.quant import fake_quant_mxfp4
 from dsv4.reference.indexer import hadamard as hadamard_transform
 from dsv4.reference.rope import apply_rope
@@ -62,12 +62,7 @@ def _indexer_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, wout_ptr, w_s
                           H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BF16: tl.constexpr,
                           HADAMARD: tl.constexpr, LOG_D: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
     wait_for_predecessor(PDL)
-    n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * HB + tl.arange(0, HB)
-    p = tl.arange(0, D // 2)  # channel pairs (2p, 2p + 1)
-    at = n * (H * D) + h[:, None] * D + 2 * p[None, :]  # [HB, D/2]
-    even = _widen(tl.load(q_ptr + at))
-    odd = _widen(tl.load(q_ptr + at + 1))
+    n, h, p, even, odd = load_head_pairs(q_ptr, H, HB, D)
     even, odd = rotate_pairs(even, odd, cos_ptr + n * (R // 2), sin_ptr + n * (R // 2), p, D, R, BF16, INTERP)
 
     x = tl.reshape(tl.join(even, odd), (HB, D))  # the heads' channels in order

@@ -35,6 +35,26 @@ def rounded(x, BF16: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def load_head_pairs(q_ptr, H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr):
+    """A (row, head block) program's HB heads of q [N, H * D] as channel pairs (2p, 2p + 1): (its row n, heads h
+    [HB], pair ids p [D/2], even [HB, D/2], odd [HB, D/2] fp32)."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)
+    p = tl.arange(0, D // 2)
+    at = n * (H * D) + h[:, None] * D + 2 * p[None, :]  # [HB, D/2]
+    return n, h, p, _widen(tl.load(q_ptr + at)), _widen(tl.load(q_ptr + at + 1))
+
+
+@triton.jit
+def inverse_rms(even, odd, eps, D: tl.constexpr):
+    """1 / sqrt(mean square + eps) of rows given as channel pairs (even, odd) [rows, D/2] -> [rows, 1] fp32: 1 /
+    sqrt correctly rounded, as torch's rsqrt on the CPU (CUDA's rsqrt is not)."""
+    ROWS: tl.constexpr = even.shape[0]
+    mean_square = tl.math.div_rn(tl.sum(even * even + odd * odd, axis=1), tl.full([ROWS], D, tl.float32))
+    return tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), tl.sqrt_rn(mean_square + eps))[:, None]
+
+
+@triton.jit
 def rotate_pairs(even, odd, cos_row, sin_row, p, D: tl.constexpr, R: tl.constexpr, BF16: tl.constexpr,
                  INTERP: tl.constexpr):
     """Channel pairs (even, odd) [..., D/2] of pair ids p [D/2], the last R/2 of them rotated by the row's tables
@@ -62,15 +82,9 @@ def _query_heads_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, eps, H: tl.constexpr, 
                         PDL: tl.constexpr):
     """Program: HB heads of one row."""
     wait_for_predecessor(PDL)
-    n = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * HB + tl.arange(0, HB)
-    p = tl.arange(0, D // 2)  # channel pairs (2p, 2p + 1)
-    at = n * (H * D) + h[:, None] * D + 2 * p[None, :]  # [HB, D/2]
-    even = _widen(tl.load(q_ptr + at))
-    odd = _widen(tl.load(q_ptr + at + 1))
-    if NORM:  # 1 / sqrt(mean square + eps), as torch computes rsqrt on the CPU (correctly rounded)
-        mean_square = tl.math.div_rn(tl.sum(even * even + odd * odd, axis=1), tl.full([HB], D, tl.float32))
-        r = tl.math.div_rn(tl.full([HB], 1.0, tl.float32), tl.sqrt_rn(mean_square + eps))[:, None]
+    n, h, p, even, odd = load_head_pairs(q_ptr, H, HB, D)
+    if NORM:
+        r = inverse_rms(even, odd, eps, D)
         even, odd = rounded(even * r, BF16, INTERP), rounded(odd * r, BF16, INTERP)
     even, odd = rotate_pairs(even, odd, cos_ptr + n * (R // 2), sin_ptr + n * (R // 2), p, D, R, BF16, INTERP)
     x = tl.reshape(tl.join(even, odd), (HB, D))

@@ -32,7 +32,7 @@ from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.engram import _e4m3_to_f32
 from dsv4.fast.kernels.indexer_query import _hadamard_rows
 from dsv4.fast.kernels.quant import FORMAT_CODES, _check_write, _fp4_blocks, _fp8_blocks, _widen, quant_write
-from dsv4.fast.kernels.rope import rotate_pairs, rounded
+from dsv4.fast.kernels.rope import inverse_rms, rotate_pairs, rounded
 from dsv4.reference.attention import round_unrotated
 from dsv4.reference.indexer import hadamard as hadamard_transform
 from dsv4.reference.linear import rms_norm
@@ -70,8 +70,7 @@ def _window_write_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr, slot_ptr
     p = tl.arange(0, D // 2)[None, :]  # [1, D/2]: channel pairs (2p, 2p + 1)
     even = _widen(tl.load(kv_ptr + n * D + 2 * p))
     odd = _widen(tl.load(kv_ptr + n * D + 2 * p + 1))
-    mean_square = tl.math.div_rn(tl.sum(even * even + odd * odd, axis=1), tl.full([1], D, tl.float32))
-    r = tl.math.div_rn(tl.full([1], 1.0, tl.float32), tl.sqrt_rn(mean_square + eps))[:, None]  # 1 / sqrt, as torch
+    r = inverse_rms(even, odd, eps, D)
     even = rounded(_widen(tl.load(w_ptr + 2 * p)) * (even * r), BF16, INTERP)
     odd = rounded(_widen(tl.load(w_ptr + 2 * p + 1)) * (odd * r), BF16, INTERP)
     even, odd = rotate_pairs(even, odd, cos_ptr + n * (R // 2), sin_ptr + n * (R // 2), tl.arange(0, D // 2), D, R,
