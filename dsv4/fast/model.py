@@ -131,9 +131,8 @@ class Fp8Copy:
                  norm: RMSNorm | None = None) -> torch.Tensor:
         """x [1, groups * K] (with `norm`, norm(x), normalized in the kernel) -> [1, N] out_dtype (see fp8_gemv for
         groups)."""
-        if norm is None:
-            return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups)
-        return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups, norm.weight, norm.eps)
+        weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+        return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups, weight, eps)
 
     @staticmethod
     def stacked(copies: Iterable[Fp8Copy | None]) -> Fp8Copy | None:

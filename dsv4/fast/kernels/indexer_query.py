@@ -26,7 +26,7 @@ import torch
 
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.quant import _e2m1_code, _e2m1_values, _ue8m0, _widen
-from dsv4.fast.kernels.rope import load_head_pairs, rotate_pairs, rounded
+from dsv4.fast.kernels.rope import check_rope_tables, load_head_pairs, rotate_pairs, rounded
 from dsv4.quant import fake_quant_mxfp4
 from dsv4.reference.indexer import hadamard as hadamard_transform
 from dsv4.reference.rope import apply_rope
@@ -84,12 +84,9 @@ def _check(q, w, cos, sin) -> tuple[int, int, int, int]:
         raise ValueError(f"indexer_query: q [N, H * d] and w [N, H] expected, got {tuple(q.shape)}, {tuple(w.shape)}")
     N, H = w.shape
     D = q.shape[1] // H
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != N or 2 * cos.shape[1] > D:
-        raise ValueError(f"indexer_query: cos and sin [N, R/2] with R <= d = {D} expected, got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)}")
-    if q.dtype not in (torch.bfloat16, torch.float32) or w.dtype != q.dtype or {cos.dtype, sin.dtype} != {torch.float32}:
-        raise ValueError(f"indexer_query: q and w both bf16 or both fp32, cos and sin fp32 expected, got {q.dtype}, "
-                         f"{w.dtype}, {cos.dtype}, {sin.dtype}")
+    check_rope_tables(cos, sin, N, D, "indexer_query")
+    if q.dtype not in (torch.bfloat16, torch.float32) or w.dtype != q.dtype:
+        raise ValueError(f"indexer_query: q and w both bf16 or both fp32 expected, got {q.dtype}, {w.dtype}")
     if H & (H - 1) or D & (D - 1) or D < _BLOCK:
         raise ValueError(f"indexer_query: heads ({H}) and head width ({D}) must be powers of two, the width >= 32")
     return N, H, D, 2 * cos.shape[1]

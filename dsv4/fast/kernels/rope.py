@@ -69,6 +69,15 @@ def rotate_pairs(even, odd, cos_row, sin_row, p, D: tl.constexpr, R: tl.constexp
 
 
 
+def check_rope_tables(cos: torch.Tensor, sin: torch.Tensor, N: int, D: int, what: str) -> None:
+    """A kernel's RoPE tables for N rows of width D: cos and sin [N, R/2] fp32 with R <= D (`what` names the op)."""
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != N or 2 * cos.shape[1] > D:
+        raise ValueError(f"{what}: cos and sin [N, R/2] with R <= {D} expected, got {tuple(cos.shape)}, "
+                         f"{tuple(sin.shape)}")
+    if {cos.dtype, sin.dtype} != {torch.float32}:
+        raise ValueError(f"{what}: cos and sin fp32 expected, got {cos.dtype}, {sin.dtype}")
+
+
 def query_heads_twin(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, eps: float,
                      normed: bool) -> torch.Tensor:
     """The reference's rotated query heads of one position a row: q [N, heads * D] -> [N, heads, D]."""
@@ -95,12 +104,9 @@ def _check(q, cos, sin, heads: int) -> int:
     if q.dim() != 2 or heads < 1 or q.shape[1] % heads:
         raise ValueError(f"query_heads: q [N, heads * D] with {heads} heads expected, got {tuple(q.shape)}")
     D = q.shape[1] // heads
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != q.shape[0] or 2 * cos.shape[1] > D:
-        raise ValueError(f"query_heads: cos and sin [N, R/2] with R <= D = {D} expected, got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)}")
-    if q.dtype not in (torch.bfloat16, torch.float32) or {cos.dtype, sin.dtype} != {torch.float32}:
-        raise ValueError(f"query_heads: q bf16 or fp32 and cos, sin fp32 expected, got {q.dtype}, {cos.dtype}, "
-                         f"{sin.dtype}")
+    check_rope_tables(cos, sin, q.shape[0], D, "query_heads")
+    if q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"query_heads: q bf16 or fp32 expected, got {q.dtype}")
     if heads & (heads - 1) or D & (D - 1):
         raise ValueError(f"query_heads: heads ({heads}) and head width ({D}) must be powers of two")
     return D

@@ -32,7 +32,7 @@ from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.engram import _e4m3_to_f32
 from dsv4.fast.kernels.indexer_query import _hadamard_rows
 from dsv4.fast.kernels.quant import FORMAT_CODES, _check_write, _fp4_blocks, _fp8_blocks, _widen, quant_write
-from dsv4.fast.kernels.rope import inverse_rms, rotate_pairs, rounded
+from dsv4.fast.kernels.rope import check_rope_tables, inverse_rms, rotate_pairs, rounded
 from dsv4.reference.attention import round_unrotated
 from dsv4.reference.indexer import hadamard as hadamard_transform
 from dsv4.reference.linear import rms_norm
@@ -102,12 +102,9 @@ def _check_rows(kv, weight, cos, sin, block: int, what: str) -> None:
     if kv.dim() != 2 or weight.shape != kv.shape[1:]:
         raise ValueError(f"{what}: kv [N, D] and weight [D] expected, got {tuple(kv.shape)}, {tuple(weight.shape)}")
     N, D = kv.shape
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != N or 2 * cos.shape[1] > D:
-        raise ValueError(f"{what}: cos and sin [N, R/2] with R <= {D} expected, got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)}")
-    if kv.dtype not in (torch.bfloat16, torch.float32) or {cos.dtype, sin.dtype} != {torch.float32}:
-        raise ValueError(f"{what}: kv bf16 or fp32 and cos, sin fp32 expected, got {kv.dtype}, {cos.dtype}, "
-                         f"{sin.dtype}")
+    check_rope_tables(cos, sin, N, D, what)
+    if kv.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"{what}: kv bf16 or fp32 expected, got {kv.dtype}")
     if D & (D - 1) or block & (block - 1) or D % block:
         raise ValueError(f"{what}: the row ({D}) and the block ({block}) must be powers of two, the block "
                          "dividing the row")
@@ -139,8 +136,8 @@ def _launch(kv, weight, eps, cos, sin, data, scale, slots, rows, block: int, fmt
         _window_write_kernel[(kv.shape[0],)](
             kv.contiguous(), weight.contiguous(), cos.contiguous(), sin.contiguous(), data, scale, slots, rows,
             data.shape[1], float(eps), D=D, R=2 * cos.shape[1], BLOCK=block, BF16=kv.dtype == torch.bfloat16,
-            FMT=FORMAT_CODES[fmt], ROUNDED=rounded_rows, HADAMARD=hadamard, LOG_D=D.bit_length() - 1, INTERP=not kv.is_cuda, PDL=pdl(kv), num_warps=2,
-            launch_pdl=pdl(kv), enable_fp_fusion=False)
+            FMT=FORMAT_CODES[fmt], ROUNDED=rounded_rows, HADAMARD=hadamard, LOG_D=D.bit_length() - 1,
+            INTERP=not kv.is_cuda, PDL=pdl(kv), num_warps=2, launch_pdl=pdl(kv), enable_fp_fusion=False)
 
 
 @torch.library.custom_op("dsv4::window_write", mutates_args=("data", "scale"))
