@@ -55,10 +55,14 @@ def test_heads_with_exact_mean_squares_get_the_twins_values(seed, n, heads, shap
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 2))
 def test_any_v4_head_is_within_one_bf16_step_of_the_twins(seed, n):
     """V4's queries (64 heads of 512, 64 rotated) from random values: the sum of squares in another order moves a
-    normed value by one bf16 step at most, and rarely."""
+    normed value by one bf16 step at most, and rarely. The rotation then carries that step into both values of its
+    pair: where they nearly cancel, the step is one of the pair's magnitude (which the rotation keeps), not of the
+    small result (seed 1710: -0.6523 for -0.6484 before, -0.2422 for -0.2402 after), plus one step of each rounding."""
     q, cos, sin = case(seed, n, 64, 512, 64, exact=False)
     got, want = query_heads(q, cos, sin, 64, EPS, True).cpu().float(), twin(q, cos, sin, 64, True).float()
-    assert ((got - want).abs() <= want.abs() * 2.0**-7).all()
+    pair = want[..., -64:].unflatten(-1, (32, 2)).norm(dim=-1).repeat_interleave(2, dim=-1)  # [N, 64, 64]
+    scale = want.abs() + torch.nn.functional.pad(pair, (512 - 64, 0))
+    assert ((got - want).abs() <= scale * 2.0**-7).all()
     assert (got != want).float().mean() < 0.01
 
 
