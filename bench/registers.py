@@ -46,6 +46,7 @@ from triton.compiler import ASTSource
 
 from dsv4.fast.kernels import (
     attention,
+    compressor,
     dense_gemv,
     fp8_gemv,
     indexer_query,
@@ -338,6 +339,22 @@ def window_write_kernels() -> list[Kernel]:
                    {**constexprs, **key, "HADAMARD": True}, 2)]
 
 
+def compressor_kernels() -> list[Kernel]:
+    """V4's compressors' decode step of one row (ring writes and the pooling of a group): its ratio-4 ones
+    (overlapping, with ape: the KV latent of 512 and the indexer's of 128; a ring of resume span 128) and its ratio-128
+    one (no overlap); V4.1's ratio 2 (no overlap, no ape)."""
+    types = {"pos_ptr": "*i64", "slot_ptr": "*i64", "out_ptr": "*bf16"}
+    out = []
+    for name, d, ratio, overlap, ape in (("ratio 4 (V4)", DH, 4, True, True),
+                                         ("ratio 4 index key (V4)", INDEX_DH, 4, True, True),
+                                         ("ratio 128 (V4)", DH, 128, False, True), ("ratio 2", DH, 2, False, False)):
+        rows = triton.next_power_of_2(2 * ratio if overlap else ratio)
+        out.append(Kernel(f"compressor pool {name}", compressor._compressor_pool_kernel, types,
+                          {"D": d, "RATIO": ratio, "OVERLAP": overlap, "APE": ape, "ROWS": rows,
+                           "BD": min(d, max(16, 2048 // rows)), "INTERP": False, "PDL": True}, 4))
+    return out
+
+
 def query_heads_kernels() -> list[Kernel]:
     """V4's decode queries of one bf16 row (64 heads of 512: each head RMS-normed, then rotated)."""
     return [Kernel("query heads (V4)", rope._query_heads_kernel,
@@ -407,8 +424,8 @@ def launch_compile(k: Kernel):
 
 def kernels() -> list[Kernel]:
     return (mhc_kernels() + routing_kernels() + moe_kernels() + fp8_gemv_kernels() + dense_gemv_kernels()
-            + attention_kernels() + topk_kernels() + quant_kernels() + window_write_kernels() + query_heads_kernels() + indexer_query_kernels()
-            + batched_moe_kernels())
+            + attention_kernels() + topk_kernels() + quant_kernels() + window_write_kernels() + compressor_kernels()
+            + query_heads_kernels() + indexer_query_kernels() + batched_moe_kernels())
 
 
 def report(name: str, rows: Iterable[dict], as_json: bool, columns: list, save: bool = True) -> None:
