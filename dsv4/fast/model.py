@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from dsv4.fast.cache import POOL_BLOCK, LayerSlots, Rows, SlotState
 from dsv4.fast.engram_prefetch import EngramPrefetcher, HostEngramEmbedding
 from dsv4.fast.kernels.attention import sparse_attn_bf16, sparse_attn_fp4
+from dsv4.fast.kernels.compressor import compressor_pool
 from dsv4.fast.kernels.dense_gemv import beats_cublas, dense_gemv
 from dsv4.fast.kernels.engram import engram_hash
 from dsv4.fast.kernels.fp8_gemv import fp8_gemv
@@ -328,6 +329,9 @@ class StepRows(NamedTuple):
     # by `FastAttention.rotation`, the RoPE tables (cos, sin) [B, R/2] fp32 of the rows' positions: each layer
     # computed its own in a launch before its window write (the q rotation and the attention read them too)
     cos_sin: dict[bool, tuple[torch.Tensor, torch.Tensor]]
+    # by compression ratio r, the compressed layers' RoPE tables [B, R/2] of the first position of the group a row's
+    # token would complete (an entry's rotation; position 0 before the first group), as `group` is made once
+    entry_cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]]
 
     @classmethod
     def of(cls, pos: torch.Tensor, slots: torch.Tensor, state: SlotState, rotaries: dict[bool, Rotary]) -> StepRows:
@@ -338,7 +342,8 @@ class StepRows(NamedTuple):
         blocks = {cap: slots[:, None] * (cap // POOL_BLOCK + 1) + torch.arange(cap // POOL_BLOCK, device=pos.device)
                   for cap in state.key_capacities}  # a slot's cap + POOL_BLOCK rows: its blocks and a spare one
         cos_sin = {rotation: rotary.cos_sin(pos) for rotation, rotary in rotaries.items()}
-        return cls(pos % W, attended, group, {cap: b.int() for cap, b in blocks.items()}, cos_sin)
+        entry_cos_sin = {r: rotaries[True].cos_sin(((pos + 1) // r - 1).clamp(min=0) * r) for r in state.ratio_capacity}
+        return cls(pos % W, attended, group, {cap: b.int() for cap, b in blocks.items()}, cos_sin, entry_cos_sin)
 
 
 class FastAttention(Attention):
@@ -431,7 +436,7 @@ class FastAttention(Attention):
         store = view.store
         if self.role.compress_ratio:
             if self.role.owns_compressor and compress:
-                self._compress_decode(on_x, x.dtype, pos, slots, rows.group[self.role.compress_ratio], view)
+                self._compress_decode(on_x, x.dtype, pos, slots, rows, view)
             if self.role.owns_indexer:
                 picks, pool = self._index_decode(on_x, on_qr, pos, slots, rows, view, pool)
             glob_idx = self._global_ids(pos, slots, view, picks).int()
@@ -523,14 +528,13 @@ class FastAttention(Attention):
             score = score.masked_fill(~pool, NEG_INF)
         return topk_select(score, ix.topk).view(B, -1), pool
 
-    def _compress_decode(self, on_x, dtype, pos, slots, row, view: LayerSlots) -> None:
+    def _compress_decode(self, on_x, dtype, pos, slots, rows: StepRows, view: LayerSlots) -> None:
         """The compressor step of one token per row (on_x: the projections of its x, dtype: x's): carry the
-        token, and store the entry (and index key) of the group it completes at `row` [B] (`StepRows.group`:
-        rows completing no group write to the slot's spare row)."""
+        token, and store the entry (and index key) of the group it completes at its `StepRows.group` row (rows
+        completing no group write to the slot's spare row), rotated by `StepRows.entry_cos_sin`."""
         role, r, comp, store = self.role, self.role.compress_ratio, self.compressor, view.store
         pooled = _compressor_pool(comp, on_x, "compressor.", dtype, pos, slots, view.carry)
-        first = (pos + 1) // r - 1  # the group this token would complete
-        cos, sin = self.rotary.cos_sin(first.clamp(min=0) * r)
+        row, (cos, sin) = rows.group[r], rows.entry_cos_sin[r]
         self._write_kv_rows(pooled, comp.norm, cos, sin, slots, row, store)
         if role.owns_index_keys:
             ix, keys = self.indexer, view.index_keys
@@ -554,27 +558,10 @@ def _compressor_pool(comp, on_x, name, dtype, pos, slots, carry) -> torch.Tensor
 
     Returns the pooled latent [B, d] in `dtype` of the group ending at pos (meaningful where (pos + 1) % ratio
     == 0; elsewhere the caller drops it), which comp.norm then normalizes."""
-    r, d = comp.ratio, comp.head_dim
-    if r == 1:
+    if comp.ratio == 1:
         return on_x[name + "wkv"]
-    kv_ring, score_ring = carry  # [slots, R, coff * d] fp32
-    R = kv_ring.shape[1]
-    kv, score = on_x[name + "wkv"], on_x[name + "wgate"]
-    if hasattr(comp, "ape"):
-        score = score + comp.ape[pos % r]
-    kv_ring[slots, pos % R] = kv
-    score_ring[slots, pos % R] = score
-    group = pos[:, None] - (r - 1) + torch.arange(r, device=pos.device)  # [B, r]: the group ending at pos
-    if comp.overlap:  # slots 0..r-1: the previous group's first halves (padding before group 0)
-        group = torch.cat((group - r, group), dim=1)
-    kv = kv_ring[slots[:, None], group % R]  # [B, r or 2r, coff * d]
-    score = score_ring[slots[:, None], group % R]
-    if comp.overlap:
-        has_prev = (group[:, :r] >= 0)[..., None]
-        kv = torch.cat((torch.where(has_prev, kv[:, :r, :d], 0.0), kv[:, r:, d:]), dim=1)
-        score = torch.cat((torch.where(has_prev, score[:, :r, :d], NEG_INF), score[:, r:, d:]), dim=1)
-    pooled = (kv * score.softmax(dim=1)).sum(dim=1)  # [B, d]
-    return pooled.to(dtype)
+    return compressor_pool(on_x[name + "wkv"], on_x[name + "wgate"], getattr(comp, "ape", None), *carry, pos, slots,
+                           comp.ratio, comp.overlap, dtype)
 
 
 def _selected_ids(allowed: torch.Tensor) -> torch.Tensor:

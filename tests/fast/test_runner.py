@@ -25,6 +25,7 @@ from dsv4.engine.request import SamplingParams
 from dsv4.fast import engram_prefetch
 from dsv4.fast import model as model_module
 from dsv4.fast.engram_prefetch import HostEngramEmbedding, keep_engram_on_host
+from dsv4.fast.kernels.compressor import compressor_pool_twin
 from dsv4.fast.kernels.indexer_query import indexer_query_twin
 from dsv4.fast.kernels.rope import query_heads_twin
 from dsv4.fast.kernels.window_write import window_write_rounded_twin, window_write_twin
@@ -32,6 +33,7 @@ from dsv4.fast.model import FastIndexer, FastLinear, Fp8Copy, compile_options, m
 from dsv4.fast.runner import OutOfSlots, Runner, write_padded
 from dsv4.quant import dequantize_fp8
 from dsv4.reference.cache import DenseCache
+from dsv4.reference.compressor import overlaps
 from dsv4.reference.engram import EngramEmbedding
 from dsv4.reference.linear import Linear
 from dsv4.reference.model import bounded_replay_state, load_model
@@ -580,13 +582,43 @@ def test_a_v4_decode_step_makes_each_layers_query_heads_in_one_op(tiny_v4_dir, m
     assert (fused - apart).abs().max() <= 1e-5 * apart.abs().max()  # as the mHC pairing's test above
 
 
-def test_a_decode_steps_rope_tables_are_every_layers_own(arch_dir):
-    """The step's entry computes the RoPE tables once for each rotation (`StepRows.cos_sin`); every layer's own
-    rotary gives those of its rotation at the step's positions, bit for bit (a compressed layer's and a window
-    layer's, whose thetas differ)."""
+def test_a_decode_step_pools_each_compressor_in_one_op(arch_dir, monkeypatch):
+    """Every compressor of ratio above 1 takes its token into its ring and pools its group in `dsv4::compressor_pool`,
+    one call a compressor and step holding every row of the batch (V4's ratio-4 and ratio-128 ones, its indexers'
+    ratio-4 ones; V4.1's ratio-2 ones); the logits are those of the torch ops before it (the op's twin), up to the
+    softmax's fp32 sums."""
+    calls = []
+    op = model_module.compressor_pool
+
+    def counted(kv, *args):  # (rows, ratio, overlapping)
+        calls.append((kv.shape[0], args[-3], args[-2]))
+        return op(kv, *args)
+
+    monkeypatch.setattr(model_module, "compressor_pool", counted)
     fast = models(arch_dir, packed=True)[1]
-    runner = Runner(fast, max_seqs=2, max_len=64, compile=False)
+    pooled, fed = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
+    want = Counter()
+    for role in fast.config.layer_roles:
+        r = role.compress_ratio
+        if role.owns_compressor and r > 1:
+            want[4, r, overlaps(fast.config, r)] += 2  # 3 rows, the batch-4 bucket; two steps
+        if role.owns_index_keys and not fast.config.is_v41:
+            want[4, 4, True] += 2  # V4's indexer compressor
+    assert sum(want.values()) > 0 and Counter(calls) == want
+    monkeypatch.setattr(model_module, "compressor_pool", compressor_pool_twin)
+    apart, _ = decode_steps(Runner(models(arch_dir, packed=True)[1], max_seqs=4, max_len=128, compile=False), 2, fed)
+    assert (pooled - apart).abs().max() <= 1e-5 * apart.abs().max()  # as the mHC pairing's test above
+
+
+def test_a_decode_steps_rope_tables_are_every_layers_own(arch_dir):
+    """The step's entry computes the RoPE tables once for each rotation (`StepRows.cos_sin`) and for each ratio's
+    compressed entries (`StepRows.entry_cos_sin`); every layer's own rotary gives those of its rotation at the
+    step's positions, bit for bit (a compressed layer's and a window layer's, whose thetas differ), and a
+    compressing layer's those of its entries."""
+    fast = models(arch_dir, packed=True)[1]
+    runner = Runner(fast, max_seqs=2, max_len=256, compile=False)
     slots = torch.tensor([runner.allocate(), runner.allocate()])
+    runner.state.lengths[slots] = torch.tensor([11, 130])  # the step's positions
     *_, pos, rows, _ = fast.decode_enter(torch.tensor([5, 7]), slots, runner.state)
     assert set(rows.cos_sin) == {False, True}  # the tiny configs have both kinds of layer
     for layer in fast.layers:
@@ -596,6 +628,16 @@ def test_a_decode_steps_rope_tables_are_every_layers_own(arch_dir):
     thetas = {rotation: rotary.theta for rotation, rotary in
               ((layer.attn.rotation, layer.attn.rotary) for layer in fast.layers)}
     assert thetas[True] != thetas[False] or fast.config.rope_theta == fast.config.compress_rope_theta
+    # a compressing layer's entries rotate at the first position of the group a token would complete (0 before it)
+    first = {1: [11, 130], 2: [10, 128], 4: [8, 124], 128: [0, 0]}  # by ratio, at positions 11 and 130
+    ratios = {layer.attn.role.compress_ratio for layer in fast.layers if layer.attn.role.owns_compressor}
+    assert set(rows.entry_cos_sin) == ratios and ratios
+    for layer in fast.layers:
+        if layer.attn.role.owns_compressor:
+            r = layer.attn.role.compress_ratio
+            cos, sin = layer.attn.rotary.cos_sin(torch.tensor(first[r]))
+            got_cos, got_sin = rows.entry_cos_sin[r]
+            assert torch.equal(got_cos, cos) and torch.equal(got_sin, sin)
 
 
 def test_a_decode_step_makes_each_indexers_queries_in_one_op(arch_dir, monkeypatch):
