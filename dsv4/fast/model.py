@@ -418,9 +418,10 @@ class FastAttention(Attention):
                view: LayerSlots, picks: torch.Tensor | None, pool: torch.Tensor | None, compress: bool = True):
         """norm(x) [B, D] (x before the layer's attn_norm, `norm`, which the linears reading it apply: see
         SharedInput): one token of each sequence, at positions pos [B] of slots [B] (the cache rows they write and
-        read: `rows`), in the layer's buffers `view`. `picks` [B, k]: the index source's top-k (a CSA layer without
-        its own indexer); `pool`: the candidate source's blocks (a candidate consumer; see `_index_decode`);
-        `compress`: run the compressor (off in a bounded replay, whose positions' entries and carries are restored).
+        read: `rows`), in the layer's buffers `view`. `picks` [B, k] int32: the index source's top-k as rows of the
+        compressed store (`_global_ids`, made once in the source's layer; a CSA layer without its own indexer);
+        `pool`: the candidate source's blocks (a candidate consumer; see `_index_decode`); `compress`: run the
+        compressor (off in a bounded replay, whose positions' entries and carries are restored).
         -> (out [B, D], picks, pool): this layer's top-k and candidate blocks where it computes them, else those
         given."""
         cos, sin = rows.cos_sin[self.rotation]  # [B, R/2]
@@ -437,9 +438,10 @@ class FastAttention(Attention):
         if self.role.compress_ratio:
             if self.role.owns_compressor and compress:
                 self._compress_decode(on_x, x.dtype, pos, slots, rows, view)
-            if self.role.owns_indexer:
+            if self.role.owns_indexer:  # the picks as store rows, once: the layers reading them attend to the same
                 picks, pool = self._index_decode(on_x, on_qr, pos, slots, rows, view, pool)
-            glob_idx = self._global_ids(pos, slots, view, picks).int()
+                picks = self._global_ids(pos, slots, view, picks)
+            glob_idx = self._global_ids(pos, slots, view, None) if picks is None else picks
         else:
             glob_idx = pos.new_zeros(pos.shape[0], 0, dtype=torch.int32)
         glob_data, glob_scale = store.flat()
@@ -480,13 +482,14 @@ class FastAttention(Attention):
         return wo_b(o, o.dtype)
 
     def _global_ids(self, pos, slots, view: LayerSlots, picks) -> torch.Tensor:
-        """Rows of the source's compressed store each query attends to [B, k] (-1 = none)."""
+        """Rows of the source's compressed store, flat over the slots, each query attends to [B, k] int32 (-1 =
+        none): those of the indexer's `picks` (entry ids [B, k], -1 none), or with None every visible entry (HCA)."""
         stride = view.store.data.shape[1]
-        if picks is None:  # HCA: every visible entry
+        if picks is None:
             visible = (pos + 1) // self.role.compress_ratio  # [B]
             entries = torch.arange(view.capacity, device=pos.device)
-            return torch.where(entries < visible[:, None], slots[:, None] * stride + entries, -1)
-        return torch.where(picks >= 0, slots[:, None] * stride + picks, -1)
+            return torch.where(entries < visible[:, None], slots[:, None] * stride + entries, -1).int()
+        return torch.where(picks >= 0, slots[:, None] * stride + picks, -1).int()
 
     def _index_decode(self, on_x, on_qr, pos, slots, rows: StepRows, view: LayerSlots, pool):
         """The indexer's top-k entry ids [B, k] (-1 = none), as Indexer.forward for one token per row, and the

@@ -610,6 +610,28 @@ def test_a_decode_step_pools_each_compressor_in_one_op(arch_dir, monkeypatch):
     assert (pooled - apart).abs().max() <= 1e-5 * apart.abs().max()  # as the mHC pairing's test above
 
 
+def test_an_indexers_picks_become_store_rows_once_for_every_layer_reading_them(arch_dir, monkeypatch):
+    """A decode step turns an indexer's top-k into rows of the compressed store (`_global_ids`) in the indexer's
+    layer, and the layers reading that top-k attend to those rows as handed over: one call a step in each layer
+    that owns an indexer or attends to every entry (HCA), none in a reader (V4.1's); the logits stay the
+    reference's."""
+    calls = Counter()
+    global_ids = model_module.FastAttention._global_ids
+
+    def counted(attn, *args):
+        calls[attn.role.layer_id] += 1
+        return global_ids(attn, *args)
+
+    monkeypatch.setattr(model_module.FastAttention, "_global_ids", counted)
+    ref, fast = models(arch_dir, packed=False)
+    got, fed = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
+    roles = [r for r in fast.config.layer_roles if r.compress_ratio]
+    readers = [r for r in roles if not r.owns_indexer and r.index_source is not None]
+    assert dict(calls) == {r.layer_id: 2 for r in roles if r not in readers}
+    assert readers or not fast.config.is_v41
+    assert_close(got, reference_steps(ref, fed), EXACT)
+
+
 def test_a_decode_steps_rope_tables_are_every_layers_own(arch_dir):
     """The step's entry computes the RoPE tables once for each rotation (`StepRows.cos_sin`) and for each ratio's
     compressed entries (`StepRows.entry_cos_sin`); every layer's own rotary gives those of its rotation at the
