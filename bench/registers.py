@@ -166,11 +166,18 @@ def mhc_kernels() -> list[Kernel]:
     post_partial = Kernel("mhc_post partial", mhc._post_partial_kernel,
                           {**post_finish.types, "x_ptr": "*bf16"},
                           {"HC": HC, "M": M, "MP": c["MP"], "BD": D // splits, "SB": f["SB"], "FINISH": True,
-                           "ACCURATE": True, "THREAD_SINKHORN": True, "INTERP": False, "PDL": True},
+                           "SLOTS": 0, "ACCURATE": True, "THREAD_SINKHORN": True, "INTERP": False, "PDL": True},
                           mhc.post_partial_warps(1))
     post_sums = Kernel("mhc_post sums", mhc._post_partial_kernel, post_partial.types,
                        {**post_partial.constexprs, "FINISH": False}, mhc.post_partial_warps(1))
-    return [partial, finish, finish_own, post, post_finish, post_partial, post_sums]
+    # the FFN sites' posts at one token, summing the MoE's slots (TOP_K routed and the shared one, fp32)
+    ffn = {"types": {**post_partial.types, "f_ptr": "*fp32"}, "num_warps": mhc.post_partial_warps(1)}
+    post_partial_slots = Kernel("mhc_post partial (MoE slots)", mhc._post_partial_kernel,
+                                constexprs={**post_partial.constexprs, "SLOTS": TOP_K + 1}, **ffn)
+    post_sums_slots = Kernel("mhc_post sums (MoE slots)", mhc._post_partial_kernel,
+                             constexprs={**post_sums.constexprs, "SLOTS": TOP_K + 1}, **ffn)
+    return [partial, finish, finish_own, post, post_finish, post_partial, post_sums, post_partial_slots,
+            post_sums_slots]
 
 
 def routing_kernels() -> list[Kernel]:
@@ -384,6 +391,8 @@ LAUNCH_INTS = {
     "mhc_pre finish": {"N": 1, "D": D, "n_split": 80, "d_per_prog": D, **_ATTN},
     "mhc_post finish": {"N": 1, "D": D, "n_split": 80},
     "mhc_post partial": {"N": 1, "D": D, "n_split": 80},
+    "mhc_post partial (MoE slots)": {"N": 1, "D": D, "n_split": 80, "stride_fs": D},
+    "mhc_post sums (MoE slots)": {"N": 1, "D": D, "n_split": 1, "stride_fs": D},
     # V4's decode pair: the finish alone, its collapse over d chunks of 64; the post with given coefficients, whose
     # unused split count is the stand-in's rows
     "mhc_pre finish collapsing": {"N": 1, "D": D, "n_split": 80, "d_per_prog": 64, **_ATTN},

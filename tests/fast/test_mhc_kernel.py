@@ -265,7 +265,46 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.dsv4.mhc_post_partial, (f, h, ws, scale, base, fn, 1e-20, 1e-6, 20),
                           test_utils=tests)
     torch.library.opcheck(torch.ops.dsv4.mhc_post_sums, (f, h, post, comb, fn), test_utils=tests)
+    slots = torch.randn(5, 7, 32)  # the MoE's, summed in the fused posts
+    torch.library.opcheck(torch.ops.dsv4.mhc_post_partial, (slots, h, ws, scale, base, fn, 1e-20, 1e-6, 20),
+                          test_utils=tests)
+    torch.library.opcheck(torch.ops.dsv4.mhc_post_sums, (slots, h, post, comb, fn), test_utils=tests)
     torch.library.opcheck(torch.ops.dsv4.mhc_pre_finish, (h, ws, scale, base, 1e-6, 1e-6, 20), test_utils=tests)
+
+
+@pytest.mark.parametrize("arch", ["v41", "v4"])
+@settings(deadline=None, max_examples=examples(12))
+@given(N=st.integers(1, K.POST_PARTIAL_MAX_N + 1), slots=st.integers(1, 7), D=st.sampled_from([32, 96]),
+       bf16=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_the_fused_posts_sum_the_moes_slots_as_the_module_does(arch, N, slots, D, bf16, seed):
+    """mhc_post_partial (V4.1) and mhc_post_sums (V4) given the MoE's slots [N, S, D] fp32 give, bit for bit, what
+    they give for the slots' sum in order rounded to the streams' dtype (`summed_slots`, the module's output), in
+    the kernel up to POST_PARTIAL_MAX_N rows and past it (the two kernels); the outputs in the streams' dtype."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    h, fn, scale, base, pre_prev = make_inputs(N, 4, D, dtype, True, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    f = torch.randn(N, slots, D, generator=g) * torch.exp2(torch.randint(-6, 6, (N, slots, 1), generator=g).float())
+    fn_next = torch.randn(fn.shape, generator=g) / (4 * D) ** 0.5 * 4
+    if arch == "v41":
+        ws = K.mhc_pre_partial(h, fn, pre_prev)[1]
+        run = lambda f: K.mhc_post_partial(f, h, ws, scale, base, fn_next, 1e-20, 1e-6, 20)
+    else:
+        _, _, post, comb = K.mhc_pre_twin(h, fn, scale, base, None, 1e-6, 1e-6, 20)
+        run = lambda f: K.mhc_post_sums(f, h, post, comb, fn_next)
+    got, want = run(f), run(K.summed_slots(f, dtype))
+    assert got[0].dtype == dtype
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_the_fused_posts_refuse_misshapen_slots():
+    h, fn, scale, base, pre_prev = make_inputs(2, 4, 32, torch.bfloat16, True, 0)
+    ws = K.mhc_pre_partial(h, fn, pre_prev)[1]
+    for f in (torch.randn(2, 3, 32).bfloat16(), torch.randn(2, 3, 16), torch.randn(3, 32).bfloat16()):
+        with pytest.raises(ValueError, match=r"f \[2, 32\] or fp32 slots \[2, S, 32\]"):
+            K.mhc_post_partial(f, h, ws, scale, base, fn, 1e-20, 1e-6, 20)
+        with pytest.raises(ValueError, match=r"f \[2, 32\] or fp32 slots"):
+            K.mhc_post_sums(f, h, torch.rand(2, 4), torch.rand(2, 4, 4), fn)
 
 
 # ------------------------------------------------------------------------------------------------

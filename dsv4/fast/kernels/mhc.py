@@ -20,6 +20,9 @@
     kernel, a program per (row, d step of the partial pass): V4.1's attention post and FFN pre in one launch. Its
     projection runs on the CUDA cores in fp32 (one row a program, so the Sinkhorn stays in threads). Up to
     POST_PARTIAL_MAX_N rows; more take the two kernels (every program finishes its row's coefficients again).
+    f may be the MoE's slots [N, S, D] fp32 (the gather path's routed experts and shared expert), summed in slot
+    order and rounded to the streams' dtype as the module sums them (`summed_slots`): the decode step's FFN post
+    takes the sum where a kernel of its own made it.
 `dsv4::mhc_post_sums(f, residual, post, comb, fn_next) -> (h', ws_next)` and
 `dsv4::mhc_pre_finish(h, ws, scale, base, norm_eps, hc_eps, iters) -> (x, pre, post, comb)`
     V4's decode pair (each site collapses with its own pre, so x waits for the finish): the post with the
@@ -87,10 +90,17 @@ def mhc_pre_partial_twin(h, fn, collapse_pre):
     return hc_collapse(h.unsqueeze(0), collapse_pre.float().unsqueeze(0))[0], partial_sums_twin(h, fn)
 
 
+def summed_slots(f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A sub-layer's output f [N, D] as it is, or the MoE's slots [N, S, D] fp32 summed in slot order and rounded
+    to `dtype` (the streams'), as the MoE module returns them."""
+    return f.sum(dim=1).to(dtype) if f.dim() == 3 else f
+
+
 def mhc_post_partial_twin(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters):
     """The site's post (mhc_post_finish's twin), then the next site's partial pass on its output (mhc_pre_partial's,
-    collapsing with this site's pre): (h', x, the next site's workspace)."""
-    out, pre = mhc_post_finish_twin(f, residual, ws, scale, base, norm_eps, hc_eps, iters)
+    collapsing with this site's pre): (h', x, the next site's workspace). f: [N, D] or slots (`summed_slots`)."""
+    out, pre = mhc_post_finish_twin(summed_slots(f, residual.dtype), residual, ws, scale, base, norm_eps, hc_eps,
+                                    iters)
     return (out, *mhc_pre_partial_twin(out, fn_next, pre))
 
 
@@ -108,8 +118,9 @@ def mhc_post_finish_twin(f, residual, ws, scale, base, norm_eps, hc_eps, iters):
 
 
 def mhc_post_sums_twin(f, residual, post, comb, fn_next):
-    """V4's post, then the next site's partial sums on its output: (h', the next site's workspace)."""
-    out = mhc_post_twin(f, residual, post, comb)
+    """V4's post, then the next site's partial sums on its output: (h', the next site's workspace). f: [N, D] or
+    slots (`summed_slots`)."""
+    out = mhc_post_twin(summed_slots(f, residual.dtype), residual, post, comb)
     return out, partial_sums_twin(out, fn_next)
 
 
@@ -363,17 +374,24 @@ def _placed_row(comb, jk, j: tl.constexpr, a, b, c, d):
 
 
 @triton.jit
-def _expand_inputs(f_ptr, res_ptr, rows64, rmask, pid_d, D, stride_fn, stride_rn, stride_rk,
-                   HC: tl.constexpr, BD: tl.constexpr):
+def _expand_inputs(f_ptr, res_ptr, rows64, rmask, pid_d, D, stride_fn, stride_fs, stride_rn, stride_rk,
+                   HC: tl.constexpr, BD: tl.constexpr, SLOTS: tl.constexpr, INTERP: tl.constexpr):
     """The program's d tile of f [BN, BD] and of the residual streams [BN, HC, BD], fp32. The kernels that finish
     coefficients load them first, so this round trip runs under the partial sums and the Sinkhorn chain rather
-    than after it."""
+    than after it. SLOTS (> 0): f is the MoE's slots [N, SLOTS, D] fp32 (slot stride stride_fs), summed in slot
+    order and rounded to the streams' dtype (`summed_slots`)."""
     c = tl.arange(0, HC)
     dd = pid_d * BD + tl.arange(0, BD)
     m2 = rmask[:, None] & (dd < D)[None, :]
     res = tl.load(res_ptr + rows64[:, None, None] * stride_rn + c[None, :, None] * stride_rk + dd[None, None, :],
                   mask=m2[:, None, :], other=0.0).to(tl.float32)
-    fv = tl.load(f_ptr + rows64[:, None] * stride_fn + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+    f_tile = f_ptr + rows64[:, None] * stride_fn + dd[None, :]
+    fv = tl.load(f_tile, mask=m2, other=0.0).to(tl.float32)
+    if SLOTS:
+        for slot in tl.static_range(1, SLOTS):
+            fv += tl.load(f_tile + slot * stride_fs, mask=m2, other=0.0)
+        if res_ptr.dtype.element_ty == tl.bfloat16:
+            fv = to_bf16(fv, INTERP).to(tl.float32)
     return fv, res
 
 
@@ -416,7 +434,8 @@ def _post_kernel(
     jk = c[:, None] * HC + c[None, :]
     post = tl.load(post_ptr + rows64[:, None] * HC + c[None, :], mask=rmask[:, None], other=0.0)
     comb = tl.load(comb_ptr + rows64[:, None, None] * (HC * HC) + jk[None, :, :], mask=rmask[:, None, None], other=0.0)
-    fv, res = _expand_inputs(f_ptr, res_ptr, rows64, rmask, tl.program_id(1), D, stride_fn, stride_rn, stride_rk, HC, BD)
+    fv, res = _expand_inputs(f_ptr, res_ptr, rows64, rmask, tl.program_id(1), D, stride_fn, 0, stride_rn, stride_rk,
+                             HC, BD, 0, INTERP)
     _expand(fv, res, out_ptr, post, comb, rows64, rmask, tl.program_id(1), D, stride_on, stride_ok, HC, BD, INTERP)
 
 
@@ -434,7 +453,8 @@ def _post_finish_kernel(
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rmask = rows < N
     rows64 = rows.to(tl.int64)
-    fv, res = _expand_inputs(f_ptr, res_ptr, rows64, rmask, tl.program_id(1), D, stride_fn, stride_rn, stride_rk, HC, BD)
+    fv, res = _expand_inputs(f_ptr, res_ptr, rows64, rmask, tl.program_id(1), D, stride_fn, 0, stride_rn, stride_rk,
+                             HC, BD, 0, INTERP)
     pre, post, comb = _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps,
                                     iters, HC, M, SB, ACCURATE, THREAD_SINKHORN)
     if tl.program_id(1) == 0:
@@ -447,15 +467,16 @@ def _post_finish_kernel(
 def _post_partial_kernel(
     f_ptr, res_ptr, ws_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, fn_ptr, out_ptr, x_ptr, ws_next_ptr,
     N, D, n_split, norm_eps, hc_eps, iters,
-    stride_fn, stride_rn, stride_rk, stride_on, stride_ok, stride_xn,
+    stride_fn, stride_fs, stride_rn, stride_rk, stride_on, stride_ok, stride_xn,
     HC: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr, FINISH: tl.constexpr,
-    ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
+    SLOTS: tl.constexpr, ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, INTERP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row, d step): a site's post, then the next site's partial pass over the new streams' d step while
     they are in registers (as `_pre_partial_kernel`, its projection in fp32 on the CUDA cores: one row). FINISH
     (V4.1): the post's coefficients finished from this site's workspace ws (as `_post_finish_kernel`) and x
     collapsed with this site's pre; else (V4) post and comb as given and no x (the next site collapses with its
-    own pre, which its finish makes)."""
+    own pre, which its finish makes). SLOTS: f is the MoE's slots (`_expand_inputs`)."""
     wait_for_predecessor(PDL)
     rows64 = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)  # [1]: one row (the Sinkhorn in threads, at hc 4)
     rmask = rows64 < N
@@ -467,7 +488,8 @@ def _post_partial_kernel(
     # so nothing waits for it, and a load a stream after the Sinkhorn chain put four DRAM round trips in series
     fn = tl.load(fn_ptr + cols[None, :, None].to(tl.int64) * (HC * D) + (c[:, None, None] * D + dd[None, None, :]),
                  mask=(cols < M)[None, :, None], other=0.0)
-    fv, res = _expand_inputs(f_ptr, res_ptr, rows64, rmask, pid_s, D, stride_fn, stride_rn, stride_rk, HC, BD)
+    fv, res = _expand_inputs(f_ptr, res_ptr, rows64, rmask, pid_s, D, stride_fn, stride_fs, stride_rn, stride_rk, HC,
+                             BD, SLOTS, INTERP)
     if FINISH:
         pre, post, comb = _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps,
                                         iters, HC, M, SB, ACCURATE, THREAD_SINKHORN)
@@ -710,7 +732,8 @@ def mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters
 def mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, cfg: dict | None = None):
     """The Triton path of mhc_post_partial; `cfg` (num_warps) overrides the launch's warps (`post_partial_warps`)."""
     if residual.shape[0] > POST_PARTIAL_MAX_N:
-        out, pre = mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters)
+        out, pre = mhc_post_finish_triton(summed_slots(f, residual.dtype), residual, ws, scale, base, norm_eps, hc_eps,
+                                          iters)
         return (out, *mhc_pre_partial_triton(out, fn_next, pre))
     ws, scale, base = ws.contiguous(), scale.float().contiguous(), base.float().contiguous()
     return _post_partial(f, residual, fn_next, (ws, scale, base, ws, ws), (norm_eps, hc_eps, iters), True, cfg)
@@ -719,7 +742,7 @@ def mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_
 def mhc_post_sums_triton(f, residual, post, comb, fn_next, cfg: dict | None = None):
     """The Triton path of mhc_post_sums; `cfg` as mhc_post_partial_triton's."""
     if residual.shape[0] > POST_PARTIAL_MAX_N:
-        out = mhc_post_triton(f, residual, post, comb)
+        out = mhc_post_triton(summed_slots(f, residual.dtype), residual, post, comb)
         return out, mhc_pre_partial_triton(out, fn_next, None)[1]
     post, comb = post.float().contiguous(), comb.float().contiguous()
     out, _, ws_next = _post_partial(f, residual, fn_next, (post, post, post, post, comb), (0.0, 0.0, 0), False, cfg)
@@ -733,9 +756,10 @@ def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple,
     f, residual, fn_next = f.contiguous(), residual.contiguous(), fn_next.float().contiguous()
     N, hc, D = residual.shape
     M = (2 + hc) * hc
-    S = partial_splits(D, f.element_size())
-    out = torch.empty(N, hc, D, dtype=f.dtype, device=f.device)
-    x = torch.empty(N, D, dtype=f.dtype, device=f.device)
+    dtype = _output_dtype(f, residual)
+    S = partial_splits(D, dtype.itemsize)
+    out = torch.empty(N, hc, D, dtype=dtype, device=f.device)
+    x = torch.empty(N, D, dtype=dtype, device=f.device)
     ws_next = torch.empty(S, N, M + 1, dtype=torch.float32, device=f.device)
     if N == 0:
         return out, x, ws_next
@@ -743,9 +767,10 @@ def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple,
     _post_partial_kernel[(N, S)](
         f, residual, *coefficients, fn_next, out, x, ws_next,
         N, D, split, *finish_args,
-        f.stride(0), residual.stride(0), residual.stride(1), out.stride(0), out.stride(1), x.stride(0),
+        f.stride(0), f.stride(1) if f.dim() == 3 else 0, residual.stride(0), residual.stride(1), out.stride(0),
+        out.stride(1), x.stride(0),
         HC=hc, M=M, MP=triton.next_power_of_2(M), BD=D // S, SB=min(triton.next_power_of_2(split), 32),
-        FINISH=finish, ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, 1), INTERP=not f.is_cuda,
+        FINISH=finish, SLOTS=f.shape[1] if f.dim() == 3 else 0, ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, 1), INTERP=not f.is_cuda,
         PDL=pdl(f), num_warps=(cfg or {}).get("num_warps", post_partial_warps(N)), launch_pdl=pdl(f),
     )
     return out, x, ws_next
@@ -851,7 +876,9 @@ def mhc_post_partial(f: torch.Tensor, residual: torch.Tensor, ws: torch.Tensor, 
                      base: torch.Tensor, fn_next: torch.Tensor, norm_eps: float, hc_eps: float,
                      iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mhc_post_finish, then mhc_pre_partial of the next site (fn_next) on its output collapsing with this site's
-    pre, in one kernel: f [N, D], residual [N, hc, D], ws -> (h' [N, hc, D], x [N, D], the next site's workspace)."""
+    pre, in one kernel: f [N, D], residual [N, hc, D], ws -> (h' [N, hc, D], x [N, D], the next site's workspace).
+    f may be the MoE's slots [N, S, D] fp32, summed in the kernel (`summed_slots`; the outputs in residual's dtype)."""
+    _check_f(f, residual, "mhc_post_partial")
     if use_triton(f) and _hc_supported(residual.shape[1], residual.shape[2]):
         return mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters)
     return tuple(t.contiguous() for t in mhc_post_partial_twin(f, residual, ws, scale, base, fn_next, norm_eps,
@@ -860,13 +887,30 @@ def mhc_post_partial(f: torch.Tensor, residual: torch.Tensor, ws: torch.Tensor, 
 
 @mhc_post_partial.register_fake
 def _(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters):
+    _check_f(f, residual, "mhc_post_partial")
     N, hc, D = residual.shape
-    return (residual.new_empty(residual.shape, dtype=f.dtype), f.new_empty(N, D), _fake_workspace(f, hc, D))
+    dtype = _output_dtype(f, residual)
+    return (residual.new_empty(residual.shape, dtype=dtype), f.new_empty(N, D, dtype=dtype),
+            _fake_workspace(residual, hc, D, dtype))
 
 
-def _fake_workspace(t: torch.Tensor, hc: int, D: int) -> torch.Tensor:
-    """The partial pass's workspace [S, N, M + 1] for rows of t's dtype."""
-    return t.new_empty(partial_splits(D, t.element_size()), t.shape[0], (2 + hc) * hc + 1, dtype=torch.float32)
+def _fake_workspace(t: torch.Tensor, hc: int, D: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The partial pass's workspace [S, N, M + 1] for t's rows in `dtype` (default t's)."""
+    itemsize = (dtype or t.dtype).itemsize
+    return t.new_empty(partial_splits(D, itemsize), t.shape[0], (2 + hc) * hc + 1, dtype=torch.float32)
+
+
+def _output_dtype(f: torch.Tensor, residual: torch.Tensor) -> torch.dtype:
+    """A post's output dtype: the sub-layer output's, or the streams' for the MoE's slots (`summed_slots`)."""
+    return residual.dtype if f.dim() == 3 else f.dtype
+
+
+def _check_f(f: torch.Tensor, residual: torch.Tensor, what: str) -> None:
+    """A fused post's f: [N, D], or the MoE's slots [N, S, D] fp32."""
+    N, _, D = residual.shape
+    if not (f.shape == (N, D) or (f.dim() == 3 and f.shape[::2] == (N, D) and f.dtype == torch.float32)):
+        raise ValueError(f"{what}: f [{N}, {D}] or fp32 slots [{N}, S, {D}] expected, got {f.dtype} "
+                         f"{tuple(f.shape)}")
 
 
 @torch.library.custom_op("dsv4::mhc_post_sums", mutates_args=())
@@ -874,7 +918,9 @@ def mhc_post_sums(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
                   fn_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """V4's decode: mhc_post, then the next site's partial sums (fn_next) on its output, in one kernel (up to
     POST_PARTIAL_MAX_N rows): f [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc] -> (h' [N, hc, D],
-    the next site's workspace [S, N, M + 1], which `mhc_pre_finish` finishes)."""
+    the next site's workspace [S, N, M + 1], which `mhc_pre_finish` finishes). f may be the MoE's slots, as
+    mhc_post_partial's."""
+    _check_f(f, residual, "mhc_post_sums")
     if use_triton(f) and _hc_supported(residual.shape[1], residual.shape[2]):
         return mhc_post_sums_triton(f, residual, post, comb, fn_next)
     out, ws = mhc_post_sums_twin(f, residual, post, comb, fn_next)
@@ -883,8 +929,10 @@ def mhc_post_sums(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
 
 @mhc_post_sums.register_fake
 def _(f, residual, post, comb, fn_next):
+    _check_f(f, residual, "mhc_post_sums")
     _, hc, D = residual.shape
-    return residual.new_empty(residual.shape, dtype=f.dtype), _fake_workspace(f, hc, D)
+    dtype = _output_dtype(f, residual)
+    return residual.new_empty(residual.shape, dtype=dtype), _fake_workspace(residual, hc, D, dtype)
 
 
 @torch.library.custom_op("dsv4::mhc_pre_finish", mutates_args=())
