@@ -62,6 +62,7 @@ from dsv4.fast.kernels.mhc import (
     mhc_pre,
     mhc_pre_finish,
     mhc_pre_partial,
+    summed_slots,
 )
 from dsv4.fast.kernels.moe_experts import (
     activation_planes,
@@ -220,19 +221,23 @@ class FastMoE(MoE):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x: [B, S, D], input_ids: [B, S] -> [B, S, D]."""
-        flat = x.flatten(0, 1)
+        return summed_slots(self.slots(x.flatten(0, 1), input_ids.flatten()), x.dtype).view_as(x)
+
+    def slots(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [N, D], input_ids [N] -> the output [N, D] in x's dtype, or for one token its slots [1, k + 1, D] fp32
+        (the routed experts weighted, then the shared expert), whose sum in slot order rounded to x's dtype is the
+        output (`summed_slots`): the decode step's FFN post sums them (`mhc_post_partial`, `mhc_post_sums`) where
+        a kernel of its own did."""
         g = self.gate
-        hashed = g.tid2eid[input_ids.flatten()] if hasattr(g, "tid2eid") else None
-        weights, ids = gate_route(flat, g.weight, getattr(g, "bias", None), hashed, g.topk, g.temp, g.scale,
+        hashed = g.tid2eid[input_ids] if hasattr(g, "tid2eid") else None
+        weights, ids = gate_route(x, g.weight, getattr(g, "bias", None), hashed, g.topk, g.temp, g.scale,
                                   g.norm_topk_prob, g.scoring_func)
         s = self.stacked
         experts = (ids, weights, s["w13"], s["s13"], s["w2"], s["s2"], s["shared13"], s["shared2"], self.limit)
-        if flat.shape[0] == 1:  # the decode step's token: the planes and the slots' sum fuse into compiled kernels
+        if x.shape[0] == 1:  # the decode step's token: the planes fuse into a compiled kernel
             stored = [t for c in self.shared_fp8 or () for t in (c.weight, c.scale)]
-            y = moe_gather_slots(flat, activation_planes(flat), *experts, *stored).sum(dim=1)
-        else:
-            y = moe_mxfp4_with_shared(flat, *experts)
-        return y.to(x.dtype).view_as(x)
+            return moe_gather_slots(x, activation_planes(x), *experts, *stored)
+        return moe_mxfp4_with_shared(x, *experts).to(x.dtype)
 
     @staticmethod
     def _shared_rows(copies: list[Fp8Copy | None]) -> tuple[Fp8Copy, Fp8Copy] | None:
@@ -618,11 +623,11 @@ class FastBlock(Block):
         x, coefficients = pre if isinstance(pre, tuple) else self.decode_pre_site(h, "attn", pre)
         a, picks, pool = self.attn.decode(x, self.attn_norm, pos, slots, rows, view, picks, pool, compress)
         h, x, coefficients = self.decode_between_sites(a, h, coefficients)
-        f = self.ffn(self.ffn_norm(x)[:, None], ids[:, None])[:, 0]
+        f = self.ffn.slots(self.ffn_norm(x), ids)  # [B, D], or at one token the slots the fused posts sum
         if next_site is not None:
             h, x, coefficients = self.decode_post_partial(f, h, "ffn", coefficients, next_site)
             return h, (x, coefficients), picks, pool
-        h, pre = self.decode_post_site(f, h, "ffn", coefficients)
+        h, pre = self.decode_post_site(summed_slots(f, h.dtype), h, "ffn", coefficients)
         return h, pre, picks, pool
 
     def decode_pre_site(self, h: torch.Tensor, site: str, pre: torch.Tensor | None):

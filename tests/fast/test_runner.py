@@ -510,6 +510,26 @@ def test_a_v4_decode_step_takes_each_sites_partial_sums_in_the_post_before_it(ti
     assert (paired - apart).abs().max() <= 1e-5 * apart.abs().max()
 
 
+def test_a_batch_1_decode_step_sums_the_moes_slots_in_the_ffn_post(arch_dir, monkeypatch):
+    """At one token the MoE hands its slots (`FastMoE.slots`) to the FFN site's fused post (V4.1's
+    `mhc_post_partial`, V4's `mhc_post_sums`), which sums them, wherever that post takes the next site's pass; the
+    attention sites' posts take the attention's output as before; the logits are those of the module's own sum."""
+    seen = Counter()
+    for name in ("mhc_post_partial", "mhc_post_sums"):
+        op = getattr(model_module, name)
+        monkeypatch.setattr(model_module, name, lambda f, *a, op=op: seen.update([f.dim()]) or op(f, *a))
+    ref, fast = models(arch_dir, packed=False)
+    runner = Runner(fast, max_seqs=1, max_len=64, compile=False)
+    slot, seq = runner.allocate(), ReferenceSequence(ref)
+    token = runner.prefill(slot, prompt(20, 5)).argmax()
+    seq.run(prompt(20, 5))
+    seen.clear()  # the decode step's calls alone
+    got = runner.decode([slot], token[None])[0]
+    fused = sum(fast._next_attn_site(i) is not None for i in range(len(fast.layers)))
+    assert fused and seen == Counter({3: fused, 2: len(fast.layers)})
+    assert_close(got, seq.run([int(token)]), EXACT)
+
+
 def test_a_decode_step_writes_each_packed_row_in_one_op(arch_dir, monkeypatch):
     """A packed store's rows go through `dsv4::window_write`, one call a store and step holding every row of the
     (padded) batch: V4.1's window rows (kv_norm, RoPE, FP8) in every layer, its compressed entries (NVFP4) where a
