@@ -337,6 +337,12 @@ class StepRows(NamedTuple):
     # by compression ratio r, the compressed layers' RoPE tables [B, R/2] of the first position of the group a row's
     # token would complete (an entry's rotation; position 0 before the first group), as `group` is made once
     entry_cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    # by the ratio r of indexer layers, [B] int32: each row's visible end in the flat layout of every slot's index
+    # keys (slot * rows + (p + 1) / r), which their scoring reads
+    index_ends: dict[int, torch.Tensor]
+    # by the ratio r of HCA layers, [B, capacity] int32: the compressed rows a row attends to, every visible entry
+    # of its slot flat over the slots (-1 past them; `FastAttention._global_ids`)
+    visible_rows: dict[int, torch.Tensor]
 
     @classmethod
     def of(cls, pos: torch.Tensor, slots: torch.Tensor, state: SlotState, rotaries: dict[bool, Rotary]) -> StepRows:
@@ -348,7 +354,21 @@ class StepRows(NamedTuple):
                   for cap in state.key_capacities}  # a slot's cap + POOL_BLOCK rows: its blocks and a spare one
         cos_sin = {rotation: rotary.cos_sin(pos) for rotation, rotary in rotaries.items()}
         entry_cos_sin = {r: rotaries[True].cos_sin(((pos + 1) // r - 1).clamp(min=0) * r) for r in state.ratio_capacity}
-        return cls(pos % W, attended, group, {cap: b.int() for cap, b in blocks.items()}, cos_sin, entry_cos_sin)
+        stride = {r: cap + POOL_BLOCK for r, cap in state.ratio_capacity.items()}  # a slot's rows in either store
+        roles = state.config.layer_roles
+        index_ends = {r: (slots * stride[r] + (pos + 1) // r).int()
+                      for r in {role.compress_ratio for role in roles if role.owns_indexer}}
+        visible_rows = {r: visible_store_rows(pos, slots, r, state.ratio_capacity[r], stride[r])
+                        for r in {role.compress_ratio for role in roles if role.attention_kind == "hca"}}
+        return cls(pos % W, attended, group, {cap: b.int() for cap, b in blocks.items()}, cos_sin, entry_cos_sin,
+                   index_ends, visible_rows)
+
+
+def visible_store_rows(pos: torch.Tensor, slots: torch.Tensor, ratio: int, capacity: int, stride: int) -> torch.Tensor:
+    """Every compressed entry visible at positions pos [B] of slots [B] as rows of a store of `stride` rows a slot,
+    flat over the slots: [B, capacity] int32, -1 past the visible ones."""
+    entries = torch.arange(capacity, device=pos.device)
+    return torch.where(entries < ((pos + 1) // ratio)[:, None], slots[:, None] * stride + entries, -1).int()
 
 
 class FastAttention(Attention):
@@ -445,8 +465,8 @@ class FastAttention(Attention):
                 self._compress_decode(on_x, x.dtype, pos, slots, rows, view)
             if self.role.owns_indexer:  # the picks as store rows, once: the layers reading them attend to the same
                 picks, pool = self._index_decode(on_x, on_qr, pos, slots, rows, view, pool)
-                picks = self._global_ids(pos, slots, view, picks)
-            glob_idx = self._global_ids(pos, slots, view, None) if picks is None else picks
+                picks = self._global_ids(slots, view, picks)
+            glob_idx = rows.visible_rows[self.role.compress_ratio] if picks is None else picks
         else:
             glob_idx = pos.new_zeros(pos.shape[0], 0, dtype=torch.int32)
         glob_data, glob_scale = store.flat()
@@ -486,15 +506,10 @@ class FastAttention(Attention):
         o = wo_a(o.reshape(o.shape[0], -1), o.dtype, groups=self.o_groups)  # [1, groups * o_lora_rank]
         return wo_b(o, o.dtype)
 
-    def _global_ids(self, pos, slots, view: LayerSlots, picks) -> torch.Tensor:
-        """Rows of the source's compressed store, flat over the slots, each query attends to [B, k] int32 (-1 =
-        none): those of the indexer's `picks` (entry ids [B, k], -1 none), or with None every visible entry (HCA)."""
-        stride = view.store.data.shape[1]
-        if picks is None:
-            visible = (pos + 1) // self.role.compress_ratio  # [B]
-            entries = torch.arange(view.capacity, device=pos.device)
-            return torch.where(entries < visible[:, None], slots[:, None] * stride + entries, -1).int()
-        return torch.where(picks >= 0, slots[:, None] * stride + picks, -1).int()
+    def _global_ids(self, slots, view: LayerSlots, picks) -> torch.Tensor:
+        """The indexer's `picks` (entry ids [B, k], -1 none) as rows of the source's compressed store, flat over the
+        slots: [B, k] int32, what the attention reads (an HCA layer's: `StepRows.visible_rows`)."""
+        return torch.where(picks >= 0, slots[:, None] * view.store.data.shape[1] + picks, -1).int()
 
     def _index_decode(self, on_x, on_qr, pos, slots, rows: StepRows, view: LayerSlots, pool):
         """The indexer's top-k entry ids [B, k] (-1 = none), as Indexer.forward for one token per row, and the
@@ -513,7 +528,7 @@ class FastAttention(Attention):
             q, w = ix._query_heads(q_proj[:, None], w_proj[:, None], cos[:, None], sin[:, None])
             q, w = q[:, 0], w[:, 0]  # [B, Hi, di], [B, Hi]
         stride, block = keys.data.shape[1], ix.candidate_block_size
-        ends = (slots * stride + visible).int()  # the rows' visible ends in the flat layout of every slot's keys
+        ends = rows.index_ends[role.compress_ratio]
         # a static choice (the capacity's): the pool as block ids that consumers score alone, or as a mask
         narrow = ix.narrow_pool(min(-(-cap // block), ix.candidate_topk_blocks), cap) and stride % block == 0
         if role.candidate_role == "consumer" and narrow:

@@ -633,8 +633,8 @@ def test_a_decode_step_pools_each_compressor_in_one_op(arch_dir, monkeypatch):
 def test_an_indexers_picks_become_store_rows_once_for_every_layer_reading_them(arch_dir, monkeypatch):
     """A decode step turns an indexer's top-k into rows of the compressed store (`_global_ids`) in the indexer's
     layer, and the layers reading that top-k attend to those rows as handed over: one call a step in each layer
-    that owns an indexer or attends to every entry (HCA), none in a reader (V4.1's); the logits stay the
-    reference's."""
+    that owns an indexer, none in a reader (V4.1's) or an HCA layer (V4's: `StepRows.visible_rows`); the logits
+    stay the reference's."""
     calls = Counter()
     global_ids = model_module.FastAttention._global_ids
 
@@ -647,8 +647,8 @@ def test_an_indexers_picks_become_store_rows_once_for_every_layer_reading_them(a
     got, fed = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
     roles = [r for r in fast.config.layer_roles if r.compress_ratio]
     readers = [r for r in roles if not r.owns_indexer and r.index_source is not None]
-    assert dict(calls) == {r.layer_id: 2 for r in roles if r not in readers}
-    assert readers or not fast.config.is_v41
+    assert dict(calls) == {r.layer_id: 2 for r in roles if r.owns_indexer}
+    assert readers if fast.config.is_v41 else any(r.attention_kind == "hca" for r in roles)
     assert_close(got, reference_steps(ref, fed), EXACT)
 
 
@@ -680,6 +680,30 @@ def test_a_decode_steps_rope_tables_are_every_layers_own(arch_dir):
             cos, sin = layer.attn.rotary.cos_sin(torch.tensor(first[r]))
             got_cos, got_sin = rows.entry_cos_sin[r]
             assert torch.equal(got_cos, cos) and torch.equal(got_sin, sin)
+
+
+def test_a_decode_steps_index_ends_and_visible_rows_are_every_layers_own(arch_dir):
+    """The step's entry makes each indexer ratio's visible ends in the flat index keys (`StepRows.index_ends`) and
+    each HCA ratio's visible store rows (`StepRows.visible_rows`) once; they are what each such layer's own buffers
+    give (its keys' and its store's rows a slot, its capacity)."""
+    fast = models(arch_dir, packed=True)[1]
+    runner = Runner(fast, max_seqs=2, max_len=256, compile=False)
+    slots = torch.tensor([runner.allocate(), runner.allocate()])
+    runner.state.lengths[slots] = torch.tensor([11, 130])  # the step's positions
+    *_, pos, rows, _ = fast.decode_enter(torch.tensor([5, 7]), slots, runner.state)
+    checked = 0
+    for role in fast.config.layer_roles:
+        view, r = runner.state.layer_slots[role.layer_id], role.compress_ratio
+        visible = (pos + 1) // max(r, 1)
+        if role.owns_indexer:
+            assert torch.equal(rows.index_ends[r], (slots * view.index_keys.data.shape[1] + visible).int())
+            checked += 1
+        if role.attention_kind == "hca":
+            entries = torch.arange(view.capacity)
+            want = torch.where(entries < visible[:, None], slots[:, None] * view.store.data.shape[1] + entries, -1)
+            assert torch.equal(rows.visible_rows[r], want.int())
+            checked += 1
+    assert checked
 
 
 def test_a_decode_step_makes_each_indexers_queries_in_one_op(arch_dir, monkeypatch):
