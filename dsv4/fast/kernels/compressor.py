@@ -54,9 +54,23 @@ def compressor_pool_twin(kv, score, ape, kv_ring, score_ring, pos, slots, ratio:
 
 
 @triton.jit
+def _carry(kv_ptr, score_ptr, ape_ptr, kv_ring_ptr, score_ring_ptr, cols, n, p, ring, R, stride_kv, stride_score,
+           C: tl.constexpr, RATIO: tl.constexpr, APE: tl.constexpr):
+    """The token's projections at columns `cols` (score + ape) stored at its ring row -> (kv, score) [len(cols)]."""
+    kv = tl.load(kv_ptr + n * stride_kv + cols)
+    score = tl.load(score_ptr + n * stride_score + cols)
+    if APE:
+        score += tl.load(ape_ptr + (p % RATIO) * C + cols)
+    tl.store(kv_ring_ptr + (ring + p % R) * C + cols, kv)
+    tl.store(score_ring_ptr + (ring + p % R) * C + cols, score)
+    return kv, score
+
+
+@triton.jit
 def _compressor_pool_kernel(kv_ptr, score_ptr, ape_ptr, kv_ring_ptr, score_ring_ptr, pos_ptr, slot_ptr, out_ptr, R,
-                            stride_kv, stride_score, D: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr, APE: tl.constexpr,
-                            ROWS: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
+                            stride_kv, stride_score, D: tl.constexpr, RATIO: tl.constexpr, OVERLAP: tl.constexpr,
+                            APE: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
+                            PDL: tl.constexpr):
     """Program: BD channels of one row's pooled latent. ROWS: the group's rows (2 RATIO overlapping, else RATIO)
     rounded up to a power of two. stride_kv, stride_score: the inputs' rows (views of the step's shared GEMV)."""
     wait_for_predecessor(PDL)
@@ -66,20 +80,10 @@ def _compressor_pool_kernel(kv_ptr, score_ptr, ape_ptr, kv_ring_ptr, score_ring_
     p = tl.load(pos_ptr + n).to(tl.int64)
     ring = tl.load(slot_ptr + n).to(tl.int64) * R
     # the token: its second halves (all of it without overlap) pool into this group, its first halves into the next
-    last = C - D + c
-    kv_new = tl.load(kv_ptr + n * stride_kv + last)
-    score_new = tl.load(score_ptr + n * stride_score + last)
-    if APE:
-        score_new += tl.load(ape_ptr + (p % RATIO) * C + last)
-    tl.store(kv_ring_ptr + (ring + p % R) * C + last, kv_new)
-    tl.store(score_ring_ptr + (ring + p % R) * C + last, score_new)
+    args = (kv_ptr, score_ptr, ape_ptr, kv_ring_ptr, score_ring_ptr)
+    kv_new, score_new = _carry(*args, C - D + c, n, p, ring, R, stride_kv, stride_score, C, RATIO, APE)
     if OVERLAP:
-        kv_first = tl.load(kv_ptr + n * stride_kv + c)
-        score_first = tl.load(score_ptr + n * stride_score + c)
-        if APE:
-            score_first += tl.load(ape_ptr + (p % RATIO) * C + c)
-        tl.store(kv_ring_ptr + (ring + p % R) * C + c, kv_first)
-        tl.store(score_ring_ptr + (ring + p % R) * C + c, score_first)
+        _carry(*args, c, n, p, ring, R, stride_kv, stride_score, C, RATIO, APE)
     # the group's rows i: position p - (rows - 1) + i, the first halves below RATIO where groups overlap
     n_rows: tl.constexpr = 2 * RATIO if OVERLAP else RATIO
     i = tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
