@@ -183,8 +183,8 @@ def _gate_gemm_kernel(
     if NORM:  # 1 / sqrt(mean square + eps) of the program's rows, as torch computes rsqrt on the CPU
         live = pid_m * BM + tl.arange(0, NORM_ROWS)
         r_live = _rms_scale(x_ptr, live, live < N, D, eps, NORM_CHUNK, 2)  # [NORM_ROWS]
-        picks = tl.arange(0, BM)[:, None] == tl.arange(0, NORM_ROWS)[None, :]
-        r = tl.sum(tl.where(picks, r_live[None, :], 0.0), axis=1)[:, None]  # [BM, 1]; rows past them: masked
+        same_row = tl.arange(0, BM)[:, None] == tl.arange(0, NORM_ROWS)[None, :]
+        r = tl.sum(tl.where(same_row, r_live[None, :], 0.0), axis=1)[:, None]  # [BM, 1]; rows past them: masked
     k_begin = pid_s * steps_per_prog * BK
     k_end = tl.minimum(k_begin + steps_per_prog * BK, D)
     for k0 in range(k_begin, k_end, BK):
