@@ -285,6 +285,12 @@ def _pre_finish_kernel(
     r2 = rmask[:, None]
     r3 = rmask[:, None, None]
     jk = c[:, None] * HC + c[None, :]
+    dd = tl.arange(0, BD)
+    d_begin = pid_d * d_per_prog
+    streams = h_ptr + rows64[:, None, None] * stride_hn + c[None, :, None] * stride_hk + dd[None, None, :]
+    if COLLAPSE:  # the first d chunk of every stream, loaded before the coefficients: its round trip runs under
+        # their chain (the workspace's sums, the Sinkhorn) rather than after it (a decode token's program has one)
+        first = tl.load(streams + d_begin, mask=r3, other=0.0)  # [BN, HC, BD]
     pre, post, comb = _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps,
                                     iters, HC, M, SB, ACCURATE, THREAD_SINKHORN)
 
@@ -294,18 +300,23 @@ def _pre_finish_kernel(
         tl.store(comb_ptr + rows64[:, None, None] * (HC * HC) + jk[None, :, :], comb, mask=r3)
 
     if COLLAPSE:
-        dd = tl.arange(0, BD)
-        d_begin = pid_d * d_per_prog
-        d_end = tl.minimum(d_begin + d_per_prog, D)
-        for d0 in range(d_begin, d_end, BD):
-            xacc = tl.zeros((BN, BD), dtype=tl.float32)
-            for k in tl.static_range(HC):
-                wk = tl.sum(tl.where(c[None, :] == k, pre, 0.0), axis=1)
-                hv = tl.load(h_ptr + rows64[:, None] * stride_hn + k * stride_hk + (d0 + dd)[None, :],
-                             mask=r2, other=0.0)
-                xacc += wk[:, None] * hv.to(tl.float32)
-            tl.store(x_ptr + rows64[:, None] * stride_xn + (d0 + dd)[None, :], xacc.to(x_ptr.dtype.element_ty),
-                     mask=r2)
+        x_rows = x_ptr + rows64[:, None] * stride_xn + dd[None, :]
+        _store_collapsed(x_rows + d_begin, first, pre, r2, HC)
+        for d0 in range(d_begin + BD, tl.minimum(d_begin + d_per_prog, D), BD):
+            _store_collapsed(x_rows + d0, tl.load(streams + d0, mask=r3, other=0.0), pre, r2, HC)
+
+
+@triton.jit
+def _store_collapsed(x_tile, h, pre, r2, HC: tl.constexpr):
+    """x = sum over the streams k of pre[:, k] h[:, k], in stream order in fp32, of a d chunk h [BN, HC, BD],
+    stored at x_tile [BN, BD] (rows masked by r2)."""
+    c = tl.arange(0, HC)
+    xacc = tl.zeros((h.shape[0], h.shape[2]), dtype=tl.float32)
+    for k in tl.static_range(HC):
+        wk = tl.sum(tl.where(c[None, :] == k, pre, 0.0), axis=1)  # [BN]
+        hk = tl.sum(tl.where(c[None, :, None] == k, h.to(tl.float32), 0.0), axis=1)  # [BN, BD]: stream k, exact
+        xacc += wk[:, None] * hk
+    tl.store(x_tile, xacc.to(x_tile.dtype.element_ty), mask=r2)
 
 
 @triton.jit
