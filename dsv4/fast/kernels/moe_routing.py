@@ -180,17 +180,28 @@ def _gate_gemm_kernel(
     emask = ex < E
     kk = tl.arange(0, BK)
     acc = tl.zeros((BM, BE), dtype=tl.float32)
+    k_begin = pid_s * steps_per_prog * BK
+    k_end = tl.minimum(k_begin + steps_per_prog * BK, D)
+    w_rows = w_ptr + ex.to(tl.int64)[:, None] * stride_we
     if NORM:  # 1 / sqrt(mean square + eps) of the program's rows, as torch computes rsqrt on the CPU
+        # the first weight tile first: its round trip runs under the sums of squares (a decode token's program
+        # has one K step)
+        w_first = tl.load(w_rows + (k_begin + kk)[None, :], mask=emask[:, None] & ((k_begin + kk) < D)[None, :],
+                          other=0.0)
         live = pid_m * BM + tl.arange(0, NORM_ROWS)
         r_live = _rms_scale(x_ptr, live, live < N, D, eps, NORM_CHUNK, 2)  # [NORM_ROWS]
         same_row = tl.arange(0, BM)[:, None] == tl.arange(0, NORM_ROWS)[None, :]
         r = tl.sum(tl.where(same_row, r_live[None, :], 0.0), axis=1)[:, None]  # [BM, 1]; rows past them: masked
-    k_begin = pid_s * steps_per_prog * BK
-    k_end = tl.minimum(k_begin + steps_per_prog * BK, D)
     for k0 in range(k_begin, k_end, BK):
         kmask = (k0 + kk) < D
         a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xn + (k0 + kk)[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w_mask = emask[:, None] & kmask[None, :]
+        if NORM:  # the first step's weight tile loaded above
+            later = ((k0 + kk) >= k_begin + BK)[None, :]  # false throughout the first step
+            w_tile = tl.where(later, tl.load(w_rows + (k0 + kk)[None, :], mask=w_mask & later, other=0.0), w_first)
+        else:
+            w_tile = tl.load(w_rows + (k0 + kk)[None, :], mask=w_mask, other=0.0)
         if NORM:
             nw = tl.load(nw_ptr + k0 + kk, mask=kmask, other=0.0).to(tl.float32)[None, :]
             normed = rounded(nw * (a.to(tl.float32) * r), X_BF16, INTERP)  # [BM, BK], exact in x's dtype
@@ -201,8 +212,7 @@ def _gate_gemm_kernel(
                 tl.store(xn_ptr + at + k, normed.to(xn_ptr.dtype.element_ty), mask=ok)
                 tl.store(planes_ptr + at + (k % 8) * (D // 8) + k // 8, normed, mask=ok)
             a = normed.to(a.dtype)
-        b = tl.trans(tl.load(w_ptr + ex.to(tl.int64)[:, None] * stride_we + (k0 + kk)[None, :],
-                             mask=emask[:, None] & kmask[None, :], other=0.0))
+        b = tl.trans(w_tile)
         # each step's product joins acc through an fp32 add: tensor-core accumulation rounding stays in the step
         if INTERP:  # the interpreter's dot mishandles bf16; fp32 gives the same exact products
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
