@@ -155,6 +155,14 @@ def test_both_round_forms_route_alike():
         assert all(torch.equal(a, b) for a, b in zip(*forms))
 
 
+def gate_inputs(g, N, E, D, dtype, hashed):
+    """A gate's weight [E, D], its bias (None on the hashed path) and hashed ids [N, 6] (None without)."""
+    weight = (torch.randn(E, D, generator=g) / D**0.5).to(dtype)
+    bias = None if hashed else torch.randn(E, generator=g) * 0.05
+    ids_in = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(N)]) if hashed else None
+    return weight, bias, ids_in
+
+
 @settings(deadline=None, max_examples=examples(15))
 @given(
     N=st.integers(1, 40),
@@ -166,10 +174,8 @@ def test_both_round_forms_route_alike():
 )
 def test_gate_route_matches_twin(N, E, D, dtype, hashed, seed):
     g = torch.Generator().manual_seed(seed)
-    weight = (torch.randn(E, D, generator=g) / D**0.5).to(dtype)
+    weight, bias, ids_in = gate_inputs(g, N, E, D, dtype, hashed)
     x = (torch.randn(N, D, generator=g) * 3).to(dtype)
-    bias = None if hashed else torch.randn(E, generator=g) * 0.05
-    ids_in = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(N)]) if hashed else None
     logits = torch.nn.functional.linear(x.float(), weight.float())
     scores = router_scores(logits / 0.8, "sqrtsoftplus")
     sel = scores + (bias if bias is not None else 0)
@@ -200,9 +206,7 @@ def test_norm_gate_route_matches_twin(N, E, D, dtype, exact, hashed, seed):
     else:
         x = torch.randn(N, D, generator=g) * torch.exp2(torch.randint(-4, 5, (N, 1), generator=g).float())
     x, norm_weight = x.to(dtype), (1 + torch.randn(D, generator=g) / 4).to(dtype)
-    weight = (torch.randn(E, D, generator=g) / D**0.5).to(dtype)
-    bias = None if hashed else torch.randn(E, generator=g) * 0.05
-    ids_in = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(N)]) if hashed else None
+    weight, bias, ids_in = gate_inputs(g, N, E, D, dtype, hashed)
     args = (weight, bias, ids_in, 6, 0.8, 1.5, True, "sqrtsoftplus")
     *route, xn, planes = R.norm_gate_route(x, norm_weight, 1e-6, *args)
     *_, want_xn, want_planes = R.norm_gate_route_twin(x, norm_weight, 1e-6, *args)
