@@ -186,7 +186,7 @@ def routing_kernels() -> list[Kernel]:
     gate = Kernel("moe gate GEMM", moe_routing._gate_gemm_kernel,
                   {"x_ptr": "*bf16", "w_ptr": "*bf16", "nw_ptr": "*bf16", "xn_ptr": "*bf16", "eps": "fp32"},
                   {"BM": BM, "BE": BE, "BK": BK, "F32": False, "NORM": False, "NORM_ROWS": 1, "X_BF16": True,
-                   "NORM_CHUNK": moe_routing._NORM_CHUNK, "INTERP": False, "PDL": True}, 4)
+                   "NORM_CHUNK": rope.NORM_CHUNK, "INTERP": False, "PDL": True}, 4)
     # the decode token's: the FFN norm first, the normed row and its planes stored by the first expert block
     gate_norm = Kernel("moe gate GEMM with the norm", moe_routing._gate_gemm_kernel, gate.types,
                        {**gate.constexprs, "NORM": True}, 4)
@@ -270,7 +270,7 @@ def fp8_gemv_kernels() -> list[Kernel]:
                            "eps": "fp32"},
                           {"BM": 1, "BN": BN, "BK": BK, "BLOCK_K": 32, "STAGES": stages, "OUT_BF16": True, "INTERP": False,
                            "PDL": True, "EVEN_K": K % BK == 0, "NORM": name.startswith("wq_"), "X_BF16": True,
-                           "NORM_CHUNK": fp8_gemv._NORM_CHUNK}, warps, stages))
+                           "NORM_CHUNK": rope.NORM_CHUNK}, warps, stages))
     return out
 
 

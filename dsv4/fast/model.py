@@ -355,26 +355,22 @@ class StepRows(NamedTuple):
         W = state.window_size
         back = pos[:, None] - torch.arange(W, device=pos.device)  # [B, W]: positions p - W + 1 .. p
         attended = torch.where(back >= state.window_start[slots, None], slots[:, None] * W + back % W, -1).int()
-        group = {r: torch.where((pos + 1) % r == 0, (pos + 1) // r - 1, cap) for r, cap in state.ratio_capacity.items()}
+        caps = state.ratio_capacity
+        done = {r: (pos + 1) // r for r in caps}  # [B] by ratio: the groups a row's positions complete
+        group = {r: torch.where((pos + 1) % r == 0, done[r] - 1, cap) for r, cap in caps.items()}
         blocks = {cap: slots[:, None] * (cap // POOL_BLOCK + 1) + torch.arange(cap // POOL_BLOCK, device=pos.device)
                   for cap in state.key_capacities}  # a slot's cap + POOL_BLOCK rows: its blocks and a spare one
         cos_sin = {rotation: rotary.cos_sin(pos) for rotation, rotary in rotaries.items()}
-        entry_cos_sin = {r: rotaries[True].cos_sin(((pos + 1) // r - 1).clamp(min=0) * r) for r in state.ratio_capacity}
-        stride = {r: cap + POOL_BLOCK for r, cap in state.ratio_capacity.items()}  # a slot's rows in either store
+        entry_cos_sin = {r: rotaries[True].cos_sin((done[r] - 1).clamp(min=0) * r) for r in caps}
+        stride = {r: cap + POOL_BLOCK for r, cap in caps.items()}  # a slot's rows in either store
         roles = state.config.layer_roles
-        index_ends = {r: (slots * stride[r] + (pos + 1) // r).int()
-                      for r in {role.compress_ratio for role in roles if role.owns_indexer}}
-        visible_rows = {r: visible_store_rows(pos, slots, r, state.ratio_capacity[r], stride[r])
-                        for r in {role.compress_ratio for role in roles if role.attention_kind == "hca"}}
+        index_ends = {r: (slots * stride[r] + done[r]).int() for r in {q.compress_ratio for q in roles if q.owns_indexer}}
+        visible_rows = {}
+        for r in {q.compress_ratio for q in roles if q.attention_kind == "hca"}:
+            entries = torch.arange(caps[r], device=pos.device)
+            visible_rows[r] = torch.where(entries < done[r][:, None], slots[:, None] * stride[r] + entries, -1).int()
         return cls(pos % W, attended, group, {cap: b.int() for cap, b in blocks.items()}, cos_sin, entry_cos_sin,
                    index_ends, visible_rows)
-
-
-def visible_store_rows(pos: torch.Tensor, slots: torch.Tensor, ratio: int, capacity: int, stride: int) -> torch.Tensor:
-    """Every compressed entry visible at positions pos [B] of slots [B] as rows of a store of `stride` rows a slot,
-    flat over the slots: [B, capacity] int32, -1 past the visible ones."""
-    entries = torch.arange(capacity, device=pos.device)
-    return torch.where(entries < ((pos + 1) // ratio)[:, None], slots[:, None] * stride + entries, -1).int()
 
 
 class FastAttention(Attention):

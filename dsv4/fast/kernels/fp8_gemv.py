@@ -32,7 +32,7 @@ import torch
 
 from dsv4.fast.kernels import pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.engram import _e4m3_to_f32
-from dsv4.fast.kernels.rope import rounded
+from dsv4.fast.kernels.rope import NORM_CHUNK, rounded, streamed_inverse_rms
 from dsv4.quant import dequantize_fp8
 from dsv4.reference.linear import rms_norm
 
@@ -41,7 +41,6 @@ __all__ = ["MAX_M", "fp8_gemv", "fp8_gemv_reference"]
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_M = 16  # decode batches; larger M belongs to a GEMM (tensor cores)
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
-_NORM_CHUNK = 1024  # x's columns a step of the norm's sum of squares
 
 # acc + sum_j e4m3_j * x_j over the four codes of one int32 word (K positions 0..3, lowest byte first)
 _DOT4_PTX = tl.constexpr("\n".join([
@@ -100,7 +99,7 @@ def _fp8_gemv_kernel(
     s_row = s_ptr + ((pid * BN) // block_n) * KS  # BN divides block_n: one scale row for the program
     x_rows = x_ptr + ((pid * BN) // (N // G)) * K + mm[:, None, None] * (G * K)  # the program's group's columns
     if NORM:  # 1 / sqrt(mean square + eps), as torch computes rsqrt on the CPU (correctly rounded)
-        r = _rms_scale(x_ptr, mm, mmask, K, eps, NORM_CHUNK, STAGES)[:, None, None]
+        r = streamed_inverse_rms(x_ptr, mm, mmask, K, eps, NORM_CHUNK, STAGES)[:, None, None]
     acc = tl.zeros((BM, BN, NW), dtype=tl.float32)
     scale = _word_scales(s_row, c, KW, BLOCK_K)  # [NW]
     for k0 in tl.range(0, KW, NW, num_stages=STAGES):
@@ -124,20 +123,6 @@ def _fp8_gemv_kernel(
                     _rows(x2, BN), _rows(x3, BN), INTERP)
         scale = next_scale
     store_rows(y_ptr, tl.sum(acc, axis=2), mm, n, mmask, nmask, N, OUT_BF16, INTERP)
-
-
-@triton.jit
-def _rms_scale(x_ptr, mm, mmask, K, eps, CHUNK: tl.constexpr, STAGES: tl.constexpr):
-    """1 / sqrt(mean of the squares + eps) of x's rows mm [BM] (K columns), fp32 [BM]. The chunks' loads pipelined
-    STAGES deep: one at a time, each waited on an L2 round trip (2 a step, sm_90 SASS), 5 in series at K = 5120."""
-    squares = tl.zeros((mm.shape[0],), dtype=tl.float32)
-    for k0 in tl.range(0, K, CHUNK, num_stages=STAGES):
-        k = k0 + tl.arange(0, CHUNK)
-        xs = tl.load(x_ptr + mm[:, None] * K + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
-        xs = xs.to(tl.float32)
-        squares += tl.sum(xs * xs, axis=1)
-    mean_square = tl.math.div_rn(squares, tl.zeros_like(squares) + K)
-    return tl.math.div_rn(tl.full(squares.shape, 1.0, tl.float32), tl.sqrt_rn(mean_square + eps))
 
 
 @triton.jit
@@ -247,7 +232,7 @@ def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1
         norm_weight.contiguous() if norm else x, float(eps), M, N, K, K // 4, w_scale.shape[1], bn, groups,
         BM=triton.next_power_of_2(M), BN=BN, BK=BK, BLOCK_K=bk, STAGES=stages, OUT_BF16=out_dtype == torch.bfloat16,
         INTERP=_INTERP, PDL=pdl(x), EVEN_K=K % BK == 0, NORM=norm, X_BF16=x.dtype == torch.bfloat16,
-        NORM_CHUNK=_NORM_CHUNK, num_warps=warps, launch_pdl=pdl(x))
+        NORM_CHUNK=NORM_CHUNK, num_warps=warps, launch_pdl=pdl(x))
     return y
 
 

@@ -34,9 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
-from dsv4.fast.kernels.fp8_gemv import _NORM_CHUNK, _rms_scale
 from dsv4.fast.kernels.moe_experts import activation_planes
-from dsv4.fast.kernels.rope import rounded
+from dsv4.fast.kernels.rope import NORM_CHUNK, rounded, streamed_inverse_rms
 from dsv4.fast.kernels.torch_math import exp, log1p
 from dsv4.reference.linear import rms_norm
 from dsv4.reference.moe import route, router_scores
@@ -189,7 +188,7 @@ def _gate_gemm_kernel(
         w_first = tl.load(w_rows + (k_begin + kk)[None, :], mask=emask[:, None] & ((k_begin + kk) < D)[None, :],
                           other=0.0)
         live = pid_m * BM + tl.arange(0, NORM_ROWS)
-        r_live = _rms_scale(x_ptr, live, live < N, D, eps, NORM_CHUNK, 2)  # [NORM_ROWS]
+        r_live = streamed_inverse_rms(x_ptr, live, live < N, D, eps, NORM_CHUNK, 2)  # [NORM_ROWS]
         same_row = tl.arange(0, BM)[:, None] == tl.arange(0, NORM_ROWS)[None, :]
         r = tl.sum(tl.where(same_row, r_live[None, :], 0.0), axis=1)[:, None]  # [BM, 1]; rows past them: masked
     for k0 in range(k_begin, k_end, BK):
@@ -332,7 +331,7 @@ def _gate_gemm(x, weight, norm: tuple | None, cfg: dict) -> torch.Tensor:
             x, weight, ws, nw, xn, planes, eps, N, E, D, per, x.stride(0), weight.stride(0),
             BM=BM, BE=BE, BK=BK, F32=x.dtype == torch.float32, NORM=norm is not None,
             NORM_ROWS=min(BM, triton.next_power_of_2(N)), X_BF16=x_bf16,
-            NORM_CHUNK=_NORM_CHUNK, INTERP=not x.is_cuda, PDL=pdl(x), num_warps=cfg.get("num_warps", 4),
+            NORM_CHUNK=NORM_CHUNK, INTERP=not x.is_cuda, PDL=pdl(x), num_warps=cfg.get("num_warps", 4),
             num_stages=cfg.get("num_stages", 3), launch_pdl=pdl(x),
         )
     return ws

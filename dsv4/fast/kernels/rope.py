@@ -23,6 +23,7 @@ from dsv4.reference.attention import head_rms_norm
 from dsv4.reference.rope import apply_rope
 
 _HEADS_A_PROGRAM = 2
+NORM_CHUNK = 1024  # x's columns a step of `streamed_inverse_rms`' sum of squares
 
 
 @triton.jit
@@ -47,11 +48,31 @@ def load_head_pairs(q_ptr, H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def inverse_rms(even, odd, eps, D: tl.constexpr):
-    """1 / sqrt(mean square + eps) of rows given as channel pairs (even, odd) [rows, D/2] -> [rows, 1] fp32: 1 /
-    sqrt correctly rounded, as torch's rsqrt on the CPU (CUDA's rsqrt is not)."""
-    ROWS: tl.constexpr = even.shape[0]
-    mean_square = tl.math.div_rn(tl.sum(even * even + odd * odd, axis=1), tl.full([ROWS], D, tl.float32))
-    return tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), tl.sqrt_rn(mean_square + eps))[:, None]
+    """1 / sqrt(mean square + eps) of rows given as channel pairs (even, odd) [rows, D/2] -> [rows, 1] fp32
+    (`_inverse_root`)."""
+    return _inverse_root(tl.sum(even * even + odd * odd, axis=1), D, eps)[:, None]
+
+
+@triton.jit
+def streamed_inverse_rms(x_ptr, rows, rmask, K, eps, CHUNK: tl.constexpr, STAGES: tl.constexpr):
+    """1 / sqrt(mean square + eps) of the rows `rows` [R] (mask rmask) of a contiguous x [N, K] read from memory,
+    fp32 [R] (`_inverse_root`). The chunks' loads pipelined STAGES deep: one at a time, each waited on an L2 round
+    trip (2 a step, sm_90 SASS), 5 in series at K = 5120."""
+    squares = tl.zeros((rows.shape[0],), dtype=tl.float32)
+    for k0 in tl.range(0, K, CHUNK, num_stages=STAGES):
+        k = k0 + tl.arange(0, CHUNK)
+        xs = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=rmask[:, None] & (k < K)[None, :], other=0.0)
+        xs = xs.to(tl.float32)
+        squares += tl.sum(xs * xs, axis=1)
+    return _inverse_root(squares, K, eps)
+
+
+@triton.jit
+def _inverse_root(squares, count, eps):
+    """1 / sqrt(squares / count + eps) [rows] fp32, the division and the root correctly rounded: torch's rsqrt on
+    the CPU (CUDA's rsqrt is not)."""
+    mean_square = tl.math.div_rn(squares, tl.zeros_like(squares) + count)
+    return tl.math.div_rn(tl.full(squares.shape, 1.0, tl.float32), tl.sqrt_rn(mean_square + eps))
 
 
 @triton.jit
@@ -66,7 +87,6 @@ def rotate_pairs(even, odd, cos_row, sin_row, p, D: tl.constexpr, R: tl.constexp
     s = tl.load(sin_row + j, mask=j >= 0, other=0.0)[None, :]
     return (tl.where(rot, rounded(even * c - odd * s, BF16, INTERP), even),
             tl.where(rot, rounded(even * s + odd * c, BF16, INTERP), odd))
-
 
 
 def check_rope_tables(cos: torch.Tensor, sin: torch.Tensor, N: int, D: int, what: str) -> None:
