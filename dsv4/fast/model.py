@@ -71,7 +71,7 @@ from dsv4.fast.kernels.moe_experts import (
     moe_mxfp4_with_shared,
     stack_expert_weights,
 )
-from dsv4.fast.kernels.moe_routing import gate_route, norm_gate_route
+from dsv4.fast.kernels.moe_routing import gate_route
 from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant
 from dsv4.fast.kernels.rope import query_heads
 from dsv4.fast.kernels.topk import topk_select
@@ -223,27 +223,21 @@ class FastMoE(MoE):
         """x: [B, S, D], input_ids: [B, S] -> [B, S, D]."""
         return summed_slots(self.slots(x.flatten(0, 1), input_ids.flatten()), x.dtype).view_as(x)
 
-    def slots(self, x: torch.Tensor, input_ids: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
-        """x [N, D] (before `norm`, the FFN's, where given), input_ids [N] -> the output [N, D] in x's dtype, or for
-        one token its slots [1, k + 1, D] fp32 (the routed experts weighted, then the shared expert), whose sum in
-        slot order rounded to x's dtype is the output (`summed_slots`): the decode step's FFN post sums them
-        (`mhc_post_partial`, `mhc_post_sums`) where a kernel of its own did. One token's norm and activation planes
-        come from the gate GEMM's launch (`norm_gate_route`), where they took two kernels of their own."""
+    def slots(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [N, D], input_ids [N] -> the output [N, D] in x's dtype, or for one token its slots [1, k + 1, D] fp32
+        (the routed experts weighted, then the shared expert), whose sum in slot order rounded to x's dtype is the
+        output (`summed_slots`): the decode step's FFN post sums them (`mhc_post_partial`, `mhc_post_sums`) where
+        a kernel of its own did."""
         g = self.gate
         hashed = g.tid2eid[input_ids] if hasattr(g, "tid2eid") else None
-        gate = (g.weight, getattr(g, "bias", None), hashed, g.topk, g.temp, g.scale, g.norm_topk_prob, g.scoring_func)
+        weights, ids = gate_route(x, g.weight, getattr(g, "bias", None), hashed, g.topk, g.temp, g.scale,
+                                  g.norm_topk_prob, g.scoring_func)
         s = self.stacked
-        experts = (s["w13"], s["s13"], s["w2"], s["s2"], s["shared13"], s["shared2"], self.limit)
-        if x.shape[0] != 1 or norm is None:
-            x = x if norm is None else norm(x)
-            weights, ids = gate_route(x, *gate)
-            if x.shape[0] != 1:
-                return moe_mxfp4_with_shared(x, ids, weights, *experts).to(x.dtype)
-            planes = activation_planes(x)
-        else:  # the decode step's token
-            weights, ids, x, planes = norm_gate_route(x, norm.weight, norm.eps, *gate)
-        stored = [t for c in self.shared_fp8 or () for t in (c.weight, c.scale)]
-        return moe_gather_slots(x, planes, ids, weights, *experts, *stored)
+        experts = (ids, weights, s["w13"], s["s13"], s["w2"], s["s2"], s["shared13"], s["shared2"], self.limit)
+        if x.shape[0] == 1:  # the decode step's token: the planes fuse into a compiled kernel
+            stored = [t for c in self.shared_fp8 or () for t in (c.weight, c.scale)]
+            return moe_gather_slots(x, activation_planes(x), *experts, *stored)
+        return moe_mxfp4_with_shared(x, *experts).to(x.dtype)
 
     @staticmethod
     def _shared_rows(copies: list[Fp8Copy | None]) -> tuple[Fp8Copy, Fp8Copy] | None:
@@ -640,7 +634,7 @@ class FastBlock(Block):
         x, coefficients = pre if isinstance(pre, tuple) else self.decode_pre_site(h, "attn", pre)
         a, picks, pool = self.attn.decode(x, self.attn_norm, pos, slots, rows, view, picks, pool, compress)
         h, x, coefficients = self.decode_between_sites(a, h, coefficients)
-        f = self.ffn.slots(x, ids, self.ffn_norm)  # [B, D], or at one token the slots the fused posts sum
+        f = self.ffn.slots(self.ffn_norm(x), ids)  # [B, D], or at one token the slots the fused posts sum
         if next_site is not None:
             h, x, coefficients = self.decode_post_partial(f, h, "ffn", coefficients, next_site)
             return h, (x, coefficients), picks, pool

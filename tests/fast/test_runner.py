@@ -510,19 +510,14 @@ def test_a_v4_decode_step_takes_each_sites_partial_sums_in_the_post_before_it(ti
     assert (paired - apart).abs().max() <= 1e-5 * apart.abs().max()
 
 
-def test_a_batch_1_decode_steps_moe_norms_in_the_gate_and_sums_in_the_ffn_post(arch_dir, monkeypatch):
-    """At one token the MoE takes its input before the FFN norm and makes the norm and the activation planes in the
-    gate GEMM's launch (`norm_gate_route`, one call a layer, no gate_route), and hands its slots (`FastMoE.slots`)
-    to the FFN site's fused post (V4.1's `mhc_post_partial`, V4's `mhc_post_sums`), which sums them, wherever that
-    post takes the next site's pass; the attention sites' posts take the attention's output as before; the logits
-    are the reference's."""
+def test_a_batch_1_decode_step_sums_the_moes_slots_in_the_ffn_post(arch_dir, monkeypatch):
+    """At one token the MoE hands its slots (`FastMoE.slots`) to the FFN site's fused post (V4.1's
+    `mhc_post_partial`, V4's `mhc_post_sums`), which sums them, wherever that post takes the next site's pass; the
+    attention sites' posts take the attention's output as before; the logits are those of the module's own sum."""
     seen = Counter()
     for name in ("mhc_post_partial", "mhc_post_sums"):
         op = getattr(model_module, name)
         monkeypatch.setattr(model_module, name, lambda f, *a, op=op: seen.update([f.dim()]) or op(f, *a))
-    for name in ("norm_gate_route", "gate_route"):
-        op = getattr(model_module, name)
-        monkeypatch.setattr(model_module, name, lambda *a, op=op, name=name: seen.update([name]) or op(*a))
     ref, fast = models(arch_dir, packed=False)
     runner = Runner(fast, max_seqs=1, max_len=64, compile=False)
     slot, seq = runner.allocate(), ReferenceSequence(ref)
@@ -530,8 +525,8 @@ def test_a_batch_1_decode_steps_moe_norms_in_the_gate_and_sums_in_the_ffn_post(a
     seq.run(prompt(20, 5))
     seen.clear()  # the decode step's calls alone
     got = runner.decode([slot], token[None])[0]
-    fused, L = sum(fast._next_attn_site(i) is not None for i in range(len(fast.layers))), len(fast.layers)
-    assert fused and seen == Counter({3: fused, 2: L, "norm_gate_route": L})
+    fused = sum(fast._next_attn_site(i) is not None for i in range(len(fast.layers)))
+    assert fused and seen == Counter({3: fused, 2: len(fast.layers)})
     assert_close(got, seq.run([int(token)]), EXACT)
 
 
