@@ -155,14 +155,6 @@ def test_both_round_forms_route_alike():
         assert all(torch.equal(a, b) for a, b in zip(*forms))
 
 
-def gate_inputs(g, N, E, D, dtype, hashed):
-    """A gate's weight [E, D], its bias (None on the hashed path) and hashed ids [N, 6] (None without)."""
-    weight = (torch.randn(E, D, generator=g) / D**0.5).to(dtype)
-    bias = None if hashed else torch.randn(E, generator=g) * 0.05
-    ids_in = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(N)]) if hashed else None
-    return weight, bias, ids_in
-
-
 @settings(deadline=None, max_examples=examples(15))
 @given(
     N=st.integers(1, 40),
@@ -174,8 +166,10 @@ def gate_inputs(g, N, E, D, dtype, hashed):
 )
 def test_gate_route_matches_twin(N, E, D, dtype, hashed, seed):
     g = torch.Generator().manual_seed(seed)
-    weight, bias, ids_in = gate_inputs(g, N, E, D, dtype, hashed)
+    weight = (torch.randn(E, D, generator=g) / D**0.5).to(dtype)
     x = (torch.randn(N, D, generator=g) * 3).to(dtype)
+    bias = None if hashed else torch.randn(E, generator=g) * 0.05
+    ids_in = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(N)]) if hashed else None
     logits = torch.nn.functional.linear(x.float(), weight.float())
     scores = router_scores(logits / 0.8, "sqrtsoftplus")
     sel = scores + (bias if bias is not None else 0)
@@ -184,52 +178,6 @@ def test_gate_route_matches_twin(N, E, D, dtype, hashed, seed):
     out = R.gate_route(x, weight, bias, ids_in, 6, 0.8, 1.5, True, "sqrtsoftplus")
     ref = R.gate_route_twin(x, weight, bias, ids_in, 6, 0.8, 1.5, True, "sqrtsoftplus")
     check_route(out, ref, sel, 6, rel=5e-6, hashed=hashed)
-
-
-@settings(deadline=None, max_examples=examples(15))
-@given(
-    N=st.integers(1, 20),
-    E=st.sampled_from([24, 384]),
-    D=st.sampled_from([64, 200, 512]),
-    dtype=st.sampled_from([torch.bfloat16, torch.float32]),
-    exact=st.booleans(),
-    hashed=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_norm_gate_route_matches_twin(N, E, D, dtype, exact, hashed, seed):
-    """The FFN norm, its planes and the routing in the gate GEMM's launch: the normed rows and their planes the
-    twin's bit for bit where the rows' mean squares are exact (values k / 8), within one step of the dtype elsewhere
-    (the squares summed in another order), the planes those of the rows made; the routing gate_route's of them."""
-    g = torch.Generator().manual_seed(seed)
-    if exact:
-        x = torch.randint(-8, 9, (N, D), generator=g).float() / 8
-    else:
-        x = torch.randn(N, D, generator=g) * torch.exp2(torch.randint(-4, 5, (N, 1), generator=g).float())
-    x, norm_weight = x.to(dtype), (1 + torch.randn(D, generator=g) / 4).to(dtype)
-    weight, bias, ids_in = gate_inputs(g, N, E, D, dtype, hashed)
-    args = (weight, bias, ids_in, 6, 0.8, 1.5, True, "sqrtsoftplus")
-    *route, xn, planes = R.norm_gate_route(x, norm_weight, 1e-6, *args)
-    *_, want_xn, want_planes = R.norm_gate_route_twin(x, norm_weight, 1e-6, *args)
-    assert xn.dtype == dtype and planes.shape == (N, 8, D // 8)
-    assert torch.equal(planes, R.activation_planes(xn))
-    if exact:
-        assert torch.equal(xn, want_xn) and torch.equal(planes, want_planes)
-    else:
-        step = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20
-        assert ((xn.float() - want_xn.float()).abs() <= step * want_xn.float().abs()).all()
-    logits = torch.nn.functional.linear(xn.float(), weight.float())  # the rows the kernel routed
-    scores = router_scores(logits / 0.8, "sqrtsoftplus")
-    sel = scores + (bias if bias is not None else 0)
-    keep = torch.ones(N, dtype=torch.bool) if hashed else separated(scores, sel, 6, floor=1e-5)
-    ref = R.gate_route_twin(xn, *args)
-    check_route(tuple(t[keep] for t in route), tuple(t[keep] for t in ref), sel[keep], 6, rel=5e-6, hashed=hashed)
-
-
-def test_norm_gate_route_refuses_a_misshapen_norm():
-    x, weight = torch.randn(2, 64).bfloat16(), torch.randn(24, 64).bfloat16()
-    for x_, nw in ((x, torch.ones(32)), (x[:, :60], torch.ones(60))):
-        with pytest.raises(ValueError, match=r"norm_gate_route: x \[N, D\] \(D a multiple of 8\) and norm_weight"):
-            R.norm_gate_route(x_, nw, 1e-6, weight, None, None, 6, 1.0, 1.5, True, "sqrtsoftplus")
 
 
 def test_gate_route_split_configs_agree():
@@ -269,9 +217,6 @@ def test_opcheck():
     x, weight = torch.randn(5, 64).bfloat16(), torch.randn(24, 64).bfloat16()
     torch.library.opcheck(torch.ops.dsv4.gate_route, (x, weight, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus"),
                           test_utils=tests)
-    torch.library.opcheck(torch.ops.dsv4.norm_gate_route,
-                          (x, torch.ones(64).bfloat16(), 1e-6, weight, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus"),
-                          test_utils=tests)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -310,26 +255,6 @@ def test_gate_route_gpu(N):
     out = R.gate_route(x.cuda(), weight.cuda(), bias.cuda(), None, 6, 1.0, 1.5, True, "sqrtsoftplus")
     ref = R.gate_route_twin(x, weight, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus")
     check_route(tuple(t.cpu()[keep] for t in out), tuple(t[keep] for t in ref), sel[keep], 6, rel=5e-6)
-
-
-@gpu
-@needs_cuda
-def test_norm_gate_route_gpu():
-    """V4.1's decode token (D = 5120, E = 384): the normed row, its planes and the routing against the CPU twin."""
-    g = torch.Generator().manual_seed(7)
-    D, E = 5120, 384
-    x = (torch.randint(-8, 9, (1, D), generator=g).float() / 8).bfloat16()  # an exact mean square
-    norm_weight = (1 + torch.randn(D, generator=g) / 4).bfloat16()
-    weight = (torch.randn(E, D, generator=g) / D**0.5).bfloat16()
-    bias = torch.randn(E, generator=g) * 0.05
-    args = (weight, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus")
-    *route, xn, planes = (t.cpu() for t in R.norm_gate_route(
-        x.cuda(), norm_weight.cuda(), 1e-6, weight.cuda(), bias.cuda(), *args[2:]))
-    *ref, want_xn, want_planes = R.norm_gate_route_twin(x, norm_weight, 1e-6, *args)
-    assert torch.equal(xn, want_xn) and torch.equal(planes, want_planes)
-    scores = router_scores(torch.nn.functional.linear(xn.float(), weight.float()), "sqrtsoftplus")
-    assert separated(scores, scores + bias, 6, floor=1e-5).all()  # no near-tie at this seed: one right choice
-    check_route(tuple(route), tuple(ref), scores + bias, 6, rel=5e-6)
 
 
 @gpu

@@ -12,14 +12,6 @@
     The same, with the gate GEMM in front: logits = x [N, D] @ weight [E, D]^T in fp32 (bf16 products
     are exact in fp32, so this is F.linear(x.float(), weight.float()) up to summation order). Twin:
     `Gate.forward`'s sequence.
-`dsv4::norm_gate_route(x, norm_weight, eps, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func)
-    -> (weights, ids, xn, planes)`
-    The MoE's input pass of a decode token: xn = rms_norm(x, norm_weight, eps) (the FFN's norm, in x's dtype), its
-    activation planes (`moe_experts.activation_planes`, what the gather kernels read) and gate_route of xn, from
-    the gate GEMM's programs: each sums its rows' squares (x is a few KB, read from L2 by each), normalizes the x
-    it loads, and those of the first expert block store xn and the planes of their K range. Where the step made
-    the norm and the planes in two kernels of their own. Exact as the twin but for the sum of squares' order (the
-    mean square can differ in its last bit, and so, rarely, a value of xn by one step).
 
 One program holds a block of rows, all E experts padded to a power of two (E <= 1024), in registers;
 top-k is k rounds of argmax with the winner masked out. gate_route first runs a split-K GEMM on the
@@ -34,10 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
-from dsv4.fast.kernels.moe_experts import activation_planes
-from dsv4.fast.kernels.rope import NORM_CHUNK, rounded, streamed_inverse_rms
 from dsv4.fast.kernels.torch_math import exp, log1p
-from dsv4.reference.linear import rms_norm
 from dsv4.reference.moe import route, router_scores
 
 _SCORE_FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
@@ -54,13 +43,6 @@ def route_topk_twin(logits, bias, hashed_ids, topk, temp, scale, normalize, scor
 def gate_route_twin(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func):
     logits = F.linear(x.float(), weight.float())
     return route_topk_twin(logits, bias, hashed_ids, topk, temp, scale, normalize, score_func)
-
-
-def norm_gate_route_twin(x, norm_weight, eps, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func):
-    """rms_norm, its activation planes and gate_route's twin on the normed rows: (weights, ids, xn, planes)."""
-    xn = rms_norm(x, norm_weight, eps)
-    return (*gate_route_twin(xn, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func), xn,
-            activation_planes(xn))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -158,17 +140,12 @@ def _route_kernel(
 
 @triton.jit
 def _gate_gemm_kernel(
-    x_ptr, w_ptr, ws_ptr, nw_ptr, xn_ptr, planes_ptr, eps,
+    x_ptr, w_ptr, ws_ptr,
     N, E, D, steps_per_prog, stride_xn, stride_we,
-    BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, NORM: tl.constexpr,
-    NORM_ROWS: tl.constexpr, X_BF16: tl.constexpr, NORM_CHUNK: tl.constexpr, INTERP: tl.constexpr,
+    BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, INTERP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Partial logits ws[s, n, e] = sum over split s's K range of x[n, :] * w[e, :], fp32 accumulation. NORM: x
-    (contiguous) is normalized first as `rms_norm` does (weight nw_ptr; rounded to x's dtype, X_BF16: bf16), and the
-    programs of the first expert block store the normed rows (xn_ptr) and their activation planes (planes_ptr
-    [N, 8, D / 8] fp32) for their K range. NORM_ROWS: the block's rows that can hold data (min(BM, N) rounded up
-    to a power of two): the sums of squares run over those alone (a decode token's block is one row of BM)."""
+    """Partial logits ws[s, n, e] = sum over split s's K range of x[n, :] * w[e, :], fp32 accumulation."""
     wait_for_predecessor(PDL)
     pid_m = tl.program_id(0)
     pid_e = tl.program_id(1)
@@ -181,37 +158,12 @@ def _gate_gemm_kernel(
     acc = tl.zeros((BM, BE), dtype=tl.float32)
     k_begin = pid_s * steps_per_prog * BK
     k_end = tl.minimum(k_begin + steps_per_prog * BK, D)
-    w_rows = w_ptr + ex.to(tl.int64)[:, None] * stride_we
-    if NORM:  # 1 / sqrt(mean square + eps) of the program's rows, as torch computes rsqrt on the CPU
-        # the first weight tile first: its round trip runs under the sums of squares (a decode token's program
-        # has one K step)
-        w_first = tl.load(w_rows + (k_begin + kk)[None, :], mask=emask[:, None] & ((k_begin + kk) < D)[None, :],
-                          other=0.0)
-        live = pid_m * BM + tl.arange(0, NORM_ROWS)
-        r_live = streamed_inverse_rms(x_ptr, live, live < N, D, eps, NORM_CHUNK, 2)  # [NORM_ROWS]
-        same_row = tl.arange(0, BM)[:, None] == tl.arange(0, NORM_ROWS)[None, :]
-        r = tl.sum(tl.where(same_row, r_live[None, :], 0.0), axis=1)[:, None]  # [BM, 1]; rows past them: masked
     for k0 in range(k_begin, k_end, BK):
         kmask = (k0 + kk) < D
         a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xn + (k0 + kk)[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w_mask = emask[:, None] & kmask[None, :]
-        if NORM:  # the first step's weight tile loaded above
-            later = ((k0 + kk) >= k_begin + BK)[None, :]  # false throughout the first step
-            w_tile = tl.where(later, tl.load(w_rows + (k0 + kk)[None, :], mask=w_mask & later, other=0.0), w_first)
-        else:
-            w_tile = tl.load(w_rows + (k0 + kk)[None, :], mask=w_mask, other=0.0)
-        if NORM:
-            nw = tl.load(nw_ptr + k0 + kk, mask=kmask, other=0.0).to(tl.float32)[None, :]
-            normed = rounded(nw * (a.to(tl.float32) * r), X_BF16, INTERP)  # [BM, BK], exact in x's dtype
-            if pid_e == 0:
-                k = (k0 + kk)[None, :]
-                at = rows.to(tl.int64)[:, None] * D
-                ok = rmask[:, None] & kmask[None, :]
-                tl.store(xn_ptr + at + k, normed.to(xn_ptr.dtype.element_ty), mask=ok)
-                tl.store(planes_ptr + at + (k % 8) * (D // 8) + k // 8, normed, mask=ok)
-            a = normed.to(a.dtype)
-        b = tl.trans(w_tile)
+        b = tl.trans(tl.load(w_ptr + ex.to(tl.int64)[:, None] * stride_we + (k0 + kk)[None, :],
+                             mask=emask[:, None] & kmask[None, :], other=0.0))
         # each step's product joins acc through an fp32 add: tensor-core accumulation rounding stays in the step
         if INTERP:  # the interpreter's dot mishandles bf16; fp32 gives the same exact products
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -296,45 +248,24 @@ def gate_config(N: int, E: int, D: int, elt: int, target: int, BM=None, BE=None,
 
 def gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func, cfg=None):
     cfg = cfg or {}
-    ws = _gate_gemm(x, weight, None, cfg)
-    return _route_launch(ws, ws.shape[0], x.shape[0] * weight.shape[0], x.shape[0], weight.shape[0], bias,
-                         hashed_ids, topk, temp, scale, normalize, score_func, cfg.get("route"))
-
-
-def norm_gate_route_triton(x, norm_weight, eps, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func,
-                           cfg=None):
-    cfg = cfg or {}
-    N, D = x.shape
-    xn = torch.empty(N, D, dtype=x.dtype, device=x.device)
-    planes = torch.empty(N, 8, D // 8, dtype=torch.float32, device=x.device)
-    ws = _gate_gemm(x, weight, (norm_weight.contiguous(), float(eps), xn, planes), cfg)
-    return (*_route_launch(ws, ws.shape[0], N * weight.shape[0], N, weight.shape[0], bias, hashed_ids, topk, temp,
-                           scale, normalize, score_func, cfg.get("route")), xn, planes)
-
-
-def _gate_gemm(x, weight, norm: tuple | None, cfg: dict) -> torch.Tensor:
-    """The gate GEMM's partial logits [split, N, E] fp32; `norm` (norm weight, eps, xn, planes): x normalized
-    first, xn and planes written (`_gate_gemm_kernel`)."""
-    x_bf16 = x.dtype == torch.bfloat16  # the normed rows' rounding: rms_norm's, to x's dtype
     if x.dtype != weight.dtype:
         x, weight = x.float(), weight.float()
     x, weight = x.contiguous(), weight.contiguous()
     N, D = x.shape
     E = weight.shape[0]
+    interp = not x.is_cuda
     target = 2 * _num_sms(x.device.index or 0) if x.is_cuda else 2
     BM, BE, BK, split, per = gate_config(N, E, D, x.element_size(), target,
                                          cfg.get("BM"), cfg.get("BE"), cfg.get("BK"), cfg.get("split"))
     ws = torch.empty(split, max(N, 1), E, dtype=torch.float32, device=x.device)
-    nw, eps, xn, planes = norm or (x, 0.0, x, x)  # stand-ins where NORM is off
     if N > 0:
         _gate_gemm_kernel[(triton.cdiv(N, BM), triton.cdiv(E, BE), split)](
-            x, weight, ws, nw, xn, planes, eps, N, E, D, per, x.stride(0), weight.stride(0),
-            BM=BM, BE=BE, BK=BK, F32=x.dtype == torch.float32, NORM=norm is not None,
-            NORM_ROWS=min(BM, triton.next_power_of_2(N)), X_BF16=x_bf16,
-            NORM_CHUNK=NORM_CHUNK, INTERP=not x.is_cuda, PDL=pdl(x), num_warps=cfg.get("num_warps", 4),
-            num_stages=cfg.get("num_stages", 3), launch_pdl=pdl(x),
+            x, weight, ws, N, E, D, per, x.stride(0), weight.stride(0),
+            BM=BM, BE=BE, BK=BK, F32=x.dtype == torch.float32, INTERP=interp, PDL=pdl(x),
+            num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), launch_pdl=pdl(x),
         )
-    return ws
+    return _route_launch(ws, split, N * E, N, E, bias, hashed_ids, topk, temp, scale, normalize, score_func,
+                         cfg.get("route"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -388,43 +319,3 @@ def gate_route(
 def _(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func):
     N = x.shape[0]
     return x.new_empty(N, topk, dtype=torch.float32), x.new_empty(N, topk, dtype=torch.int64)
-
-
-@torch.library.custom_op("dsv4::norm_gate_route", mutates_args=())
-def norm_gate_route(
-    x: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    hashed_ids: torch.Tensor | None,
-    topk: int,
-    temp: float,
-    scale: float,
-    normalize: bool,
-    score_func: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The FFN norm, the activation planes and gate_route in the gate GEMM's launch: x [N, D] (before the norm),
-    norm_weight [D] -> weights [N, k] fp32, ids [N, k] int64, xn [N, D] in x's dtype, planes [N, 8, D / 8] fp32."""
-    _check_norm(x, norm_weight)
-    if use_triton(x) and _supported(weight.shape[0], topk, score_func):
-        return norm_gate_route_triton(x, norm_weight, eps, weight, bias, hashed_ids, topk, temp, scale, normalize,
-                                      score_func)
-    w, idx, xn, planes = norm_gate_route_twin(x, norm_weight, eps, weight, bias, hashed_ids, topk, temp, scale,
-                                              normalize, score_func)
-    return w.contiguous(), idx.clone(), xn.contiguous(), planes
-
-
-@norm_gate_route.register_fake
-def _(x, norm_weight, eps, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func):
-    _check_norm(x, norm_weight)
-    N, D = x.shape
-    f32 = torch.float32
-    return (x.new_empty(N, topk, dtype=f32), x.new_empty(N, topk, dtype=torch.int64), x.new_empty(N, D),
-            x.new_empty(N, 8, D // 8, dtype=f32))
-
-
-def _check_norm(x: torch.Tensor, norm_weight: torch.Tensor) -> None:
-    if x.dim() != 2 or x.shape[1] % 8 or norm_weight.shape != x.shape[1:]:
-        raise ValueError(f"norm_gate_route: x [N, D] (D a multiple of 8) and norm_weight [D] expected, got "
-                         f"{tuple(x.shape)} and {tuple(norm_weight.shape)}")
