@@ -206,12 +206,23 @@ def own_times(spans: Sequence[tuple[float, float]]) -> list[float]:
     return out
 
 
+def _kernel_key(name: str) -> str:
+    """What `spans_of_run` compares of a kernel's name: inductor's kernels are all one."""
+    return "triton_" if name.startswith("triton_") else name
+
+
 def spans_of_run(kernels: Sequence[tuple[str, float, float]], names: Sequence[str]) -> list[tuple[float, float]] | None:
     """Device kernels (name, start, end) and the names of a run of launches in order -> the (start, end) of the
     first stretch of kernels, in start order, named exactly so (a graph replay's among the copies around it); None
-    if there is none."""
-    ordered, names = sorted(kernels, key=lambda k: k[1]), list(names)
-    seen = [k[0] for k in ordered]
+    if there is none. Memory copies and sets that no launch names are passed over, also inside the stretch: a
+    graph can hold copy nodes that the eagerly profiled step lists no launch for (their time falls to the gaps).
+    Inductor's kernels match one another whatever their names: the same kernel can be named after other fused ops
+    in another compile of the step (`triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0` profiled,
+    `triton_red_fused__to_copy_add_dense_gemv_mean_mul_pow_rsqrt_0` replayed)."""
+    names = [_kernel_key(n) for n in names]
+    ordered = sorted((k for k in kernels if _kernel_key(k[0]) in names or not k[0].startswith(("Memcpy", "Memset"))),
+                     key=lambda k: k[1])
+    seen = [_kernel_key(k[0]) for k in ordered]
     first = next((i for i in range(len(seen) - len(names) + 1) if seen[i : i + len(names)] == names), None)
     if not names or first is None:
         return None

@@ -53,3 +53,17 @@ def test_spans_of_run_find_the_launches_among_other_kernels_in_start_order():
     assert spans_of_run(kernels, []) is None
     assert spans_of_run([], ["a"]) is None
 
+
+def test_spans_of_run_pass_over_copies_no_launch_names_but_not_other_kernels():
+    kernels = [("a", 0, 1), ("Memcpy DtoD (Device -> Device)", 1, 2), ("b", 2, 3), ("Memset (Device)", 3, 4),
+               ("c", 4, 5)]
+    assert spans_of_run(kernels, ["a", "b", "c"]) == [(0, 1), (2, 3), (4, 5)]
+    assert spans_of_run(kernels, ["b", "Memset (Device)", "c"]) == [(2, 3), (3, 4), (4, 5)]  # a launch's own copy
+    assert spans_of_run(kernels, ["a", "c"]) is None  # b ran between them
+
+
+def test_spans_of_run_match_inductors_kernels_whatever_their_names():
+    kernels = [("a", 0, 1), ("triton_red_fused_add_dense_gemv_0", 1, 2), ("b", 2, 3)]
+    assert spans_of_run(kernels, ["a", "triton_red_fused_add_0", "b"]) == [(0, 1), (1, 2), (2, 3)]
+    assert spans_of_run(kernels, ["a", "c", "b"]) is None  # other kernels still by name
+
