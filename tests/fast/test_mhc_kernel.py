@@ -273,7 +273,7 @@ def test_opcheck():
 
 
 @pytest.mark.parametrize("arch", ["v41", "v4"])
-@settings(deadline=None, max_examples=examples(12))
+@settings(deadline=None, max_examples=examples(6))  # the V4.1 post's Sinkhorn: ~3 s an example interpreted
 @given(N=st.integers(1, K.POST_PARTIAL_MAX_N + 1), slots=st.integers(1, 7), D=st.sampled_from([32, 96]),
        bf16=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_the_fused_posts_sum_the_moes_slots_as_the_module_does(arch, N, slots, D, bf16, seed):
