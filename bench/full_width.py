@@ -532,28 +532,30 @@ def split_by_layer(steps: list[dict], n_layers: int) -> tuple[list[dict], list[l
 
 
 def layer_breakdown(fast, state, steps: list[dict], context: int, nbytes: int, bw: float, arch: str,
-                    step_ms: float | None = None) -> dict | None:
+                    step_ms: float | None = None, key: str = "us") -> dict | None:
     """A profiled batch-1 step by layer: its launches (`launches`) cut into layers (`split_by_layer`), each layer's
     time and bytes (`layer_rows`), the time outside them, and the step at the released depth by layer kind
-    (`released_estimate`); the times are the kernels' alone, or scaled so all of them add up to `step_ms` (the graph
-    step). None where the launches do not split into the layers (on the CPU there are no kernels)."""
+    (`released_estimate`); the times are the launches' `key` (the kernels' alone, or with "own_us" their own times
+    in the graph replay), or scaled so all of them add up to `step_ms` (the graph step). None where the launches do
+    not split into the layers (on the CPU there are no kernels)."""
     split = split_by_layer(steps, len(fast.layers))
     if split is None:
         return None
     entry, runs, leave = split
-    scale = 1.0 if step_ms is None else step_ms * 1e3 / sum(r["us"] for r in steps)
+    scale = 1.0 if step_ms is None else step_ms * 1e3 / sum(r[key] for r in steps)
     layer_bytes = layer_decode_bytes(fast, state, context)
-    layers = layer_rows(fast, runs, layer_bytes, full_width_layers(arch, len(fast.layers)), scale)
-    outside_us = scale * sum(r["us"] for r in entry + leave)
+    layers = layer_rows(fast, runs, layer_bytes, full_width_layers(arch, len(fast.layers)), scale, key)
+    outside_us = scale * sum(r[key] for r in entry + leave)
     return {"layers": layers, "outside_us": outside_us, "scale": scale,
             "estimate": released_estimate(arch, layers, outside_us, nbytes - sum(layer_bytes), bw)}
 
 
-def layer_rows(fast, runs: list[list[dict]], layer_bytes: list[int], released: list[int], scale: float = 1.0) -> list[dict]:
-    """Each layer's launches (`runs`: `split_by_layer`'s), their time alone times `scale`, and the bytes the
-    step reads for it (`layer_decode_bytes`), with its kind (`role_kind`) and released layer id."""
+def layer_rows(fast, runs: list[list[dict]], layer_bytes: list[int], released: list[int], scale: float = 1.0,
+               key: str = "us") -> list[dict]:
+    """Each layer's launches (`runs`: `split_by_layer`'s), their times (`key`: alone, or "own_us") times `scale`,
+    and the bytes the step reads for it (`layer_decode_bytes`), with its kind (`role_kind`) and released layer id."""
     return [{"layer": i, "released": released[i], "kind": role_kind(layer.role), "launches": len(run),
-             "us": scale * sum(r["us"] for r in run), "bytes": nbytes}
+             "us": scale * sum(r[key] for r in run), "bytes": nbytes}
             for i, (layer, run, nbytes) in enumerate(zip(fast.layers, runs, layer_bytes))]
 
 

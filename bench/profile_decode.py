@@ -14,7 +14,8 @@ PDL kernel's span holds its wait for that one); `by_op` sums both by op (each ds
 kernels, other aten ops).
 `by_layer` (`full_width.layer_breakdown`): the launches cut into layers at their mHC posts, each with its kind, time
 alone and the bytes it reads, and the step at the released depth with each released layer at its kind's measured
-time and bytes (`--layers 6` measures every V4.1 kind, 4 every V4 kind).
+time and bytes (`--layers 6` measures every V4.1 kind, 4 every V4 kind); `by_layer_own` the same from the kernels'
+own times in the graph replay (where they line up), the split of the graph's device time.
 With --prefill-chunk, a cold prefill's kernels too, and its device time by layer module and module-path method
 (`SPANS`: CUDA events around each call, so a span includes the spans inside it).
 """
@@ -233,6 +234,9 @@ def main():
     # batch 1: the bytes a layer reads are counted for one token
     result["by_layer"] = layer_breakdown(fast, runner.state, steps, context, nbytes, bw, ARGS.arch) if B == 1 else None
     timed_rows = [r for r in result["launches"] if "own_us" in r]
+    if timed_rows and B == 1:
+        result["by_layer_own"] = layer_breakdown(fast, runner.state, steps, context, nbytes, bw, ARGS.arch,
+                                                 key="own_us")
     if timed_rows:  # the replay's span on the device = its kernels' own times + the gaps between them
         result["device_span_ms"] = max(r["start_us"] + r["replay_us"] for r in timed_rows) / 1e3
         result["own_sum_ms"] = sum(r["own_us"] for r in timed_rows) / 1e3
@@ -251,6 +255,8 @@ def main():
               f"not computed (unmatched_replay_kernels in the JSON). Only in the replay: "
               f"{sorted(set(unmatched) - names)[:8]}; only launched: {sorted(names - set(unmatched))[:8]}")
     print_breakdown(result["by_layer"], bw, "kernels alone")
+    if result.get("by_layer_own"):
+        print_breakdown(result["by_layer_own"], bw, "own times in the graph replay")
     print("the step by the ops that launched its kernels (us alone, own us in the graph replay):")
     for r in result["by_op"]:
         print(f"{r['us']:9.1f} {r['own_us']:9.1f} us {r['launches']:4d}x  {r['op']}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from bench.full_width import (
     full_width_config,
     full_width_layers,
     layer_bytes,
+    layer_rows,
     main,
     released_estimate,
     role_kind,
@@ -310,6 +312,17 @@ def test_released_estimate_names_the_kinds_nothing_measured():
     est = released_estimate("v41", measured_layers("v41", 4, lambda k: 1.0), 0.0, 0, bw=1e12)
     assert est == {"missing_kinds": ["csa r2 kv<- idx<-", "window"]}
     assert released_estimate("v4", measured_layers("v4", 4, lambda k: 1.0), 0.0, 0, bw=1e12)["layers"] == 43
+
+
+def test_layer_rows_sum_the_times_they_are_asked_for():
+    """A layer's time: its launches' times alone by default, their own times in the graph replay with "own_us"."""
+    roles = full_width_config("v4", 2).layer_roles
+    fast = SimpleNamespace(layers=[SimpleNamespace(role=r) for r in roles])
+    runs = [[{"us": 3.0, "own_us": 2.0}, {"us": 4.0, "own_us": 1.5}], [{"us": 5.0, "own_us": 5.0}]]
+    alone = layer_rows(fast, runs, [10, 20], [0, 2])
+    own = layer_rows(fast, runs, [10, 20], [0, 2], 2.0, key="own_us")
+    assert [r["us"] for r in alone] == [7.0, 5.0] and [r["us"] for r in own] == [7.0, 10.0]
+    assert [r["kind"] for r in own] == [role_kind(r) for r in roles] and [r["launches"] for r in own] == [2, 1]
 
 
 def launch(kernel: str, region: str | None = None) -> dict:
