@@ -220,9 +220,10 @@ def spans_of_run(kernels: Sequence[tuple[str, float, float]], names: Sequence[st
     in another compile of the step (`triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0` profiled,
     `triton_red_fused__to_copy_add_dense_gemv_mean_mul_pow_rsqrt_0` replayed)."""
     names = [_kernel_key(n) for n in names]
-    ordered = sorted((k for k in kernels if _kernel_key(k[0]) in names or not k[0].startswith(("Memcpy", "Memset"))),
-                     key=lambda k: k[1])
-    seen = [_kernel_key(k[0]) for k in ordered]
+    launched = set(names)
+    keyed = sorted(((_kernel_key(name), start, end) for name, start, end in kernels), key=lambda k: k[1])
+    ordered = [k for k in keyed if k[0] in launched or not k[0].startswith(("Memcpy", "Memset"))]
+    seen = [k[0] for k in ordered]
     first = next((i for i in range(len(seen) - len(names) + 1) if seen[i : i + len(names)] == names), None)
     if not names or first is None:
         return None

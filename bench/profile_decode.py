@@ -234,12 +234,12 @@ def main():
     # batch 1: the bytes a layer reads are counted for one token
     result["by_layer"] = layer_breakdown(fast, runner.state, steps, context, nbytes, bw, ARGS.arch) if B == 1 else None
     timed_rows = [r for r in result["launches"] if "own_us" in r]
-    if timed_rows and B == 1:
-        result["by_layer_own"] = layer_breakdown(fast, runner.state, steps, context, nbytes, bw, ARGS.arch,
-                                                 key="own_us")
     if timed_rows:  # the replay's span on the device = its kernels' own times + the gaps between them
         result["device_span_ms"] = max(r["start_us"] + r["replay_us"] for r in timed_rows) / 1e3
         result["own_sum_ms"] = sum(r["own_us"] for r in timed_rows) / 1e3
+        if B == 1:
+            result["by_layer_own"] = layer_breakdown(fast, runner.state, steps, context, nbytes, bw, ARGS.arch,
+                                                     key="own_us")
     path = common.write_result(f"profile-decode-{ARGS.arch}-b{B}{'-compiled' if ARGS.compile else ''}", ARGS.smoke, result)
     print(path)
     print(f"graph step {step_ms:.3f} ms; kernels {result['kernel_sum_ms']:.3f} ms in {result['kernel_launches']} launches; "

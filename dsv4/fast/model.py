@@ -358,7 +358,8 @@ class StepRows(NamedTuple):
         entry_cos_sin = {r: rotaries[True].cos_sin((done[r] - 1).clamp(min=0) * r) for r in caps}
         stride = {r: cap + POOL_BLOCK for r, cap in caps.items()}  # a slot's rows in either store
         roles = state.config.layer_roles
-        index_ends = {r: (slots * stride[r] + done[r]).int() for r in {q.compress_ratio for q in roles if q.owns_indexer}}
+        indexed = {q.compress_ratio for q in roles if q.owns_indexer}
+        index_ends = {r: (slots * stride[r] + done[r]).int() for r in indexed}
         visible_rows = {}
         for r in {q.compress_ratio for q in roles if q.attention_kind == "hca"}:
             entries = torch.arange(caps[r], device=pos.device)

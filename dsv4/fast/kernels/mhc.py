@@ -775,13 +775,14 @@ def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple,
     if N == 0:
         return out, x, ws_next
     split = coefficients[0].shape[0] if finish else 1  # without a finish no splits are read: one compile for all N
+    slots, stride_fs = (f.shape[1], f.stride(1)) if f.dim() == 3 else (0, 0)  # the MoE's slots, or a plain f
     _post_partial_kernel[(N, S)](
         f, residual, *coefficients, fn_next, out, x, ws_next,
         N, D, split, *finish_args,
-        f.stride(0), f.stride(1) if f.dim() == 3 else 0, residual.stride(0), residual.stride(1), out.stride(0),
-        out.stride(1), x.stride(0),
+        f.stride(0), stride_fs, residual.stride(0), residual.stride(1), out.stride(0), out.stride(1), x.stride(0),
         HC=hc, M=M, MP=triton.next_power_of_2(M), BD=D // S, SB=min(triton.next_power_of_2(split), 32),
-        FINISH=finish, SLOTS=f.shape[1] if f.dim() == 3 else 0, ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, 1), INTERP=not f.is_cuda,
+        FINISH=finish, SLOTS=slots, ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, 1),
+        INTERP=not f.is_cuda,
         PDL=pdl(f), num_warps=(cfg or {}).get("num_warps", post_partial_warps(N)), launch_pdl=pdl(f),
     )
     return out, x, ws_next
