@@ -51,12 +51,15 @@ class Gate(nn.Module):
         if config.is_v41:  # routing bias of image-span tokens; loaded, unused until image input exists
             self.bias_vl = nn.Parameter(torch.empty(n_experts, dtype=torch.float32), False)
 
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, D] -> the router scores [N, E] fp32 (before the bias, which steers selection only)."""
+        return router_scores(F.linear(x.float(), self.weight.float()) / self.temp, self.scoring_func)
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D], input_ids: [N] -> weights [N, k] fp32, expert ids [N, k]."""
-        scores = router_scores(F.linear(x.float(), self.weight.float()) / self.temp, self.scoring_func)
         hashed = self.tid2eid[input_ids] if hasattr(self, "tid2eid") else None
         bias = getattr(self, "bias", None)
-        return route(scores, bias, hashed, self.topk, self.norm_topk_prob, self.scale)
+        return route(self.scores(x), bias, hashed, self.topk, self.norm_topk_prob, self.scale)
 
 
 class Expert(nn.Module):

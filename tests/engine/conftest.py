@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from itertools import pairwise
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from dsv4.engine.layout import cache_layout
 from dsv4.reference.model import load_model
+from dsv4.reference.moe import Gate
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +54,24 @@ def greedy_decode(model, ids: list[int], cache, logits: torch.Tensor, steps: int
 def blocks_budget(model, n_blocks: int, block_size: int) -> int:
     """Bytes holding exactly n_blocks pool blocks of the model's packed layout."""
     return n_blocks * cache_layout(model.config, "packed", model.embed.weight.dtype).bytes_per_block(block_size)
+
+
+@contextmanager
+def routing_margins(model):
+    """While active, each routed gate call's margins [N]: a token's k-th best biased expert score over its (k+1)-th,
+    relative to the k-th (hashed gates route by token id and are left out). Where a margin is within float32
+    rounding, a pass that sums in another order (a chunk boundary, a cache) may route that token to the other
+    expert: a discrete jump in the logits, not rounding."""
+    margins = []
+
+    def record(gate, inputs, _out):
+        top = (gate.scores(inputs[0]) + gate.bias).topk(gate.topk + 1, dim=-1).values  # [N, k + 1], descending
+        margins.append((top[:, -2] - top[:, -1]) / top[:, -2].abs())
+
+    gates = [m for m in model.modules() if isinstance(m, Gate) and hasattr(m, "bias") and m.topk < m.weight.shape[0]]
+    hooks = [g.register_forward_hook(record) for g in gates]
+    try:
+        yield margins
+    finally:
+        for h in hooks:
+            h.remove()

@@ -1,6 +1,8 @@
 """Incremental decode is the exact model: every way of splitting a prompt into chunked prefill, then
 greedy decode, gives the logits of one full forward pass (float32 rounding: rel <= 1e-5) and the same
-greedy tokens (where the best two logits are further apart than that rounding), across compression-group, window and block boundaries, through the engine's paged cache.
+greedy tokens (where the best two logits are further apart than that rounding), across compression-group, window and block boundaries, through the engine's paged cache. Prompts where
+some token's routing is decided by a margin within that rounding are drawn again (`routing_margins`): there either
+pass may take either expert.
 
 The exact model here is quant_sim=False: with the official FP8/FP4 steps on, a value a hair from a
 rounding boundary in one summation order can land on the other side in another, which is a discrete
@@ -9,16 +11,17 @@ jump, not float32 rounding (the paged-vs-dense tests check the packed path bit f
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from dsv4.engine.paged_cache import PagedCache
 from dsv4.engine.pool import BlockPool
 from dsv4.reference.model import load_model
 
-from .conftest import forward_chunks, greedy_decode
+from .conftest import forward_chunks, greedy_decode, routing_margins
 
 DECODE_STEPS = 4
+ROUTING_REL = 1e-5  # routing margins (relative) within which float32 rounding may pick either expert
 
 
 @pytest.fixture(scope="module", params=["v41", "v4"])
@@ -51,8 +54,11 @@ def test_chunked_prefill_then_decode_equals_one_full_pass(exact_model, data):
         tokens, decoded = greedy_decode(exact_model, ids, cache, chunked[:, -1], DECODE_STEPS)
     finally:
         cache.free()
-    with torch.inference_mode():
+    with torch.inference_mode(), routing_margins(exact_model) as margins:
         full = exact_model(torch.tensor([ids + tokens]))
+    # a token routed by a near-tie may take the other expert in the chunked pass (V4, 134 tokens in one chunk, seed
+    # 1201: layer 1's expert 3 over 6 by one fp32 ulp at position 133 in one pass, 6 over 3 by two in the other)
+    assume(all(bool((m > ROUTING_REL).all()) for m in margins))
     got = torch.cat((chunked, decoded), dim=1)
     tol = 1e-5 * full.abs().max()
     assert (got - full).abs().max() <= tol
