@@ -1,8 +1,8 @@
 """Incremental decode is the exact model: every way of splitting a prompt into chunked prefill, then
 greedy decode, gives the logits of one full forward pass (float32 rounding: rel <= 1e-5) and the same
-greedy tokens (where the best two logits are further apart than that rounding), across compression-group, window and block boundaries, through the engine's paged cache. Prompts where
-some token's routing is decided by a margin within that rounding are drawn again (`routing_margins`): there either
-pass may take either expert.
+greedy tokens (where the best two logits are further apart than that rounding), across compression-group, window
+and block boundaries, through the engine's paged cache. Prompts where some token's routing is decided by a margin
+within that rounding are drawn again (`routing_margins`): there either pass may take either expert.
 
 The exact model here is quant_sim=False: with the official FP8/FP4 steps on, a value a hair from a
 rounding boundary in one summation order can land on the other side in another, which is a discrete
