@@ -66,4 +66,3 @@ def test_spans_of_run_match_inductors_kernels_whatever_their_names():
     kernels = [("a", 0, 1), ("triton_red_fused_add_dense_gemv_0", 1, 2), ("b", 2, 3)]
     assert spans_of_run(kernels, ["a", "triton_red_fused_add_0", "b"]) == [(0, 1), (1, 2), (2, 3)]
     assert spans_of_run(kernels, ["a", "c", "b"]) is None  # other kernels still by name
-
