@@ -8,7 +8,7 @@ in 32 x 32 blocks);
 N = 1, 8, 16, 64, 256 tokens. Weights random (uint8 codes, e8m0 scales 2^-9 .. 2^-5), one layer's worth.
 - naive:   for each selected expert: dequantize its w1/w3/w2 (dsv4.quant) to bf16, bf16 matmuls, SwiGLU,
            index_add in fp32; plus the shared expert (what a straightforward implementation does; host syncs).
-- gather, gather_tc (N <= 16: every program scans the batch's ids), grouped: the kernel's paths (forced).
+- gather (N <= 256), gather_tc (N <= 16: every program scans the batch's ids), grouped: the kernel's paths (forced).
 - slots (N <= GATHER_MAX_N): dsv4::moe_gather_slots, the gather kernels as the batch-1 decode step calls them (the
            activation planes made, and the slots summed, by the step's compiled code: not timed here); slots_fp8
            (N = 1) the same with the shared expert's FP8 rows, as the fast model passes them at one token (its
@@ -42,6 +42,7 @@ ARGS = common.parse_args(__doc__, add_arguments)
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from dsv4.fast.kernels import moe_experts as M
 from dsv4.quant import dequantize_fp8, dequantize_mxfp4, quantize_fp8
@@ -111,7 +112,9 @@ PATHS = ("gather", "gather_tc", "grouped")
 
 
 def applies(path: str, N: int) -> bool:
-    return path != "gather_tc" or N <= 16
+    """gather_tc scans every token-slot in each program (decode sizes); the gather path reads each token's experts
+    on its own, seconds a call at prefill sizes."""
+    return N <= {"gather_tc": 16, "gather": 256}.get(path, N)
 
 
 def kernel(W, s, path):
@@ -150,6 +153,12 @@ GATHER_TC_SWEEP = [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w}
 GROUPED_SWEEP = [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w}
                  for BM, BN, BKG, w in [(16, 64, 64, 4), (32, 64, 64, 4), (64, 64, 64, 4), (64, 64, 64, 8),
                                         (64, 128, 64, 8), (16, 128, 128, 4)]]
+# the prefill sizes' variants (session 50): the weight rows on the MMA's M side (swap), the activations read as
+# quartered rows (xq), both; and larger tiles with both
+GROUPED_SWEEP += [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w, "swap": sw, "xq": xq}
+                  for BM, BN, BKG, w, sw, xq in [(64, 64, 64, 4, 1, 0), (64, 64, 64, 4, 0, 1), (64, 64, 64, 4, 1, 1),
+                                                 (64, 128, 64, 4, 1, 1), (64, 64, 128, 4, 1, 1),
+                                                 (128, 64, 64, 8, 1, 1), (64, 128, 128, 8, 1, 1)]]
 KEY_NAMES = {"BKG": "BK", "warps": "w", "gather_stages": "st", "gather_warps": "w"}
 
 
@@ -167,7 +176,13 @@ def tile_sweep(W, sets, path: str, configs: list[dict], reps: int, device: str) 
         else:
             calls = [lambda s=s, c=cfg: M.moe_triton(s["x"], s["ids"], s["wts"], W["w13"], W["s13"], W["w2"],
                                                      W["s2"], LIMIT, W["sh13"], W["sh2"], path, c) for s in sets]
-        times["_".join(f"{KEY_NAMES.get(k, k)}{v}" for k, v in cfg.items())] = time_calls(calls, reps, True, device)
+        name = "_".join(f"{KEY_NAMES.get(k, k)}{v}" for k, v in cfg.items())
+        try:
+            times[name] = time_calls(calls, reps, True, device)
+        except triton.runtime.errors.OutOfResources as e:  # a tile the card cannot hold: the sweep goes on
+            times[name] = None
+            print(f"{name}: {str(e).splitlines()[0]}", flush=True)
+        print(f"{name}: {times[name]}", flush=True)
     return times
 
 
