@@ -153,12 +153,6 @@ GATHER_TC_SWEEP = [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w}
 GROUPED_SWEEP = [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w}
                  for BM, BN, BKG, w in [(16, 64, 64, 4), (32, 64, 64, 4), (64, 64, 64, 4), (64, 64, 64, 8),
                                         (64, 128, 64, 8), (16, 128, 128, 4)]]
-# the prefill sizes' variants (session 50): the weight rows on the MMA's M side (swap), the activations read as
-# quartered rows (xq), both; and larger tiles with both
-GROUPED_SWEEP += [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w, "swap": sw, "xq": xq}
-                  for BM, BN, BKG, w, sw, xq in [(64, 64, 64, 4, 1, 0), (64, 64, 64, 4, 0, 1), (64, 64, 64, 4, 1, 1),
-                                                 (64, 128, 64, 4, 1, 1), (64, 64, 128, 4, 1, 1),
-                                                 (128, 64, 64, 8, 1, 1), (64, 128, 128, 8, 1, 1)]]
 KEY_NAMES = {"BKG": "BK", "warps": "w", "gather_stages": "st", "gather_warps": "w"}
 
 

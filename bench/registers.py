@@ -219,13 +219,12 @@ def moe_kernels() -> list[Kernel]:
 def batched_moe_kernels() -> list[Kernel]:
     """The MoE's grouped tensor-core kernels at an 8K-token prefill chunk (52% of a V4.1 prefill's time by module)."""
     tables = {"ids_ptr": "*i64", "order_ptr": "*i64", "tile_e_ptr": "*i32", "tile_r0_ptr": "*i32", "tile_r1_ptr": "*i32"}
-    up_types = {**tables, "x_ptr": "*bf16", "xq_ptr": "*bf16", "w13_ptr": "*u8", "s13_ptr": "*u8", "sh13_ptr": "*bf16", "h_ptr": "*bf16",
+    up_types = {**tables, "x_ptr": "*bf16", "w13_ptr": "*u8", "s13_ptr": "*u8", "sh13_ptr": "*bf16", "h_ptr": "*bf16",
                 "limit": "fp32"}
     down_types = {**tables, "h_ptr": "*bf16", "w2_ptr": "*u8", "s2_ptr": "*u8", "sh2_ptr": "*bf16", "out_ptr": "*bf16"}
     c = moe_experts._cfg(CUDA, 8192, "grouped")
     constexprs = {"BM": moe_experts.grouped_block_m(8192, TOP_K + 1, EXPERTS), "BN": c["BN"], "BK": c["BKG"],
-                  "IS_BF16": True, "INTERP": False, "SH_LOW": True, "FIND": 0, "SHARED": True,
-                  "SWAPG": bool(c.get("swap")), "XQ": bool(c.get("xq"))}
+                  "IS_BF16": True, "INTERP": False, "SH_LOW": True, "FIND": 0, "SHARED": True}
     note = "4 warps at 64 x 64 tiles: 22.4 ms at 8192 tokens, 8 warps 73.5 ms"
     return [Kernel(f"moe grouped (prefill) {part}", fn, types, constexprs, c["warps"], c["stages"], note=note)
             for part, fn, types in (("up", moe_experts._grouped_up_kernel, up_types),

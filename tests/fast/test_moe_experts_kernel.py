@@ -178,30 +178,6 @@ def test_kernel_matches_twin(E, k, D, I, N, path, shared, bf16, limit, hot, seed
     check_close(y, ref, dtype)
 
 
-@pytest.mark.parametrize("swap, xq", [(True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("shared", [False, True])
-def test_grouped_variants(swap, xq, shared):
-    """The grouped kernels with the weight rows on the MMA's M side (swap) and with the activations read as
-    quartered rows (xq: x quartered before the up kernel, which writes the routed h rows quartered for the down
-    kernel, the shared expert's as they are): the twin's output. I = 96 makes the down kernel's K steps 32 wide,
-    three to a row."""
-    E, k, D, I, N = 5, 2, 128, 96, 40
-    w13, s13, w2, s2, sh13, sh2 = rand_experts(E, D, I, 11)
-    g = torch.Generator().manual_seed(12)
-    x = (torch.randn(N, D, generator=g) * 4).bfloat16()
-    ids = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(N)])
-    weights = torch.rand(N, k, generator=g) + 0.1
-    sh = (sh13.bfloat16(), sh2.bfloat16()) if shared else (None, None)
-    y = M.moe_triton(x, ids, weights, w13, s13, w2, s2, 1.0, *sh, path="grouped", cfg={"swap": swap, "xq": xq})
-    check_close(y, M.moe_experts_twin(x, ids, weights, w13, s13, w2, s2, 1.0, *sh), torch.bfloat16)
-
-
-def test_quartered_rows():
-    """`quartered` stores element 4j + p of a row at p * K / 4 + j."""
-    x = torch.arange(2 * 16.0).view(2, 16)
-    assert M.quartered(x)[1].tolist() == [16.0 + 4 * j + p for p in range(4) for j in range(4)]
-
-
 def test_gather_tc_chunks():
     """More than 16 token-slots of one expert (20 tokens: the shared expert and a hot one, and a token that lists
     an expert twice) are served in chunks of 16, each led by its first token-slot."""

@@ -316,21 +316,6 @@ def _quarters(a):
 
 
 @triton.jit
-def _phases(a_ptr, rows64, rmask, K, k0, BK: tl.constexpr, XQ: tl.constexpr):
-    """Rows `rows64` of activations [*, K], K step k0 .. k0+BK-1 -> its four K phases [R, BK/4] each, as
-    `_quarters` gives them; with XQ the rows are stored quartered (`quartered`), so each phase is one contiguous
-    load rather than a split of the loaded tile in registers."""
-    if XQ:
-        base = a_ptr + rows64[:, None] * K + (k0 // 4 + tl.arange(0, BK // 4))[None, :]
-        m = rmask[:, None]
-        return (tl.load(base, mask=m, other=0.0), tl.load(base + K // 4, mask=m, other=0.0),
-                tl.load(base + K // 2, mask=m, other=0.0), tl.load(base + 3 * (K // 4), mask=m, other=0.0))
-    else:
-        kk = k0 + tl.arange(0, BK)
-        return _quarters(tl.load(a_ptr + rows64[:, None] * K + kk[None, :], mask=rmask[:, None], other=0.0))
-
-
-@triton.jit
 def _plane_offset(k, K):
     """Where element k of a K-long row sits in its activation planes (`activation_planes`): plane k % 8, column
     k // 8."""
@@ -604,15 +589,12 @@ def _group(ids_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, order_ptr, R, S, BM: t
 
 @triton.jit
 def _grouped_up_kernel(
-    x_ptr, xq_ptr, ids_ptr, order_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, w13_ptr, s13_ptr, sh13_ptr,
-    h_ptr, D, I, S, E, R, limit,
+    x_ptr, ids_ptr, order_ptr, wts_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, w13_ptr, s13_ptr, sh13_ptr, h_ptr,
+    D, I, S, E, R, limit,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     IS_BF16: tl.constexpr, INTERP: tl.constexpr, SH_LOW: tl.constexpr, FIND: tl.constexpr, SHARED: tl.constexpr,
-    SWAPG: tl.constexpr, XQ: tl.constexpr,
 ):
-    """Program (group, i tile) (`_group`): the group's token-slots (of one expert) x w1/w3 rows -> h rows. XQ: the
-    routed experts read x quartered (xq_ptr) and write their h rows quartered; the shared expert's dense rows
-    read x (x_ptr) and write h as it is."""
+    """Program (group, i tile) (`_group`): the group's token-slots (of one expert) x w1/w3 rows -> h rows."""
     e, rows, rmask, src, it = _group(ids_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, order_ptr, R, S, BM, FIND)
     if e < 0:
         return
@@ -621,13 +603,15 @@ def _grouped_up_kernel(
     nmask = n < I
     n64 = n.to(tl.int64)
     LOW: tl.constexpr = IS_BF16 and not INTERP
-    SWAP: tl.constexpr = FIND > 0 or SWAPG
+    SWAP: tl.constexpr = FIND > 0
     acc_g = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
     if e < E:
         rows_g = e * 2 * I + n64
         for k0 in range(0, D, BK):
-            x0, x1, x2, x3 = _phases(xq_ptr if XQ else x_ptr, tok, rmask, D, k0, BK, XQ)
+            kk = k0 + tl.arange(0, BK)
+            xa = tl.load(x_ptr + tok[:, None] * D + kk[None, :], mask=rmask[:, None], other=0.0)
+            x0, x1, x2, x3 = _quarters(xa)
             acc_g = _mma_fp4(x0, x1, x2, x3, w13_ptr, s13_ptr, rows_g, nmask, D, k0, BK, acc_g, LOW, SWAP, INTERP)
             acc_u = _mma_fp4(x0, x1, x2, x3, w13_ptr, s13_ptr, rows_g + I, nmask, D, k0, BK, acc_u, LOW, SWAP, INTERP)
     elif SHARED:  # the shared expert's dense rows (see SHARED in moe_triton)
@@ -643,10 +627,7 @@ def _grouped_up_kernel(
         acc_u = tl.trans(acc_u)
     wt = tl.load(wts_ptr + src, mask=rmask, other=0.0)
     h = _swiglu(acc_g, acc_u, wt[:, None], limit, IS_BF16, INTERP)
-    col = n
-    if XQ:
-        col = tl.where(e < E, (n % 4) * (I // 4) + n // 4, n)
-    dst = h_ptr + rows.to(tl.int64)[:, None] * I + col[None, :]
+    dst = h_ptr + rows.to(tl.int64)[:, None] * I + n[None, :]
     m = rmask[:, None] & nmask[None, :]
     if IS_BF16:
         tl.store(dst, to_bf16(h, INTERP), mask=m)
@@ -660,10 +641,8 @@ def _grouped_down_kernel(
     D, I, S, E, R,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     IS_BF16: tl.constexpr, INTERP: tl.constexpr, SH_LOW: tl.constexpr, FIND: tl.constexpr, SHARED: tl.constexpr,
-    SWAPG: tl.constexpr, XQ: tl.constexpr,
 ):
-    """Program (group, d tile) (`_group`): round(h rows . w2[e] rows) -> out[token * S + slot, d]. XQ: the routed
-    experts' h rows are quartered (`_grouped_up_kernel`)."""
+    """Program (group, d tile) (`_group`): round(h rows . w2[e] rows) -> out[token * S + slot, d]."""
     e, rows, rmask, src, dt = _group(ids_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, order_ptr, R, S, BM, FIND)
     if e < 0:
         return
@@ -672,12 +651,14 @@ def _grouped_down_kernel(
     nmask = n < D
     n64 = n.to(tl.int64)
     LOW: tl.constexpr = IS_BF16 and not INTERP
-    SWAP: tl.constexpr = FIND > 0 or SWAPG
+    SWAP: tl.constexpr = FIND > 0
     acc = tl.zeros((BN, BM) if SWAP else (BM, BN), dtype=tl.float32)
     if e < E:
         rows_w = e * D + n64
         for k0 in range(0, I, BK):
-            h0, h1, h2, h3 = _phases(h_ptr, rows64, rmask, I, k0, BK, XQ)
+            kk = k0 + tl.arange(0, BK)
+            ha = tl.load(h_ptr + rows64[:, None] * I + kk[None, :], mask=rmask[:, None], other=0.0)
+            h0, h1, h2, h3 = _quarters(ha)
             acc = _mma_fp4(h0, h1, h2, h3, w2_ptr, s2_ptr, rows_w, nmask, I, k0, BK, acc, LOW, SWAP, INTERP)
     elif SHARED:
         for k0 in range(0, I, BK):
@@ -795,13 +776,6 @@ def activation_planes(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(N, 8, K // 8, dtype=torch.float32, device=x.device).copy_(x.view(N, K // 8, 8).transpose(1, 2))
 
 
-def quartered(x: torch.Tensor) -> torch.Tensor:
-    """x [N, K] -> the same [N, K] with each row stored as its four K phases one after another (element 4j + p at
-    p * K / 4 + j): the grouped kernels' MMA operands (`_quarters`) are then contiguous loads (`_phases`)."""
-    N, K = x.shape
-    return x.view(N, K // 4, 4).transpose(1, 2).contiguous().view(N, K)
-
-
 def _block_k(K: int, most: int, cuda: bool) -> int:
     """The grouped kernels' K step: the largest power of two <= `most` dividing K (K is a multiple of 32), so
     their loads need no K mask (a mask varying along K stops 16-byte loads); on the GPU at least 64, each K
@@ -914,14 +888,12 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
         BM, find = c["BM"], triton.next_power_of_2(max(R, 128))
         order = te = r0 = r1 = ids_s  # the table's arguments, unused
         groups = lambda rows: (triton.cdiv(rows, c["BN"]), R)
-    xq = path == "grouped" and c.get("xq", False)
     kw = {"BM": BM, "BN": c["BN"], "IS_BF16": is_bf16, "INTERP": _INTERP, "SH_LOW": sh_low, "FIND": find,
-          "SHARED": has_shared, "SWAPG": path == "grouped" and c.get("swap", False), "XQ": xq,
-          "num_warps": c["warps"], "num_stages": c["stages"]}
+          "SHARED": has_shared, "num_warps": c["warps"], "num_stages": c["stages"]}
     h = torch.empty(R, I, dtype=x.dtype, device=x.device)
     out = torch.empty(R, D, dtype=x.dtype, device=x.device)
-    _grouped_up_kernel[groups(I)](x, quartered(x) if xq else x, ids_s, order, wts_s, te, r0, r1, w13, s13, sh13, h,
-                                  D, I, S, E, R, lim, BK=_block_k(D, c["BKG"], x.is_cuda), **kw)
+    _grouped_up_kernel[groups(I)](x, ids_s, order, wts_s, te, r0, r1, w13, s13, sh13, h, D, I, S, E, R, lim,
+                                  BK=_block_k(D, c["BKG"], x.is_cuda), **kw)
     _grouped_down_kernel[groups(D)](h, ids_s, order, te, r0, r1, w2, s2, sh2, out, D, I, S, E, R,
                                     BK=_block_k(I, c["BKG"], x.is_cuda), **kw)
     return out.view(N, S, D).float().sum(dim=1)
