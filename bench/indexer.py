@@ -333,6 +333,9 @@ def sweep_configs(S: int):
     # one wave of programs / many ungrouped programs (the default is 4 waves, key tiles grouped)
     out += [{"mode": "scaled", "block_t": 64, "block_s": 1 if S == 1 else 4, "num_warps": 4, "programs": p}
             for p in (132, 64 * 132)]
+    if S > 1:  # a program a query tile over every key tile it sees, or key tiles first (the launch's choice by S)
+        out += [{"mode": "scaled", "block_t": t, "block_s": b, "num_warps": nw, "queries_stationary": qs}
+                for qs in (False, True) for (t, b, nw) in [(64, 4, 4), (64, 2, 4), (128, 4, 8)]]
     return out
 
 

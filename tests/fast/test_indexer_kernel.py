@@ -187,13 +187,30 @@ def test_dense_scores_match_twin(p, q_dtype):
     st.sampled_from([16, 32, 64]),
     st.sampled_from([1, 2, 4]),
     st.sampled_from([1, 2, 3, None]),
+    st.sampled_from([None, False, True]),
 )
-def test_dense_tilings_and_modes(p, mode, block_t, block_s, programs):
-    """Every tiling, both interpreter-runnable MMA modes, and the grouped loops (few programs)."""
+def test_dense_tilings_and_modes(p, mode, block_t, block_s, programs, queries_stationary):
+    """Every tiling, both interpreter-runnable MMA modes, the grouped loops (few programs), and a program a query
+    tile over every key tile (queries_stationary; None: the launch's own choice)."""
     q, kp, ks, w, vis = make_inputs(p["S"], p["H"], p["d"], p["T"], p["seed"], visible=p["visible"])
     out = torch.full((p["S"], p["T"]), float("nan"))  # poisoned: every element must be written
     qq, kp2, ks2, w2, vis2 = ix._prep(q, kp, ks, w, vis)
-    ix._launch_dense(qq, kp2, ks2, w2, vis2, out, block_t=block_t, block_s=block_s, programs=programs, mode=mode)
+    ix._launch_dense(qq, kp2, ks2, w2, vis2, out, block_t=block_t, block_s=block_s, programs=programs, mode=mode,
+                     queries_stationary=queries_stationary)
+    assert_scores(out, *twin(q, kp, ks, w, vis))
+
+
+@needs_interp
+@pytest.mark.parametrize("queries_stationary", [False, True])
+def test_dense_prefill_chunk_both_grids(queries_stationary):
+    """A causal chunk of 40 queries over 150 keys (the chunk ends at the last key) in both grids, at the prefill
+    tiles: each query sees only the keys up to its position, the rest -inf."""
+    S, H, d, T = 40, 8, 64, 150
+    q, kp, ks, w, vis = make_inputs(S, H, d, T, 5, visible="causal")
+    out = torch.full((S, T), float("nan"))
+    qq, kp2, ks2, w2, vis2 = ix._prep(q, kp, ks, w, vis)
+    ix._launch_dense(qq, kp2, ks2, w2, vis2, out, block_t=32, block_s=4, programs=4, mode="scaled",
+                     queries_stationary=queries_stationary)
     assert_scores(out, *twin(q, kp, ks, w, vis))
 
 

@@ -33,7 +33,9 @@ queries' heads its N side (BS queries x HP padded heads), K = d. How the FP4 key
 in-kernel dequantization that splits d into even and odd elements (the low and high nibbles) and loads q
 to match, so no interleave is needed. Dense: a program takes a run of key tiles (a few waves of programs
 in all), dequantizes each tile once and scores it against all its query tiles (queries split over
-programs only when the key tiles alone cannot fill the GPU); for decode the query loads once. Pool: a
+programs only when the key tiles alone cannot fill the GPU); for decode the query loads once. A prefill
+chunk whose query tiles alone fill the GPU turns that around: a program a query tile, loaded once, over the
+key tiles its queries see (`_launch_dense`'s queries_stationary). Pool: a
 program takes one query and a run of pool tiles, gathers key rows through the block ids, and skips tiles
 with nothing visible. No host syncs anywhere: the ops can be captured in CUDA graphs.
 """
@@ -253,6 +255,9 @@ def _mode(q: torch.Tensor, mode: str | None = None) -> int:
     return _MODES[BF16_MODE]
 
 
+_MAX_GRID_Y = 65535  # a launch's second grid dimension
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -305,9 +310,14 @@ def _dense_config(S: int, H: int, d: int, q: torch.Tensor) -> dict:
 
 
 def _launch_dense(q, kp, ks, w, vis, out, *, block_t: int, block_s: int, num_warps: int = 4, num_stages: int = 2,
-                  programs: int | None = None, mode: str | None = None) -> torch.Tensor:
+                  programs: int | None = None, mode: str | None = None,
+                  queries_stationary: bool | None = None) -> torch.Tensor:
     """Grid: key tiles first; query tiles are split over programs only when key tiles alone cannot fill
-    `programs` (default: a few waves of the device), and key tiles are grouped when they overfill it."""
+    `programs` (default: a few waves of the device), and key tiles are grouped when they overfill it.
+    queries_stationary (default: when the query tiles alone fill `programs`, a prefill chunk): a program a query
+    tile, its queries loaded once, over the key tiles its queries see; where key tiles lead, every key tile's
+    program reloads all its query tiles (an 8K chunk's 64 MB of queries once a key tile) and scores the keys its
+    later queries see for all of them."""
     S, H, d = q.shape
     T = kp.shape[0]
     hp = _pow2(H)
@@ -316,11 +326,16 @@ def _launch_dense(q, kp, ks, w, vis, out, *, block_t: int, block_s: int, num_war
     t_tiles = triton.cdiv(T, block_t)
     s_tiles = triton.cdiv(S, block_s)
     target = programs if programs is not None else _target_programs(q)
-    s_splits = max(1, min(s_tiles, triton.cdiv(target, t_tiles)))
-    s_per = triton.cdiv(s_tiles, s_splits)
-    s_splits = triton.cdiv(s_tiles, s_per)
-    t_per = max(1, t_tiles // max(1, target // s_splits))
-    t_splits = triton.cdiv(t_tiles, t_per)
+    if queries_stationary is None:
+        queries_stationary = target <= s_tiles <= _MAX_GRID_Y
+    if queries_stationary:
+        s_per, s_splits, t_per, t_splits = 1, s_tiles, t_tiles, 1
+    else:
+        s_splits = max(1, min(s_tiles, triton.cdiv(target, t_tiles)))
+        s_per = triton.cdiv(s_tiles, s_splits)
+        s_splits = triton.cdiv(s_tiles, s_per)
+        t_per = max(1, t_tiles // max(1, target // s_splits))
+        t_splits = triton.cdiv(t_tiles, t_per)
     _dense_kernel[(t_splits, s_splits)](
         q, kp, ks, w, vis, out,
         S, T, H, q.stride(0), q.stride(1), w.stride(0), out.stride(0), t_per, s_per,
