@@ -324,9 +324,9 @@ def test_the_decode_block_compiles_per_layer_kind_and_batch_1_or_more(tmp_path):
     compile for every larger padded size) and the block once per layer kind, not per layer, the kinds split by
     whether the layer's attention-site pass came from the layer before and whether it takes the next one's
     (`_next_attn_site`): 8 layers of 3 kinds (window, CSA, HCA), the first and the last a window layer, make 4
-    block variants and 2 x (4 + 2) graphs. The prefill's pieces (query-KV, output, index queries)
-    compile once for the first chunk length and once with the length symbolic, shared by every layer, and the
-    decode step's compile inlines them. The compiled steps' logits are the uncompiled ones'."""
+    block variants and 2 x (4 + 2) graphs. The prefill's pieces (query-KV, output, index queries, the blocks'
+    two norms) compile once for the first chunk length and once with the length symbolic, shared by every layer,
+    and the decode step's compile inlines them. The compiled steps' logits are the uncompiled ones'."""
     path = make_tiny_checkpoint("v4-flash", tmp_path, overrides={"num_hidden_layers": 8,
                                                                  "compress_ratios": [0] + [4, 128] * 3 + [4, 0]})
     (_, fast), (_, uncompiled) = models(path, packed=True), models(path, packed=True)
@@ -341,14 +341,14 @@ def test_the_decode_block_compiles_per_layer_kind_and_batch_1_or_more(tmp_path):
     for i in range(8):
         got, want = (r.prefill(slots[r][i], prompt(6 + i, i)) for r in (compiled, plain))
         assert torch.equal(got, want)
-    assert counters["stats"]["unique_graphs"] == 2 * 3
+    assert counters["stats"]["unique_graphs"] == 2 * 5
     g = torch.Generator().manual_seed(4)
     for B in (1, 2, 3, 5, 8):
         ids = torch.randint(0, 256, (B,), generator=g)
         assert torch.equal(compiled.decode(slots[compiled][:B], ids), plain.decode(slots[plain][:B], ids))
     variants = {(r.compress_ratio, r.owns_indexer, r.hash_moe, i == 0, i == len(roles) - 1) for i, r in enumerate(roles)}
     assert len(variants) == 4
-    assert counters["stats"]["unique_graphs"] == 2 * 3 + 2 * (len(variants) + 2)
+    assert counters["stats"]["unique_graphs"] == 2 * 5 + 2 * (len(variants) + 2)
 
 
 def test_packed_kv_formats_stay_within_one_rounding_code(tiny_v41_dir):

@@ -896,7 +896,7 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
                                   BK=_block_k(D, c["BKG"], x.is_cuda), **kw)
     _grouped_down_kernel[groups(D)](h, ids_s, order, te, r0, r1, w2, s2, sh2, out, D, I, S, E, R,
                                     BK=_block_k(I, c["BKG"], x.is_cuda), **kw)
-    return out.view(N, S, D).float().sum(dim=1)
+    return out.view(N, S, D).sum(dim=1, dtype=torch.float32)  # summed in fp32 as read: no fp32 copy of the slots
 
 
 # ------------------------------------------------------------------------------------------------
