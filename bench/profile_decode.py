@@ -120,10 +120,13 @@ def by_op(rows: list[dict]) -> list[dict]:
 
 
 # what the prefill's table by module times, per layer: (attribute path from the block, methods; "" = its forward)
-SPANS = (("", ("forward",)), ("attn", ("forward", "_q_kv", "_compress", "_compressed", "_output")),
+# the norms through the blocks' prefill pieces that call them (a span inside a compiled piece would record its
+# events in the trace, not on the stream)
+SPANS = (("", ("forward", "_attn_input", "_ffn_input")),
+         ("attn", ("forward", "_q_kv", "_compress", "_compressed", "_output")),
          ("attn.compressor", ("forward",)), ("attn.indexer", ("forward", "keys", "_queries", "_scores", "_top",
                                                               "_candidate_blocks", "_top_in_pool")),
-         ("attn_norm", ("forward",)), ("ffn_norm", ("forward",)), ("ffn", ("forward",)), ("engram", ("forward",)))
+         ("ffn", ("forward",)), ("engram", ("forward",)))
 
 
 def module_times(model, run, device) -> dict[str, float]:
