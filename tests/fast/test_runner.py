@@ -315,7 +315,7 @@ def test_the_decode_parts_ask_inductor_for_its_deterministic_mode(tiny_v41_dir, 
     fast.compile_decode("inductor")
     assert asked == {"decode_enter": True, "decode": True, "decode_exit": True}
     fast.compile_prefill("inductor")
-    pieces = ("_q_kv", "_output", "_queries")
+    pieces = ("_q_kv", "_output", "_queries", "_attn_input", "_ffn_input")
     assert {name: asked[name] for name in pieces} == dict.fromkeys(pieces, False)
 
 
