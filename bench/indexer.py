@@ -457,7 +457,8 @@ def time_case(part: str, ctx: int, c: dict, mark: str, rows: list) -> None:
                             check=mark))
             want = tk.topk_select_pool(score, blk, bs, k)
             for block, warps in SELECT_SWEEP:  # chunk size and warps of the select kernel
-                sel = functools.partial(tk._launch, score, blk, bs, min(k, score.shape[1]), block, warps)
+                sel = functools.partial(tk._launch, score, min(k, score.shape[1]), False, blk, bs, block=block,
+                                        num_warps=warps)  # one pass over each row, `block` columns a step
                 try:
                     same = torch.equal(sel(), want)
                     rows.append(row(part, ctx, c, f"select(kernel) block={block} warps={warps}", time_us(sel),
