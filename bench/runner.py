@@ -218,6 +218,7 @@ def print_fast(result: dict) -> None:
           f"{wm['tokens_per_s']:.0f} tok/s, roofline {wm['fraction_at_batch1']:.2%}", flush=True)
     print_breakdown(result.get("released_by_kind"), rf["copy_bandwidth_Bps"], "kernels scaled to the graph step")
 
+
 def free_device_memory(device) -> int:
     """Bytes the process still holds on the device once the finished part's objects are gone: its compiled graphs
     (dynamo's caches keep the modules they traced) and reference cycles collected, the allocator's cache emptied,

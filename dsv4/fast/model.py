@@ -802,8 +802,8 @@ class FastModel(Dsv4Model):
     def compile_prefill(self, backend: str = "inductor") -> None:
         """Compile the module path's cache-free pieces in place (`PREFILL_PIECES`: the attention's query, KV and
         output projections with their norms, RoPE and quantization steps, the indexer's queries, and each block's
-        attn_norm and ffn_norm), where eager
-        torch spends most of a prefill's time outside the kernels on elementwise passes over [S, H, Dh] tensors.
+        attn_norm and ffn_norm), where eager torch spends most of a prefill's time outside the kernels on
+        elementwise passes over [S, H, Dh] tensors.
 
         The cache reads and writes, the compressors' carry and the kernels stay eager between them. One compiled
         function per piece serves every module of its class (each module's attribute shadows the class's method
