@@ -279,6 +279,19 @@ class FastIndexer(Indexer):
         read would stall every forward."""
         return dequantize_mxfp4(*mxfp4_quant(t, 32), 32).to(t.dtype)
 
+    def _query_heads(self, q: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Under quant_sim by the decode step's query kernel (`dsv4::indexer_query`: RoPE, V4's Hadamard
+        transform, the MXFP4 rounding and the head weights in one pass, bit-identical to the reference's steps), a
+        position a row: q [B, S, Hi * di], w [B, S, Hi], cos / sin [B or 1, S, R/2]. In a compiled 8K prefill chunk
+        V4's Hadamard butterflies alone were three inductor kernels of 0.2-0.5 ms."""
+        if not self.quant_sim:
+            return super()._query_heads(q, w, cos, sin)
+        B, S = q.shape[:2]
+        rows = lambda t: t.expand(B, S, -1).reshape(B * S, -1)  # [B * S, R/2]
+        q, w_out = indexer_query(q.flatten(0, 1), w.flatten(0, 1), rows(cos), rows(sin), self.weights_scale,
+                                 not self.is_v41)
+        return q.view(B, S, self.n_heads, self.head_dim), w_out.to(w.dtype).view(B, S, -1)  # w' is w's dtype's
+
     def _scores(self, q, keys, w, visible) -> torch.Tensor:
         """Under quant_sim the keys are MXFP4 values (the cache's packed rows, decoded), which encode back to
         the same values (tests/test_quant.py), so the kernel scores them in that form; otherwise the

@@ -708,15 +708,19 @@ def test_a_decode_steps_index_ends_and_visible_rows_are_every_layers_own(arch_di
 
 def test_a_decode_step_makes_each_indexers_queries_in_one_op(arch_dir, monkeypatch):
     """With packed index keys every indexer's decode queries (RoPE, V4's Hadamard transform, MXFP4 rounding, head
-    weights) come from `dsv4::indexer_query`, one call a layer and step, Hadamard-transformed for V4 alone; the logits
-    are those of the queries made by its twin (the reference's functions), bit for bit."""
+    weights) come from `dsv4::indexer_query`, one call a layer and step, Hadamard-transformed for V4 alone, and so do
+    the prefill's (FastIndexer._query_heads: one call a layer and prompt, a position a row); the logits are those
+    of the queries made by its twin (the reference's functions), bit for bit."""
     calls = []
     op = model_module.indexer_query
-    monkeypatch.setattr(model_module, "indexer_query", lambda *a: calls.append(a[5]) or op(*a))
+    monkeypatch.setattr(model_module, "indexer_query", lambda *a: calls.append((a[0].shape[0], a[5])) or op(*a))
     fast = models(arch_dir, packed=True)[1]
     indexers = sum(role.owns_indexer for role in fast.config.layer_roles)
     fused, fed = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
-    assert indexers and calls == [not fast.config.is_v41] * (2 * indexers)
+    hadamard = not fast.config.is_v41
+    prefills = [(n, hadamard) for n in (20, 27, 34) for _ in range(indexers)]  # decode_steps' prompts
+    steps = [(4, hadamard)] * (2 * indexers)  # its 3 rows padded to the runner's 4
+    assert indexers and calls == prefills + steps
     monkeypatch.setattr(model_module, "indexer_query", indexer_query_twin)
     apart, _ = decode_steps(Runner(models(arch_dir, packed=True)[1], max_seqs=4, max_len=128, compile=False), 2, fed)
     assert torch.equal(fused, apart)
