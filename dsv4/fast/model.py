@@ -290,7 +290,8 @@ class FastIndexer(Indexer):
         rows = lambda t: t.expand(B, S, -1).reshape(B * S, -1)  # [B * S, R/2]
         q, w_out = indexer_query(q.flatten(0, 1), w.flatten(0, 1), rows(cos), rows(sin), self.weights_scale,
                                  not self.is_v41)
-        return q.view(B, S, self.n_heads, self.head_dim), w_out.to(w.dtype).view(B, S, -1)  # w' is w's dtype's
+        # w_out holds w * weights_scale rounded to w's dtype, in fp32: back in that dtype exactly, as the reference's
+        return q.view(B, S, self.n_heads, self.head_dim), w_out.to(w.dtype).view(B, S, -1)
 
     def _scores(self, q, keys, w, visible) -> torch.Tensor:
         """Under quant_sim the keys are MXFP4 values (the cache's packed rows, decoded), which encode back to
