@@ -178,6 +178,22 @@ def test_kernel_matches_twin(E, k, D, I, N, path, shared, bf16, limit, hot, seed
     check_close(y, ref, dtype)
 
 
+@pytest.mark.parametrize("bn_down", [16, 256])
+def test_grouped_down_tile_of_its_own(bn_down):
+    """The grouped down kernel at an output tile other than the up kernel's (`BND`; 64 here): narrower, and wider
+    than D = 128, so its one column tile is half masked. A grid counted in the up kernel's tile would leave columns
+    of the output unwritten."""
+    E, k, D, I, N = 5, 2, 128, 96, 24
+    w13, s13, w2, s2, sh13, sh2 = rand_experts(E, D, I, 13)
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(N, D, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(N)])
+    weights = torch.rand(N, k, generator=g) + 0.1
+    sh13, sh2 = sh13.bfloat16(), sh2.bfloat16()
+    y = M.moe_triton(x, ids, weights, w13, s13, w2, s2, 1.0, sh13, sh2, path="grouped", cfg={"BND": bn_down})
+    check_close(y, M.moe_experts_twin(x, ids, weights, w13, s13, w2, s2, 1.0, sh13, sh2), torch.bfloat16)
+
+
 def test_gather_tc_chunks():
     """More than 16 token-slots of one expert (20 tokens: the shared expert and a hot one, and a token that lists
     an expert twice) are served in chunks of 16, each led by its first token-slot."""

@@ -882,20 +882,21 @@ def moe_triton(x, ids, weights, w13, s13, w2, s2, limit, shared13=None, shared2=
     if path == "grouped":
         BM, find = c["BM"] or grouped_block_m(N, S, E), 0
         order, te, r0, r1 = tile_table(ids_s, E, BM)
-        groups = lambda rows: (te.numel(), triton.cdiv(rows, c["BN"]))
+        groups = lambda rows, bn: (te.numel(), triton.cdiv(rows, bn))
     else:  # gather_tc: the groups are found in the kernels, no tile table; scanning at least 128 ids makes one
         # compiled variant serve every batch up to 18 tokens at 7 slots (the scan is a few instructions per id)
         BM, find = c["BM"], triton.next_power_of_2(max(R, 128))
         order = te = r0 = r1 = ids_s  # the table's arguments, unused
-        groups = lambda rows: (triton.cdiv(rows, c["BN"]), R)
-    kw = {"BM": BM, "BN": c["BN"], "IS_BF16": is_bf16, "INTERP": _INTERP, "SH_LOW": sh_low, "FIND": find,
-          "SHARED": has_shared, "num_warps": c["warps"], "num_stages": c["stages"]}
+        groups = lambda rows, bn: (triton.cdiv(rows, bn), R)
+    kw = {"BM": BM, "IS_BF16": is_bf16, "INTERP": _INTERP, "SH_LOW": sh_low, "FIND": find, "SHARED": has_shared,
+          "num_warps": c["warps"], "num_stages": c["stages"]}
+    bn_down = c.get("BND") or c["BN"]  # the down kernel's own output tile, where a config sets one
     h = torch.empty(R, I, dtype=x.dtype, device=x.device)
     out = torch.empty(R, D, dtype=x.dtype, device=x.device)
-    _grouped_up_kernel[groups(I)](x, ids_s, order, wts_s, te, r0, r1, w13, s13, sh13, h, D, I, S, E, R, lim,
-                                  BK=_block_k(D, c["BKG"], x.is_cuda), **kw)
-    _grouped_down_kernel[groups(D)](h, ids_s, order, te, r0, r1, w2, s2, sh2, out, D, I, S, E, R,
-                                    BK=_block_k(I, c["BKG"], x.is_cuda), **kw)
+    _grouped_up_kernel[groups(I, c["BN"])](x, ids_s, order, wts_s, te, r0, r1, w13, s13, sh13, h, D, I, S, E, R,
+                                           lim, BN=c["BN"], BK=_block_k(D, c["BKG"], x.is_cuda), **kw)
+    _grouped_down_kernel[groups(D, bn_down)](h, ids_s, order, te, r0, r1, w2, s2, sh2, out, D, I, S, E, R,
+                                             BN=bn_down, BK=_block_k(I, c["BKG"], x.is_cuda), **kw)
     return out.view(N, S, D).sum(dim=1, dtype=torch.float32)  # summed in fp32 as read: no fp32 copy of the slots
 
 
