@@ -200,6 +200,18 @@ def test_dense_tilings_and_modes(p, mode, block_t, block_s, programs, queries_st
     assert_scores(out, *twin(q, kp, ks, w, vis))
 
 
+def test_dense_grid_turns_to_query_tiles_for_a_prefill_chunk():
+    """The launch's own choice at the H200's 4 x 132 programs: an 8K chunk's 2048 query tiles (4 queries each) over
+    128 key tiles take a program a query tile, every key tile in it; a decode row, or a chunk too short to fill the
+    GPU by its query tiles, keeps the key tiles first; a grid past the launch's second dimension too."""
+    target = 4 * 132
+    assert ix.dense_grid(128, 2048, target) == (1, 2048, 128, 1)
+    assert ix.dense_grid(128, 1, target) == (128, 1, 1, 1)  # decode: a key tile a program, the query once
+    t_splits, s_splits, _, s_per = ix.dense_grid(128, 256, target)  # a 1K chunk: key tiles lead
+    assert s_per > 1 and t_splits * s_splits <= 2 * target
+    assert ix.dense_grid(128, 70000, target)[2] < 128  # 70000 query-tile programs do not fit the grid's y
+
+
 @needs_interp
 @pytest.mark.parametrize("queries_stationary", [False, True])
 def test_dense_prefill_chunk_both_grids(queries_stationary):

@@ -309,6 +309,20 @@ def _dense_config(S: int, H: int, d: int, q: torch.Tensor) -> dict:
     return {"block_t": 64, "block_s": min(max(1, 128 // _pow2(H)), _pow2(S)), "num_warps": 4}
 
 
+def dense_grid(t_tiles: int, s_tiles: int, target: int, queries_stationary: bool | None = None):
+    """(key-tile programs, query-tile programs, key tiles a program, query tiles a program) of the dense scores'
+    grid for `target` programs (`_launch_dense`); queries_stationary None: when the query tiles alone fill it."""
+    if queries_stationary is None:
+        queries_stationary = target <= s_tiles <= _MAX_GRID_Y
+    if queries_stationary:
+        return 1, s_tiles, t_tiles, 1
+    s_splits = max(1, min(s_tiles, triton.cdiv(target, t_tiles)))
+    s_per = triton.cdiv(s_tiles, s_splits)
+    s_splits = triton.cdiv(s_tiles, s_per)
+    t_per = max(1, t_tiles // max(1, target // s_splits))
+    return triton.cdiv(t_tiles, t_per), s_splits, t_per, s_per
+
+
 def _launch_dense(q, kp, ks, w, vis, out, *, block_t: int, block_s: int, num_warps: int = 4, num_stages: int = 2,
                   programs: int | None = None, mode: str | None = None,
                   queries_stationary: bool | None = None) -> torch.Tensor:
@@ -323,19 +337,9 @@ def _launch_dense(q, kp, ks, w, vis, out, *, block_t: int, block_s: int, num_war
     hp = _pow2(H)
     if block_s * hp < 16:  # the MMA's N is at least 16: pad the heads
         hp = 16 // block_s
-    t_tiles = triton.cdiv(T, block_t)
-    s_tiles = triton.cdiv(S, block_s)
     target = programs if programs is not None else _target_programs(q)
-    if queries_stationary is None:
-        queries_stationary = target <= s_tiles <= _MAX_GRID_Y
-    if queries_stationary:
-        s_per, s_splits, t_per, t_splits = 1, s_tiles, t_tiles, 1
-    else:
-        s_splits = max(1, min(s_tiles, triton.cdiv(target, t_tiles)))
-        s_per = triton.cdiv(s_tiles, s_splits)
-        s_splits = triton.cdiv(s_tiles, s_per)
-        t_per = max(1, t_tiles // max(1, target // s_splits))
-        t_splits = triton.cdiv(t_tiles, t_per)
+    t_splits, s_splits, t_per, s_per = dense_grid(triton.cdiv(T, block_t), triton.cdiv(S, block_s), target,
+                                                  queries_stationary)
     _dense_kernel[(t_splits, s_splits)](
         q, kp, ks, w, vis, out,
         S, T, H, q.stride(0), q.stride(1), w.stride(0), out.stride(0), t_per, s_per,
