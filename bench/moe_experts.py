@@ -180,7 +180,8 @@ def tile_sweep(W, sets, path: str, configs: list[dict], reps: int, device: str) 
         except triton.runtime.errors.OutOfResources as e:  # a tile the card cannot hold: the sweep goes on
             times[name] = None
             print(f"{name}: {str(e).splitlines()[0]}", flush=True)
-        print(f"{name}: {times[name]}", flush=True)
+        else:
+            print(f"{name}: {times[name]:.1f} us", flush=True)
     return times
 
 

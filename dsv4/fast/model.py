@@ -280,18 +280,19 @@ class FastIndexer(Indexer):
         return dequantize_mxfp4(*mxfp4_quant(t, 32), 32).to(t.dtype)
 
     def _query_heads(self, q: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Under quant_sim by the decode step's query kernel (`dsv4::indexer_query`: RoPE, V4's Hadamard
-        transform, the MXFP4 rounding and the head weights in one pass, bit-identical to the reference's steps), a
-        position a row: q [B, S, Hi * di], w [B, S, Hi], cos / sin [B or 1, S, R/2]. In a compiled 8K prefill chunk
-        V4's Hadamard butterflies alone were three inductor kernels of 0.2-0.5 ms."""
+        """Under quant_sim by one kernel (`dsv4::indexer_query`: RoPE, V4's Hadamard transform, the MXFP4 rounding
+        and the head weights in one pass, bit-identical to the reference's steps), a position a row, for the decode
+        step and the prefill alike: q [B, S, Hi * di], w [B, S, Hi], cos / sin [B or 1, S, R/2]. The head weights
+        come back in fp32 (w * weights_scale rounded to w's dtype: the reference's values), as the scoring kernels
+        read them. In a compiled 8K prefill chunk V4's Hadamard butterflies alone were three inductor kernels of
+        0.2-0.5 ms."""
         if not self.quant_sim:
             return super()._query_heads(q, w, cos, sin)
         B, S = q.shape[:2]
         rows = lambda t: t.expand(B, S, -1).reshape(B * S, -1)  # [B * S, R/2]
-        q, w_out = indexer_query(q.flatten(0, 1), w.flatten(0, 1), rows(cos), rows(sin), self.weights_scale,
-                                 not self.is_v41)
-        # w_out holds w * weights_scale rounded to w's dtype, in fp32: back in that dtype exactly, as the reference's
-        return q.view(B, S, self.n_heads, self.head_dim), w_out.to(w.dtype).view(B, S, -1)
+        q, w = indexer_query(q.flatten(0, 1), w.flatten(0, 1), rows(cos), rows(sin), self.weights_scale,
+                             not self.is_v41)
+        return q.view(B, S, self.n_heads, self.head_dim), w.view(B, S, -1)
 
     def _scores(self, q, keys, w, visible) -> torch.Tensor:
         """Under quant_sim the keys are MXFP4 values (the cache's packed rows, decoded), which encode back to
@@ -533,11 +534,8 @@ class FastAttention(Attention):
         cos, sin = rows.cos_sin[self.rotation]
         keys, cap = view.index_keys, view.capacity
         q_proj, w_proj = on_qr["indexer.wq_b"], on_x["indexer.weights_proj"]
-        if ix.quant_sim and keys.fmt == "mxfp4":  # the kernels' operands, in one kernel (V4's with its Hadamard)
-            q, w = indexer_query(q_proj, w_proj, cos, sin, ix.weights_scale, not self.is_v41)
-        else:
-            q, w = ix._query_heads(q_proj[:, None], w_proj[:, None], cos[:, None], sin[:, None])
-            q, w = q[:, 0], w[:, 0]  # [B, Hi, di], [B, Hi]
+        q, w = ix._query_heads(q_proj[:, None], w_proj[:, None], cos[:, None], sin[:, None])
+        q, w = q[:, 0], w[:, 0]  # [B, Hi, di], [B, Hi]
         stride, block = keys.data.shape[1], ix.candidate_block_size
         ends = rows.index_ends[role.compress_ratio]
         # a static choice (the capacity's): the pool as block ids that consumers score alone, or as a mask
