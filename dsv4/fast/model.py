@@ -294,6 +294,18 @@ class FastIndexer(Indexer):
                              not self.is_v41)
         return q.view(B, S, self.n_heads, self.head_dim), w.view(B, S, -1)
 
+    def _key_codes(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Under quant_sim by the queries' kernel, each key a row of one head (the same steps: RoPE, V4's Hadamard
+        transform, the MXFP4 rounding; its head weight unused): in V4's 8K prefill the reference's Hadamard
+        butterflies alone were ~70 eager launches a layer, each waiting on the host."""
+        if not self.quant_sim:
+            return super()._key_codes(k, cos, sin)
+        B, G, _ = k.shape
+        rows = k.flatten(0, 1)  # [B * G, di]
+        tables = lambda t: t.expand(B, G, -1).reshape(B * G, t.shape[-1])  # [B * G, R/2]
+        codes, _ = indexer_query(rows, rows.new_ones(B * G, 1), tables(cos), tables(sin), 1.0, not self.is_v41)
+        return codes.view_as(k)
+
     def _scores(self, q, keys, w, visible) -> torch.Tensor:
         """Under quant_sim the keys are MXFP4 values (the cache's packed rows, decoded), which encode back to
         the same values (tests/test_quant.py), so the kernel scores them in that form; otherwise the

@@ -147,7 +147,11 @@ class Indexer(nn.Module):
         else:
             k, first, state = self.compressor(x, first_pos, state)
         cos, sin = rotary.cos_sin((first + torch.arange(k.shape[1], device=k.device)) * ratio)
-        return self._fp4(apply_rope(k, cos[None], sin[None])), state
+        return self._key_codes(k, cos, sin), state
+
+    def _key_codes(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Keys [B, G, di] rotated by their tables cos / sin [G, R/2], then FP4-simulated as the queries are."""
+        return self._fp4(apply_rope(k, cos[None], sin[None]))
 
     def forward(
         self,

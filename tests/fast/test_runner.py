@@ -709,18 +709,25 @@ def test_a_decode_steps_index_ends_and_visible_rows_are_every_layers_own(arch_di
 def test_a_decode_step_makes_each_indexers_queries_in_one_op(arch_dir, monkeypatch):
     """With packed index keys every indexer's decode queries (RoPE, V4's Hadamard transform, MXFP4 rounding, head
     weights) come from `dsv4::indexer_query`, one call a layer and step, Hadamard-transformed for V4 alone, and so do
-    the prefill's (FastIndexer._query_heads: one call a layer and prompt, a position a row); the logits are those
-    of the queries made by its twin (the reference's functions), bit for bit."""
+    the prefill's (FastIndexer._query_heads: one call a layer and prompt, a position a row) and the prefill's index
+    keys (FastIndexer._key_codes: one head a row, one call a key owner and prompt, its completed groups); the logits
+    are those of the queries and keys made by its twin (the reference's functions), bit for bit."""
     calls = []
     op = model_module.indexer_query
-    monkeypatch.setattr(model_module, "indexer_query", lambda *a: calls.append((a[0].shape[0], a[5])) or op(*a))
+    monkeypatch.setattr(model_module, "indexer_query",
+                        lambda *a: calls.append((a[0].shape[0], a[1].shape[1], a[5])) or op(*a))
     fast = models(arch_dir, packed=True)[1]
-    indexers = sum(role.owns_indexer for role in fast.config.layer_roles)
+    roles = fast.config.layer_roles
+    heads, indexers = fast.config.index_n_heads, sum(role.owns_indexer for role in roles)
     fused, fed = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
     hadamard = not fast.config.is_v41
-    prefills = [(n, hadamard) for n in (20, 27, 34) for _ in range(indexers)]  # decode_steps' prompts
-    steps = [(4, hadamard)] * (2 * indexers)  # its 3 rows padded to the runner's 4
-    assert indexers and calls == prefills + steps
+    prompts = (20, 27, 34)  # decode_steps' prompts, each in a slot of its own
+    queries = [(n, heads, hadamard) for n in prompts for _ in range(indexers)]
+    keys = [(n // role.compress_ratio, 1, hadamard) for n in prompts for role in roles if role.owns_index_keys]
+    steps = [(4, heads, hadamard)] * (2 * indexers)  # its 3 rows padded to the runner's 4
+    assert indexers and keys
+    assert [c for c in calls if c[1] == heads] == queries + steps
+    assert sorted(c for c in calls if c[1] == 1) == sorted(keys)
     monkeypatch.setattr(model_module, "indexer_query", indexer_query_twin)
     apart, _ = decode_steps(Runner(models(arch_dir, packed=True)[1], max_seqs=4, max_len=128, compile=False), 2, fed)
     assert torch.equal(fused, apart)
