@@ -802,9 +802,12 @@ def _cfg(x, N, path):
     # 16 tokens 32 down rows a program, 467.7 / 903.8 us against 507.0 / 979.8. At one token the down kernel's 512
     # steps do not divide V4.1's I = 2304 (its masked path), yet 256-wide ones (9 a row, unmasked) were slower: 63.3
     # against 62.3 us, the 6-layer step 1.629 against 1.596 ms (H100, session 46)
+    # The grouped down kernel's output tile, BND, twice the up kernel's: it holds one accumulator to the up kernel's
+    # two, so each activation tile it loads serves twice the MMAs (H100, session 51, V4.1 widths: 22.75 -> 20.33 ms
+    # at 8192 tokens, 8.86 -> 8.18 at 2048; 32 columns 30.7 / 10.7)
     BI, BD, BK, warps = (16, 16 if N <= 2 else 32, 512 if N == 1 else 256, 2 if N <= 2 else 4)
-    return {"BI": BI, "BK": BK, "BD": BD, "BM": None, "BN": 64, "BKG": 64, "gather_warps": warps, "gather_stages": 2,
-            "warps": 4, "stages": 3}
+    return {"BI": BI, "BK": BK, "BD": BD, "BM": None, "BN": 64, "BND": 128, "BKG": 64, "gather_warps": warps,
+            "gather_stages": 2, "warps": 4, "stages": 3}
 
 
 def _operands(x, w13, s13, w2, s2, shared13, shared2):
