@@ -148,8 +148,8 @@ def mhc_kernels() -> list[Kernel]:
     finish = Kernel("mhc_pre finish", mhc._pre_finish_kernel,
                     {"h_ptr": "*bf16", "x_ptr": "*bf16", "norm_eps": "fp32", "hc_eps": "fp32"},
                     {"HC": HC, "M": M, "BN": f["BN"], "BD": f["BD"], "SB": f["SB"], "COLLAPSE": False,
-                     "ACCURATE": True, "THREAD_SINKHORN": mhc.sinkhorn_in_threads(HC, f["BN"]), "PDL": True,
-                     "START": True}, f["num_warps"])
+                     "ACCURATE": True, "THREAD_SINKHORN": mhc.sinkhorn_in_threads(HC, f["BN"]), "PDL": True},
+                    f["num_warps"])
     f_own = mhc.finish_config(1, D, mhc.partial_splits(D, 2), False, TARGET)
     finish_own = Kernel("mhc_pre finish collapsing", mhc._pre_finish_kernel, finish.types,
                         {**finish.constexprs, "BN": f_own["BN"], "BD": f_own["BD"], "SB": f_own["SB"], "COLLAPSE": True,
@@ -166,8 +166,8 @@ def mhc_kernels() -> list[Kernel]:
     post_partial = Kernel("mhc_post partial", mhc._post_partial_kernel,
                           {**post_finish.types, "x_ptr": "*bf16"},
                           {"HC": HC, "M": M, "MP": c["MP"], "BD": D // splits, "SB": f["SB"], "FINISH": True,
-                           "SLOTS": 0, "ACCURATE": True, "THREAD_SINKHORN": True, "INTERP": False, "PDL": True,
-                           "START": True}, mhc.post_partial_warps(1))
+                           "SLOTS": 0, "ACCURATE": True, "THREAD_SINKHORN": True, "INTERP": False, "PDL": True},
+                          mhc.post_partial_warps(1))
     post_sums = Kernel("mhc_post sums", mhc._post_partial_kernel, post_partial.types,
                        {**post_partial.constexprs, "FINISH": False}, mhc.post_partial_warps(1))
     # the FFN sites' posts at one token, summing the MoE's slots (TOP_K routed and the shared one, fp32)
@@ -266,8 +266,7 @@ def fp8_gemv_kernels() -> list[Kernel]:
                            "eps": "fp32"},
                           {"BM": 1, "BN": BN, "BK": BK, "BLOCK_K": 32, "STAGES": stages, "OUT_BF16": True, "INTERP": False,
                            "PDL": True, "EVEN_K": K % BK == 0, "NORM": name.startswith("wq_"), "X_BF16": True,
-                           "NORM_CHUNK": rope.NORM_CHUNK,
-                           "ASK_LINES": fp8_gemv.ask_lines(name.startswith("wq_a"), BN, K)}, warps, stages))
+                           "NORM_CHUNK": rope.NORM_CHUNK}, warps, stages))
     return out
 
 

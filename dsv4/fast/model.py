@@ -130,11 +130,11 @@ class Fp8Copy:
         return x.shape[0] == 1
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype, groups: int = 1,
-                 norm: RMSNorm | None = None, ask_l2: bool = False) -> torch.Tensor:
+                 norm: RMSNorm | None = None) -> torch.Tensor:
         """x [1, groups * K] (with `norm`, norm(x), normalized in the kernel) -> [1, N] out_dtype (see fp8_gemv for
-        groups and ask_l2)."""
+        groups)."""
         weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-        return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups, weight, eps, ask_l2)
+        return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups, weight, eps)
 
     @staticmethod
     def stacked(copies: Iterable[Fp8Copy | None]) -> Fp8Copy | None:
@@ -175,16 +175,15 @@ class SharedInput:
     def names(self) -> tuple[str, ...]:
         return tuple(name for names, *_ in self.parts for name in names)
 
-    def __call__(self, x: torch.Tensor, norm: RMSNorm | None = None, ask_l2: bool = False) -> dict[str, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, norm: RMSNorm | None = None) -> dict[str, torch.Tensor]:
         """x [B, K] -> each linear's output by name [B, N]; with `norm`, of norm(x): the batch-1 FP8 GEMV normalizes
         the rows it reads (`fp8_gemv`'s norm_weight: the norm's launch of its own gone where no other part reads
-        x), the other parts read norm(x). ask_l2: the FP8 GEMV asks the L2 for its weights before its wait where
-        it is the first launch (`fp8_gemv`)."""
+        x), the other parts read norm(x)."""
         outs, normed = {}, None
-        for i, (names, widths, fp32, weight, stored) in enumerate(self.parts):
+        for names, widths, fp32, weight, stored in self.parts:
             out_dtype = torch.float32 if fp32 else x.dtype
             if stored is not None and stored.serves(x):
-                y = stored(x, out_dtype, norm=norm, ask_l2=ask_l2 and i == 0)
+                y = stored(x, out_dtype, norm=norm)
             else:
                 if normed is None:
                     normed = x if norm is None else norm(x)
@@ -475,9 +474,7 @@ class FastAttention(Attention):
         -> (out [B, D], picks, pool): this layer's top-k and candidate blocks where it computes them, else those
         given."""
         cos, sin = rows.cos_sin[self.rotation]  # [B, R/2]
-        # {linear: [B, N]}, as on_qr below; the layer's first GEMV streams its weights under the site's last mHC
-        # kernel, which starts it early (`dsv4.fast.kernels.mhc.starts_successor`)
-        on_x = self.on_x(x, norm, ask_l2=True)
+        on_x = self.on_x(x, norm)  # {linear: [B, N]}, as on_qr below
         on_qr = self.on_qr(on_x["wq_a"], self.q_norm)
         if self.is_v41:  # the rotation alone: one compiled kernel already
             q = self._query_heads(on_qr["wq_b"][:, None], cos[:, None], sin[:, None])[:, 0]  # [B, H, Dh]

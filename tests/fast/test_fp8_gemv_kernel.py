@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (else the op only calls the twin)", allow_module_level=True)
 
-from dsv4.fast.kernels.fp8_gemv import ASK_L2_MAX_LINES, MAX_M, ask_lines, fp8_gemv, fp8_gemv_reference
+from dsv4.fast.kernels.fp8_gemv import MAX_M, fp8_gemv, fp8_gemv_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -167,16 +167,6 @@ def test_k_not_in_words_is_refused():
         fp8_gemv(x, w, s, 16, 16, torch.bfloat16)
 
 
-def test_a_program_asks_the_l2_for_whole_lines_of_its_rows():
-    """ask_l2's lines a program: a power of two covering its BN rows of K bytes (the kernel clamps the extra ones to
-    its last line), at most ASK_L2_MAX_LINES; none unless asked, or where rows end inside a line."""
-    assert ask_lines(True, 4, 5120) == 256  # V4.1's wq_a + wkv at one row: 160 lines
-    assert ask_lines(True, 4, 4096) == 128  # V4's: 128 lines, all of them
-    assert ask_lines(True, 16, 5120) == ASK_L2_MAX_LINES
-    assert ask_lines(False, 4, 5120) == 0
-    assert ask_lines(True, 1, 1000) == 0
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("M", [1, 2, 4, 16])
@@ -187,9 +177,7 @@ def test_gpu_decode_shapes(M, N, K, groups, block):
     """V4.1's wq_b + indexer wq_b, wo_b, grouped wo_a and wq_a + wkv widths (and a ragged one) at decode batch
     sizes, in V4.1's and V4's weight blocks, through the PTX decode and the default tiles of each batch size."""
     x, w, s = make_case(M + N, M, N, K, block, groups=groups)
-    y = fp8_gemv(x, w, s, *block, torch.bfloat16, groups)
-    check(y, x, w, s, block, groups)
-    assert torch.equal(fp8_gemv(x, w, s, *block, torch.bfloat16, groups, ask_l2=True), y)  # a hint, same sums
+    check(fp8_gemv(x, w, s, *block, torch.bfloat16, groups), x, w, s, block, groups)
     if groups == 1:  # with the norm before it (attn_norm before wq_a + wkv, q_norm before wq_b), on the CPU's norm
         x, _, _, norm = normed_case(M + N, M, N, K, block)
         y = fp8_gemv(x, w, s, *block, torch.bfloat16, 1, norm, 1e-6)

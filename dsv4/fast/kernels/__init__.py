@@ -4,8 +4,8 @@ A kernel runs in Triton on CUDA tensors, and on CPU tensors when `TRITON_INTERPR
 the kernels that way at small shapes); anywhere else the op computes with its reference twin.
 
 The kernel modules take `triton`, `tl` and `libdevice` from here, `to_bf16` (a rounding every kernel family uses),
-`pdl` / `wait_for_predecessor` / `start_successor` for the decode step's kernels launched with programmatic
-dependent launch, and `ask_l2` for weights asked of the L2 ahead. Where triton is not installed (a CPU-only torch
+and `pdl` / `wait_for_predecessor` for the
+decode step's kernels launched with programmatic dependent launch. Where triton is not installed (a CPU-only torch
 build brings none) they are stand-ins: the modules still import (`@triton.jit` returns the function,
 any `tl.<name>` is a placeholder), `use_triton` is False everywhere, and every op runs its twin, so
 `impl="fast"` works on such a machine.
@@ -69,26 +69,6 @@ def wait_for_predecessor(PDL: tl.constexpr):
     visible (griddepcontrol.wait), before reading anything it may have written."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def start_successor(PDL: tl.constexpr):
-    """Let the PDL-launched kernel after this one start now (griddepcontrol.launch_dependents), its programs
-    scheduled beside this kernel's and running up to their own `wait_for_predecessor`; without it the successor
-    starts as this kernel's last programs exit. Called by the latency-bound kernels whose successor asks the L2 for
-    its weights before its wait (`ask_l2`), right after their own wait: a successor started earlier would run beside
-    the bandwidth-bound kernel before them (session 31: every kernel starting its successor early cost 77 us a
-    4-layer step)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def ask_l2(lines):
-    """Ask the L2 for the 128-byte lines at the pointers `lines` (prefetch.global.L2::evict_last): a hint, nothing
-    waits for the bytes and nothing changes. GPU only (the interpreter runs no inline PTX)."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -2,16 +2,13 @@
 
     y[m, n] = round( sum over k of x[m, k] * e4m3[n, k] * 2^(e8m0[n // bn, k // bk] - 127) )      (fp32 sums)
 
-- `dsv4::fp8_gemv(x, w, w_scale, bn, bk, out_dtype, groups=1, norm_weight=None, eps=0.0, ask_l2=False) -> [M, N]`:
-    x bf16 / fp32 [M, groups * K] (a decode batch), w float8_e4m3fn [N, K], w_scale float8_e8m0fnu [ceil(N / bn),
-    ceil(K / bk)], out_dtype bfloat16 / float32. With groups G, output rows g * N / G .. (g + 1) * N / G read x's
-    g-th K columns (the attention's grouped `wo_a`); G = 1 is the plain GEMV. With `norm_weight` [K] (G = 1) the
-    GEMV reads rms_norm(x, norm_weight, eps) (`dsv4.reference.linear.rms_norm`, rounded to x's dtype) in place of
-    x: the RMSNorm before the attention's first linears (attn_norm before wq_a and wkv, q_norm before wq_b), which
-    in the compiled decode step was a launch of its own before each GEMV (a one-program reduction, 1.8-2.8 us).
-    With `ask_l2` each program asks the L2 for its weight rows before it waits for the kernel before it: a layer's
-    first GEMV, whose predecessor (the site's last mHC kernel, latency-bound) starts it early, streams its weights
-    while that kernel runs (`dsv4.fast.kernels.start_successor`).
+- `dsv4::fp8_gemv(x, w, w_scale, bn, bk, out_dtype, groups=1, norm_weight=None, eps=0.0) -> [M, N]`: x bf16 /
+    fp32 [M, groups * K] (a decode batch), w float8_e4m3fn [N, K], w_scale float8_e8m0fnu [ceil(N / bn), ceil(K /
+    bk)], out_dtype bfloat16 / float32. With groups G, output rows g * N / G .. (g + 1) * N / G read x's g-th K
+    columns (the attention's grouped `wo_a`); G = 1 is the plain GEMV. With `norm_weight` [K] (G = 1) the GEMV
+    reads rms_norm(x, norm_weight, eps) (`dsv4.reference.linear.rms_norm`, rounded to x's dtype) in place of x:
+    the RMSNorm before the attention's first linears (attn_norm before wq_a and wkv, q_norm before wq_b), which in
+    the compiled decode step was a launch of its own before each GEMV (a one-program reduction, 1.8-2.8 us).
 
 The value of `F.linear(x, dequantize_fp8(w, w_scale))` (the fast model's bf16 copies) up to fp32 summation
 order: an e4m3 code times a power of two is a bf16 number and its product with a bf16 activation is exact in
@@ -33,7 +30,7 @@ import os
 
 import torch
 
-from dsv4.fast.kernels import ask_l2, pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
+from dsv4.fast.kernels import pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.engram import _e4m3_to_f32
 from dsv4.fast.kernels.rope import NORM_CHUNK, rounded, streamed_inverse_rms
 from dsv4.quant import dequantize_fp8
@@ -79,7 +76,7 @@ def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, eps, M, N, K, KW, KS, block_n, G,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     OUT_BF16: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
-    X_BF16: tl.constexpr, NORM_CHUNK: tl.constexpr, ASK_LINES: tl.constexpr,
+    X_BF16: tl.constexpr, NORM_CHUNK: tl.constexpr,
 ):
     """Program: weight rows pid * BN .. + BN for all BM <= M activation rows; of G groups of N / G rows (BN
     divides N / G when G > 1), each reading its own K columns of x's rows. KW = K / 4 (words a row) comes as an
@@ -89,15 +86,9 @@ def _fp8_gemv_kernel(
     loaded a step ahead: the pipeliner copies nothing under 4 bytes asynchronously, so a byte load in the step
     that uses it waited on memory every step (sm_90 SASS); BLOCK_K is a constexpr so that finding a word's K block
     is a shift, not a division by a runtime int. NORM: every program first sums its rows' squares (x is a few KB,
-    read from L2 by each), then normalizes the activations it loads as `rms_norm` does, weight nw_ptr. ASK_LINES > 0:
-    the program's rows (BN x K bytes, contiguous) are asked of the L2 before the wait, ASK_LINES 128-byte lines at
-    most (see `fp8_gemv`'s ask_l2)."""
-    pid = tl.program_id(0)
-    if ASK_LINES > 0:  # weights: nothing the predecessor writes
-        own_lines = (BN * K) // 128
-        line = tl.minimum(tl.arange(0, ASK_LINES), own_lines - 1).to(tl.int64)
-        ask_l2(w_ptr.to(tl.pointer_type(tl.int8)) + pid.to(tl.int64) * (BN * K) + line * 128)
+    read from L2 by each), then normalizes the activations it loads as `rms_norm` does, weight nw_ptr."""
     wait_for_predecessor(PDL)
+    pid = tl.program_id(0)
     n = pid * BN + tl.arange(0, BN)
     nmask = n < N
     NW: tl.constexpr = BK // 4
@@ -228,19 +219,8 @@ def gemv_output(M: int, N: int, K: int, out_dtype, device) -> tuple[torch.Tensor
     return y, M == 0 or N == 0 or K == 0
 
 
-ASK_L2_MAX_LINES = 512  # a program's weight bytes asked of the L2 ahead, at most (64 KiB)
-
-
-def ask_lines(ask: bool, BN: int, K: int) -> int:
-    """The 128-byte lines a program asks of the L2 before its wait (a power of two covering its BN x K bytes, capped;
-    0: none): where asked, and whole lines tile its rows."""
-    if not ask or (BN * K) % 128:
-        return 0
-    return min(triton.next_power_of_2((BN * K) // 128), ASK_L2_MAX_LINES)
-
-
 def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1, cfg: dict | None = None,
-                     norm_weight: torch.Tensor | None = None, eps: float = 0.0, ask_l2: bool = False):
+                     norm_weight: torch.Tensor | None = None, eps: float = 0.0):
     M, (N, K) = x.shape[0], w.shape
     y, done = gemv_output(M, N, K, out_dtype, x.device)
     if done:
@@ -252,25 +232,22 @@ def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1
         norm_weight.contiguous() if norm else x, float(eps), M, N, K, K // 4, w_scale.shape[1], bn, groups,
         BM=triton.next_power_of_2(M), BN=BN, BK=BK, BLOCK_K=bk, STAGES=stages, OUT_BF16=out_dtype == torch.bfloat16,
         INTERP=_INTERP, PDL=pdl(x), EVEN_K=K % BK == 0, NORM=norm, X_BF16=x.dtype == torch.bfloat16,
-        NORM_CHUNK=NORM_CHUNK, ASK_LINES=ask_lines(ask_l2 and pdl(x), BN, K), num_warps=warps, launch_pdl=pdl(x))
+        NORM_CHUNK=NORM_CHUNK, num_warps=warps, launch_pdl=pdl(x))
     return y
 
 
 @torch.library.custom_op("dsv4::fp8_gemv", mutates_args=())
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bn: int, bk: int,
              out_dtype: torch.dtype = torch.bfloat16, groups: int = 1, norm_weight: torch.Tensor | None = None,
-             eps: float = 0.0, ask_l2: bool = False) -> torch.Tensor:
+             eps: float = 0.0) -> torch.Tensor:
     """x [M <= MAX_M, groups * K] (with norm_weight [K], rms_norm(x, norm_weight, eps)) times the block-scaled FP8
-    weight w [N, K] transposed, group by group -> [M, N] out_dtype. ask_l2: each program asks the L2 for its weight
-    rows before it waits for its predecessor (a launch whose predecessor starts it early, `start_successor`, streams
-    them while that kernel runs); the result is the same."""
+    weight w [N, K] transposed, group by group -> [M, N] out_dtype."""
     _check(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight)
     if use_triton(x):
-        return _fp8_gemv_triton(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight=norm_weight, eps=eps,
-                                ask_l2=ask_l2)
+        return _fp8_gemv_triton(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight=norm_weight, eps=eps)
     return fp8_gemv_reference(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight, eps)
 
 
 @fp8_gemv.register_fake
-def _(x, w, w_scale, bn, bk, out_dtype=torch.bfloat16, groups=1, norm_weight=None, eps=0.0, ask_l2=False):
+def _(x, w, w_scale, bn, bk, out_dtype=torch.bfloat16, groups=1, norm_weight=None, eps=0.0):
     return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype)

@@ -54,7 +54,7 @@ import functools
 
 import torch
 
-from dsv4.fast.kernels import pdl, start_successor, tl, to_bf16, triton, use_triton, wait_for_predecessor
+from dsv4.fast.kernels import pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.torch_math import exp
 from dsv4.reference.mhc import hc_collapse, hc_expand, hc_project, hc_split_sinkhorn
 
@@ -274,10 +274,8 @@ def _pre_finish_kernel(
     stride_hn, stride_hk, stride_xn,
     HC: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr,
     COLLAPSE: tl.constexpr, ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, PDL: tl.constexpr,
-    START: tl.constexpr,
 ):
     wait_for_predecessor(PDL)
-    start_successor(START)
     pid_n = tl.program_id(0)
     pid_d = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -483,15 +481,14 @@ def _post_partial_kernel(
     stride_fn, stride_fs, stride_rn, stride_rk, stride_on, stride_ok, stride_xn,
     HC: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr, FINISH: tl.constexpr,
     SLOTS: tl.constexpr, ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, INTERP: tl.constexpr,
-    PDL: tl.constexpr, START: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row, d step): a site's post, then the next site's partial pass over the new streams' d step while
     they are in registers (as `_pre_partial_kernel`, its projection in fp32 on the CUDA cores: one row). FINISH
     (V4.1): the post's coefficients finished from this site's workspace ws (as `_post_finish_kernel`) and x
     collapsed with this site's pre; else (V4) post and comb as given and no x (the next site collapses with its
-    own pre, which its finish makes). SLOTS: f is the MoE's slots (`_expand_inputs`). START: `starts_successor`."""
+    own pre, which its finish makes). SLOTS: f is the MoE's slots (`_expand_inputs`)."""
     wait_for_predecessor(PDL)
-    start_successor(START)
     rows64 = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)  # [1]: one row (the Sinkhorn in threads, at hc 4)
     rmask = rows64 < N
     pid_s = tl.program_id(1)
@@ -540,14 +537,6 @@ def _programs_target(t: torch.Tensor) -> int:
     return 2 * _num_sms(t.device.index or 0) if t.is_cuda else 2
 
 
-def starts_successor(t: torch.Tensor, N: int) -> bool:
-    """Whether a site's last kernel (`_pre_finish_kernel`, `_post_partial_kernel`) starts its successor right after
-    its own wait (`start_successor`): at decode batches, where it is latency-bound and the layer's first GEMV asks
-    the L2 for its weights before its wait (`fp8_gemv`'s ask_l2) beside it. A prefill chunk's finish streams h: the
-    successor's waiting programs would crowd it."""
-    return pdl(t) and N <= START_MAX_N
-
-
 def _pow2_block(D: int, cap: int) -> int:
     """cap rounded up to a power of two, halved while it does not divide D (not below 16). Plain Python:
     `partial_splits` serves the twins too, which run where Triton is not installed."""
@@ -586,7 +575,6 @@ def pre_config(N: int, D: int, hc: int, elt: int, target: int, cfg: dict | None 
 # coefficients, a Sinkhorn chain in every thread, so past a few rows that redundant work outgrows the launch it
 # saves (4 rows, 2 warps: ~2M warp instructions); more rows take the post and the partial pass apart
 POST_PARTIAL_MAX_N = 4
-START_MAX_N = 64  # decode batches (`starts_successor`)
 
 
 def post_partial_warps(N: int) -> int:
@@ -682,7 +670,7 @@ def _finish(h, ws, scale, base, outs: tuple, norm_eps, hc_eps, iters, collapse: 
         h.stride(0), h.stride(1), x.stride(0),
         HC=hc, M=(2 + hc) * hc, BN=f["BN"], BD=f["BD"], SB=f["SB"],
         COLLAPSE=collapse, ACCURATE=h.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, f["BN"]), PDL=pdl(h),
-        START=starts_successor(h, N), num_warps=f["num_warps"], launch_pdl=pdl(h),
+        num_warps=f["num_warps"], launch_pdl=pdl(h),
     )
 
 
@@ -795,8 +783,7 @@ def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple,
         HC=hc, M=M, MP=triton.next_power_of_2(M), BD=D // S, SB=min(triton.next_power_of_2(split), 32),
         FINISH=finish, SLOTS=slots, ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, 1),
         INTERP=not f.is_cuda,
-        PDL=pdl(f), START=starts_successor(f, N), num_warps=(cfg or {}).get("num_warps", post_partial_warps(N)),
-        launch_pdl=pdl(f),
+        PDL=pdl(f), num_warps=(cfg or {}).get("num_warps", post_partial_warps(N)), launch_pdl=pdl(f),
     )
     return out, x, ws_next
 
