@@ -505,6 +505,33 @@ def launches(prof) -> list[dict]:
     return rows
 
 
+def idle_gaps(prof, top: int) -> dict:
+    """Where the device waited during the profiled run: the `top` longest stretches with no kernel, copy or memset
+    running (device events merged in start order), each with the device work before and after it and the host ops
+    that launched the one after (innermost first), and the idle time in all. A gap is the host not yet having
+    launched the next work: behind on its own, or back from waiting on the device (a pageable copy, a sync)."""
+    launched_by = {}
+    for op in prof.events():
+        if op.device_type == torch.autograd.DeviceType.CPU:
+            chain, parent = [], op
+            while parent is not None and len(chain) < 4:
+                chain.append(parent.name)
+                parent = parent.cpu_parent
+            for k in op.kernels:
+                launched_by.setdefault((k.name, k.time_range.start), " < ".join(chain))
+    work = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda w: w[0])
+    gaps, busy_until, before = [], None, None
+    for start, end, name in work:
+        if busy_until is not None and start > busy_until:
+            gaps.append({"us": start - busy_until, "before": before[:90], "after": name[:90],
+                         "launched_by": launched_by.get((name, start), "")})
+        if busy_until is None or end >= busy_until:
+            busy_until, before = end, name
+    gaps.sort(key=lambda g: -g["us"])
+    return {"idle_us": sum(g["us"] for g in gaps), "gaps": len(gaps), "longest": gaps[:top]}
+
+
 # the kernels that close an mHC site, two a layer (its FFN site's closes it): the plain post, V4.1's post finishing
 # the site's coefficients, or the post with the next site's pass (V4.1's) or sums (V4's)
 POST_KERNELS = ("_post_kernel", "_post_finish_kernel", "_post_partial_kernel")

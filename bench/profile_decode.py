@@ -16,8 +16,9 @@ kernels, other aten ops).
 alone and the bytes it reads, and the step at the released depth with each released layer at its kind's measured
 time and bytes (`--layers 6` measures every V4.1 kind, 4 every V4 kind); `by_layer_own` the same from the kernels'
 own times in the graph replay (where they line up), the split of the graph's device time.
-With --prefill-chunk, a cold prefill's kernels too, and its device time by layer module and module-path method
-(`SPANS`: CUDA events around each call, so a span includes the spans inside it).
+With --prefill-chunk, a cold prefill's kernels too, where the device sat idle (`full_width.idle_gaps`: the longest
+gaps and the host ops that launched the work after them), and its device time by layer module and module-path
+method (`SPANS`: CUDA events around each call, so a span includes the spans inside it).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from full_width import (  # noqa: E402
     build_random_model,
     cold_prefill,
     decode_bytes,
+    idle_gaps,
     launches,
     layer_breakdown,
     prefill_chunks,
@@ -191,7 +193,8 @@ def profile_prefill(runner, device, context: int) -> dict:
             torch.cuda.synchronize()
     rows = kernel_table(prof)
     return {"ms": ms, "tokens_per_s": context / ms * 1e3, "kernel_sum_ms": sum(r["us"] for r in rows) / 1e3,
-            "table": rows[: ARGS.top], "by_module_ms": module_times(runner.model, run, device)}
+            "table": rows[: ARGS.top], "idle": idle_gaps(prof, 20),
+            "by_module_ms": module_times(runner.model, run, device)}
 
 
 def main():
@@ -272,6 +275,10 @@ def main():
               f"({prefill['tokens_per_s']:.0f} tok/s), kernels {prefill['kernel_sum_ms']:.1f} ms")
         for r in prefill["table"]:
             print(f"{r['us']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
+        idle = prefill["idle"]
+        print(f"prefill: the device idle {idle['idle_us'] / 1e3:.2f} ms in {idle['gaps']} gaps; the longest:")
+        for g in idle["longest"]:
+            print(f"{g['us']:9.1f} us  after {g['before'][:40]}  before {g['after'][:40]}  <  {g['launched_by'][:110]}")
         print("prefill by module (inclusive):")
         for label, ms in prefill["by_module_ms"].items():
             print(f"{ms:9.3f} ms  {100 * ms / prefill['ms']:5.1f}%  {label}")

@@ -21,6 +21,7 @@ from bench.full_width import (
     build_random_model,
     full_width_config,
     full_width_layers,
+    idle_gaps,
     layer_bytes,
     layer_rows,
     main,
@@ -344,3 +345,25 @@ def test_split_by_layer_cuts_after_each_layers_second_post():
     eager = [dict(r, ops=r["kernel"]) for r in steps]  # uncompiled: the entry's kernels go with the first layer
     got_entry, runs, _ = split_by_layer(eager, 3)
     assert got_entry == [] and len(runs[0]) == len(entry) + len(layers[0])
+
+
+def test_idle_gaps_finds_where_the_device_waited():
+    """The device's idle stretches between its work (kernels and copies merged in start order: a kernel running
+    inside another's span leaves no gap), longest first, each with the work around it and the host ops that
+    launched the work after it."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, start, end, device=cuda, kernels=(), parent=None):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                               kernels=list(kernels), cpu_parent=parent)
+
+    a, b, c = event("gemm", 0, 10), event("copy", 4, 8), event("norm", 30, 35)
+    d, e = event("Memcpy HtoD (Pageable -> Device)", 36, 37), event("attn", 40, 41)
+    forward = event("L0.forward", 0, 50, cpu)
+    ops = [forward, event("aten::mean", 25, 26, cpu, [c], forward), event("aten::copy_", 35, 36, cpu, [d], forward)]
+    got = idle_gaps(SimpleNamespace(events=lambda: [e, c, a, d, b, *ops]), 2)
+    assert got["idle_us"] == 20 + 1 + 3 and got["gaps"] == 3
+    assert got["longest"] == [
+        {"us": 20, "before": "gemm", "after": "norm", "launched_by": "aten::mean < L0.forward"},
+        {"us": 3, "before": "Memcpy HtoD (Pageable -> Device)", "after": "attn", "launched_by": ""},
+    ]
