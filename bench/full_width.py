@@ -389,6 +389,21 @@ def cold_prefill(runner, ids: torch.Tensor, chunk: int) -> None:
     runner.release(slot)
 
 
+def fill_in_chunks(prefill, context: int, after_oom=lambda: None, smallest: int = 1024) -> int:
+    """prefill(chunk) for chunks of half the context, halved after each out-of-memory error (`after_oom` runs
+    first: free the allocator's cache) down to `smallest` -> the chunk that fit."""
+    chunk = context // 2
+    while True:
+        try:
+            prefill(chunk)
+            return chunk
+        except torch.OutOfMemoryError:
+            if chunk <= smallest:
+                raise
+            after_oom()
+            chunk //= 2
+
+
 def fill_slots(runner, context: int, slots: int, chunk: int) -> list[int]:
     """`slots` sequences holding the same `context` random tokens: one prefill, then prefix hits."""
     g = torch.Generator().manual_seed(0)

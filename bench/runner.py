@@ -54,6 +54,7 @@ from full_width import (  # noqa: E402
     cold_prefill,
     decode_bytes,
     decode_rows,
+    fill_in_chunks,
     fill_slots,
     launches,
     layer_breakdown,
@@ -150,25 +151,47 @@ def transformers_rows(hf, device, context: int, config) -> dict:
     """transformers eager, bf16 weights; under bf16 autocast, because its mHC streams come out of the
     collapse in fp32 and meet bf16 projections (a dtype error otherwise). Its prefill makes the last position's
     logits alone (`logits_to_keep=1`, as `generate` asks), like fast's `ModelRunner.prefill`: the head over all
-    8K positions is some 9 TFLOP more that neither generate nor fast computes."""
+    8K positions is some 9 TFLOP more that neither generate nor fast computes.
+
+    Where the prompt in one forward runs out of memory (its eager attention's [heads, S, S'] fp32 logits: 20 GiB
+    each at 8K, past an H100 beside transformers' 58 GB), the prefill row is that error and the decode steps run
+    on a cache filled in chunks (halved until one fits; `decode_cache_chunk`): the cache, and so the step, are
+    the one-forward fill's (its continuation matches to fp32 rounding on the tiny widths)."""
     from transformers import DynamicCache
 
     ids = random_ids(config, (1, context), device=device)
+    out = {}
     with torch.inference_mode(), torch.autocast(device.type, dtype=torch.bfloat16):
         cache = [None]
 
-        def prefill():
+        def prefill(chunk: int = context):
             cache[0] = DynamicCache(config=hf.config)
-            hf(input_ids=ids, past_key_values=cache[0], use_cache=True, logits_to_keep=1)
+            for a in range(0, context, chunk):
+                hf(input_ids=ids[:, a : a + chunk], past_key_values=cache[0], use_cache=True, logits_to_keep=1)
 
-        pre = common.timed(prefill, device, PREFILL_REPS)
+        try:
+            out["prefill_tokens_per_s"] = context / common.timed(prefill, device, PREFILL_REPS)
+        except torch.OutOfMemoryError as e:
+            out["prefill_error"] = out_of_memory(e, context)
+            out["decode_cache_chunk"] = fill_in_chunks(prefill, context, cache_free)
         nxt = ids[:, :1]
 
         def step():
             hf(input_ids=nxt, past_key_values=cache[0], use_cache=True)
 
         dec = common.timed(step, device, 5)
-    return {"prefill_tokens_per_s": context / pre, "decode_step_ms": dec * 1e3, "decode_tokens_per_s": 1 / dec}
+    return {**out, "decode_step_ms": dec * 1e3, "decode_tokens_per_s": 1 / dec}
+
+
+def out_of_memory(e: torch.OutOfMemoryError, context: int) -> str:
+    """The error's line for the result (the allocator's cache emptied for what runs next)."""
+    cache_free()
+    return f"transformers eager ran out of memory at {context} tokens: {str(e).splitlines()[0]}"
+
+
+def cache_free() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def transformers_or_oom(hf, device, context: int, config) -> dict:
@@ -176,8 +199,7 @@ def transformers_or_oom(hf, device, context: int, config) -> dict:
     try:
         return transformers_rows(hf, device, context, config)
     except torch.OutOfMemoryError as e:
-        torch.cuda.empty_cache()
-        return {"error": f"transformers eager ran out of memory at {context} tokens: {str(e).splitlines()[0]}"}
+        return {"error": out_of_memory(e, context)}
 
 
 def plot(result: dict, path) -> None:
@@ -193,7 +215,7 @@ def plot(result: dict, path) -> None:
         paths = {"fast": (rows[min(rows)]["tokens_per_s"], result["fast_prefill"]["tokens_per_s"])}
         if "decode_tokens_per_s" in result.get("transformers", {}):
             t = result["transformers"]
-            paths["transformers eager"] = (t["decode_tokens_per_s"], t["prefill_tokens_per_s"])
+            paths["transformers eager"] = (t["decode_tokens_per_s"], t.get("prefill_tokens_per_s", float("nan")))
         series = {label: [p[k] for p in paths.values()]
                   for label, k in (("batch-1 decode", 0), (f"prefill {result['context'] // 1024}K", 1))}
         common.grouped_log_bars(axes[1], list(paths), series)

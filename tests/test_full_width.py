@@ -20,6 +20,7 @@ from bench.full_width import (
     RELEASED,
     build_random_model,
     full_width_config,
+    fill_in_chunks,
     full_width_layers,
     idle_gaps,
     layer_bytes,
@@ -367,3 +368,17 @@ def test_idle_gaps_finds_where_the_device_waited():
         {"us": 20, "before": "gemm", "after": "norm", "launched_by": "aten::mean < L0.forward"},
         {"us": 3, "before": "Memcpy HtoD (Pageable -> Device)", "after": "attn", "launched_by": ""},
     ]
+
+
+def test_fill_in_chunks_halves_the_chunk_until_it_fits():
+    tried, freed = [], []
+
+    def prefill(chunk):
+        tried.append(chunk)
+        if chunk > 2048:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    assert fill_in_chunks(prefill, 16384, lambda: freed.append(1)) == 2048
+    assert tried == [8192, 4096, 2048] and len(freed) == 2
+    with pytest.raises(torch.OutOfMemoryError):
+        fill_in_chunks(prefill, 16384, smallest=4096)
