@@ -523,24 +523,28 @@ def launches(prof) -> list[dict]:
 def idle_gaps(prof, top: int) -> dict:
     """Where the device waited during the profiled run: the `top` longest stretches with no kernel, copy or memset
     running (device events merged in start order), each with the device work before and after it and the host ops
-    that launched the one after (innermost first), and the idle time in all. A gap is the host not yet having
-    launched the next work: behind on its own, or back from waiting on the device (a pageable copy, a sync)."""
-    launched_by = {}
-    for op in prof.events():
-        if op.device_type == torch.autograd.DeviceType.CPU:
-            chain, parent = [], op
-            while parent is not None and len(chain) < 4:
-                chain.append(parent.name)
-                parent = parent.cpu_parent
-            for k in op.kernels:
-                launched_by.setdefault((k.name, k.time_range.start), " < ".join(chain))
+    that launched the one after (innermost first; the n-th launch of a name is its n-th run), and the idle time in
+    all. A gap is the host not yet having launched the next work: behind on its own, or back from waiting on the
+    device (a pageable copy, a sync)."""
+    launched_by = defaultdict(list)  # kernel name -> the launching ops' chains, in launch order
+    for op in sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.kernels),
+                     key=lambda e: e.time_range.start):
+        chain, parent = [], op
+        while parent is not None and len(chain) < 4:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        for k in op.kernels:
+            launched_by[k.name].append(" < ".join(chain))
     work = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda w: w[0])
+    runs = Counter()
     gaps, busy_until, before = [], None, None
     for start, end, name in work:
+        chains, n = launched_by.get(name, []), runs[name]
+        runs[name] += 1
         if busy_until is not None and start > busy_until:
             gaps.append({"us": start - busy_until, "before": before[:90], "after": name[:90],
-                         "launched_by": launched_by.get((name, start), "")})
+                         "launched_by": chains[n] if n < len(chains) else ""})
         if busy_until is None or end >= busy_until:
             busy_until, before = end, name
     gaps.sort(key=lambda g: -g["us"])

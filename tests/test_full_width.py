@@ -359,14 +359,17 @@ def test_idle_gaps_finds_where_the_device_waited():
                                kernels=list(kernels), cpu_parent=parent)
 
     a, b, c = event("gemm", 0, 10), event("copy", 4, 8), event("norm", 30, 35)
-    d, e = event("Memcpy HtoD (Pageable -> Device)", 36, 37), event("attn", 40, 41)
-    forward = event("L0.forward", 0, 50, cpu)
-    ops = [forward, event("aten::mean", 25, 26, cpu, [c], forward), event("aten::copy_", 35, 36, cpu, [d], forward)]
-    got = idle_gaps(SimpleNamespace(events=lambda: [e, c, a, d, b, *ops]), 2)
-    assert got["idle_us"] == 20 + 1 + 3 and got["gaps"] == 3
-    assert got["longest"] == [
+    d, e, f = event("Memcpy HtoD (Pageable -> Device)", 36, 37), event("attn", 40, 41), event("norm", 50, 52)
+    kernel = lambda name: SimpleNamespace(name=name)  # what an op lists: names, no times
+    forward = event("L0.forward", 0, 60, cpu)
+    ops = [forward, event("aten::mean", 25, 26, cpu, [kernel("norm")], forward),
+           event("aten::copy_", 35, 36, cpu, [kernel(d.name)], forward),
+           event("aten::rsqrt", 45, 46, cpu, [kernel("norm")], event("L1.forward", 44, 60, cpu))]
+    got = idle_gaps(SimpleNamespace(events=lambda: [f, e, c, a, d, b, *ops]), 2)
+    assert got["idle_us"] == 20 + 1 + 3 + 9 and got["gaps"] == 4
+    assert got["longest"] == [  # the second "norm" run is the second launch's
         {"us": 20, "before": "gemm", "after": "norm", "launched_by": "aten::mean < L0.forward"},
-        {"us": 3, "before": "Memcpy HtoD (Pageable -> Device)", "after": "attn", "launched_by": ""},
+        {"us": 9, "before": "attn", "after": "norm", "launched_by": "aten::rsqrt < L1.forward"},
     ]
 
 
