@@ -508,16 +508,22 @@ def launches(prof) -> list[dict]:
     """The step's kernels in launch order, each with the ops it was launched under (innermost first): what the
     table's aten kernels (copies, reductions: glue the compiled step left) belong to, and its time run alone (the
     host launches them tens of microseconds apart, so none waits for another)."""
+    return [{"kernel": k.name[:90], "us": k.duration, "ops": chain} for chain, k in launching_ops(prof)]
+
+
+def launching_ops(prof) -> list[tuple[str, object]]:
+    """(the ops a kernel was launched under, innermost first and at most 4 deep, joined by " < "; the kernel) for
+    every kernel the profiled host launched, in launch order."""
     ops = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.kernels),
                  key=lambda e: e.time_range.start)
-    rows = []
+    out = []
     for op in ops:
         chain, parent = [], op
         while parent is not None and len(chain) < 4:
             chain.append(parent.name)
             parent = parent.cpu_parent
-        rows += [{"kernel": k.name[:90], "us": k.duration, "ops": " < ".join(chain)} for k in op.kernels]
-    return rows
+        out += [(" < ".join(chain), k) for k in op.kernels]
+    return out
 
 
 def idle_gaps(prof, top: int) -> dict:
@@ -527,14 +533,8 @@ def idle_gaps(prof, top: int) -> dict:
     all. A gap is the host not yet having launched the next work: behind on its own, or back from waiting on the
     device (a pageable copy, a sync)."""
     launched_by = defaultdict(list)  # kernel name -> the launching ops' chains, in launch order
-    for op in sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.kernels),
-                     key=lambda e: e.time_range.start):
-        chain, parent = [], op
-        while parent is not None and len(chain) < 4:
-            chain.append(parent.name)
-            parent = parent.cpu_parent
-        for k in op.kernels:
-            launched_by[k.name].append(" < ".join(chain))
+    for chain, k in launching_ops(prof):
+        launched_by[k.name].append(chain)
     work = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda w: w[0])
     runs = Counter()

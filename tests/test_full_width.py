@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from bench.full_width import (
     RELEASED,
     build_random_model,
-    full_width_config,
     fill_in_chunks,
+    full_width_config,
     full_width_layers,
     idle_gaps,
     layer_bytes,
