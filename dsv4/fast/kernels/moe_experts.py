@@ -45,7 +45,8 @@ Paths (all free of host syncs, so they can be captured in a CUDA graph):
   a tile table padded to a static upper bound cdiv(N*S, BM) + min(E+1, N*S) (empty tiles exit at once);
   tiles never straddle experts. Kernel 1 is a grouped GEMM (tensor cores, bf16 operands: dequantized e2m1 is
   exact in bf16) writing h in sorted order; kernel 2 the grouped down GEMM writing each slot's rounded
-  output to [N*S, D]; a torch sum over slots gives y.
+  output to [N*S, D], its output tile (BND) twice kernel 1's (BN: kernel 1 holds two accumulators, gate and up);
+  a torch sum over slots gives y.
 - gather_tc (decode on the tensor cores; not chosen by "auto", see GATHER_MAX_N): the grouped kernels without the
   sort and the tile table. A program (row tile, token-slot q) scans the N*S expert ids itself: q leads the chunk of
   up to BM = 16 token-slots of its expert (in token-slot order) that starts at q, other programs exit at once; so
