@@ -173,7 +173,7 @@ def transformers_rows(hf, device, context: int, config) -> dict:
             out["prefill_tokens_per_s"] = context / common.timed(prefill, device, PREFILL_REPS)
         except torch.OutOfMemoryError as e:
             out["prefill_error"] = out_of_memory(e, context)
-            out["decode_cache_chunk"] = fill_in_chunks(prefill, context, cache_free)
+            out["decode_cache_chunk"] = fill_in_chunks(prefill, context, torch.cuda.empty_cache)
         nxt = ids[:, :1]
 
         def step():
@@ -185,13 +185,8 @@ def transformers_rows(hf, device, context: int, config) -> dict:
 
 def out_of_memory(e: torch.OutOfMemoryError, context: int) -> str:
     """The error's line for the result (the allocator's cache emptied for what runs next)."""
-    cache_free()
+    torch.cuda.empty_cache()
     return f"transformers eager ran out of memory at {context} tokens: {str(e).splitlines()[0]}"
-
-
-def cache_free() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def transformers_or_oom(hf, device, context: int, config) -> dict:
@@ -215,7 +210,8 @@ def plot(result: dict, path) -> None:
         paths = {"fast": (rows[min(rows)]["tokens_per_s"], result["fast_prefill"]["tokens_per_s"])}
         if "decode_tokens_per_s" in result.get("transformers", {}):
             t = result["transformers"]
-            paths["transformers eager"] = (t["decode_tokens_per_s"], t.get("prefill_tokens_per_s", float("nan")))
+            prefill = t.get("prefill_tokens_per_s", float("nan"))  # none: its one-forward prefill ran out of memory
+            paths["transformers eager"] = (t["decode_tokens_per_s"], prefill)
         series = {label: [p[k] for p in paths.values()]
                   for label, k in (("batch-1 decode", 0), (f"prefill {result['context'] // 1024}K", 1))}
         common.grouped_log_bars(axes[1], list(paths), series)

@@ -280,31 +280,31 @@ class FastIndexer(Indexer):
         return dequantize_mxfp4(*mxfp4_quant(t, 32), 32).to(t.dtype)
 
     def _query_heads(self, q: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Under quant_sim by one kernel (`dsv4::indexer_query`: RoPE, V4's Hadamard transform, the MXFP4 rounding
-        and the head weights in one pass, bit-identical to the reference's steps), a position a row, for the decode
-        step and the prefill alike: q [B, S, Hi * di], w [B, S, Hi], cos / sin [B or 1, S, R/2]. The head weights
-        come back in fp32 (w * weights_scale rounded to w's dtype: the reference's values), as the scoring kernels
-        read them. In a compiled 8K prefill chunk V4's Hadamard butterflies alone were three inductor kernels of
-        0.2-0.5 ms."""
+        """Under quant_sim by one kernel (`_by_kernel`), for the decode step and the prefill alike: q [B, S, Hi * di],
+        w [B, S, Hi], cos / sin [B or 1, S, R/2]. The head weights come back in fp32 (w * weights_scale rounded to
+        w's dtype: the reference's values), as the scoring kernels read them. In a compiled 8K prefill chunk V4's
+        Hadamard butterflies alone were three inductor kernels of 0.2-0.5 ms."""
         if not self.quant_sim:
             return super()._query_heads(q, w, cos, sin)
-        B, S = q.shape[:2]
-        rows = lambda t: t.expand(B, S, -1).reshape(B * S, -1)  # [B * S, R/2]
-        q, w = indexer_query(q.flatten(0, 1), w.flatten(0, 1), rows(cos), rows(sin), self.weights_scale,
-                             not self.is_v41)
-        return q.view(B, S, self.n_heads, self.head_dim), w.view(B, S, -1)
+        return self._by_kernel(q, w, cos, sin, self.weights_scale)
 
     def _key_codes(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Under quant_sim by the queries' kernel, each key a row of one head (the same steps: RoPE, V4's Hadamard
-        transform, the MXFP4 rounding; its head weight unused): in V4's 8K prefill the reference's Hadamard
-        butterflies alone were ~70 eager launches a layer, each waiting on the host."""
+        """Under quant_sim by the queries' kernel, each key a position of one head (the same steps; its head weight
+        unused): in V4's 8K prefill the reference's Hadamard butterflies alone were ~70 eager launches a layer, each
+        waiting on the host."""
         if not self.quant_sim:
             return super()._key_codes(k, cos, sin)
-        B, G, _ = k.shape
-        rows = k.flatten(0, 1)  # [B * G, di]
-        tables = lambda t: t.expand(B, G, -1).reshape(B * G, t.shape[-1])  # [B * G, R/2]
-        codes, _ = indexer_query(rows, rows.new_ones(B * G, 1), tables(cos), tables(sin), 1.0, not self.is_v41)
+        codes, _ = self._by_kernel(k, k.new_ones(*k.shape[:2], 1), cos[None], sin[None], 1.0)
         return codes.view_as(k)
+
+    def _by_kernel(self, q, w, cos, sin, w_scale: float):
+        """`dsv4::indexer_query` (RoPE, V4's Hadamard transform, the MXFP4 rounding and the head weights in one
+        pass, bit-identical to the reference's steps) a position a row: q [B, S, H * di], w [B, S, H], cos / sin
+        [B or 1, S, R/2] -> (q' [B, S, H, di], w' [B, S, H] fp32)."""
+        B, S, H = w.shape
+        rows = lambda t: t.expand(B, S, -1).reshape(B * S, t.shape[-1])  # [B * S, ...]
+        q, w = indexer_query(rows(q), rows(w), rows(cos), rows(sin), w_scale, not self.is_v41)
+        return q.view(B, S, H, q.shape[-1]), w.view(B, S, H)  # q [B * S, H, di]
 
     def _scores(self, q, keys, w, visible) -> torch.Tensor:
         """Under quant_sim the keys are MXFP4 values (the cache's packed rows, decoded), which encode back to
