@@ -700,8 +700,8 @@ class FastBlock(Block):
         eps = (c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
         if c.is_v41:
             scale, base = self.site_params(site)[1:]
-            return mhc_post_partial(f, h, coefficients, scale, base, fn_next, *eps)
-        h, ws = mhc_post_sums(f, h, *coefficients, fn_next)
+            return mhc_post_partial(f, h, coefficients, scale, base, fn_next, *eps, settled=True)
+        h, ws = mhc_post_sums(f, h, *coefficients, fn_next, settled=True)
         x, _, post, comb = mhc_pre_finish(h, ws, scale_next, base_next, *eps)
         return h, x, (post, comb)
 

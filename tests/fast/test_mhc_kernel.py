@@ -252,6 +252,54 @@ def test_decode_ops_fallback_is_their_twins(arch, monkeypatch):
     check_decode_ops(arch, h, fn, scale, base, pre_prev, torch.randn(3, 64), fn * 0.5, 20)
 
 
+@pytest.mark.parametrize("arch", ["v41", "v4"])
+@settings(deadline=None, max_examples=examples(4))
+@given(N=st.integers(1, K.POST_PARTIAL_MAX_N), slots=st.integers(0, 3), bf16=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_a_settled_post_gives_the_same_bits(arch, N, slots, bf16, seed):
+    """The fused posts with `settled` (everything but f read, and the coefficients finished, before the PDL wait)
+    give bit for bit what they give without it: only the order of the kernel's loads moves."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    h, fn, scale, base, pre_prev = make_inputs(N, 4, 64, dtype, arch == "v41", seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    f = torch.randn(N, slots, 64, generator=g) if slots else torch.randn(N, 64, generator=g).to(dtype)
+    fn_next = torch.randn(fn.shape, generator=g) / 16
+    if arch == "v41":
+        ws = K.mhc_pre_partial(h, fn, pre_prev)[1]
+        run = lambda settled: K.mhc_post_partial(f, h, ws, scale, base, fn_next, 1e-20, 1e-6, 20, settled)
+    else:
+        _, _, post, comb = K.mhc_pre_twin(h, fn, scale, base, None, 1e-6, 1e-6, 20)
+        run = lambda settled: K.mhc_post_sums(f, h, post, comb, fn_next, settled)
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
+
+
+class _RecordingLaunch:
+    """A Triton kernel stand-in that launches the kernel and records each launch's keyword arguments."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_a_settled_post_reads_early_only_what_it_was_given(monkeypatch):
+    """`settled` moves the reads before the PDL wait only where the kernel reads the tensors it was given: an input
+    it first converts (here bf16 scales, made fp32 by a kernel just before it) is the predecessor's output."""
+    h, fn, scale, base, pre_prev = make_inputs(2, 4, 64, torch.float32, True, 3)
+    ws = K.mhc_pre_partial(h, fn, pre_prev)[1]
+    recording = _RecordingLaunch(K._post_partial_kernel)
+    monkeypatch.setattr(K, "_post_partial_kernel", recording)
+    f = torch.randn(2, 64)
+    for s, settled in ((scale, False), (scale, True), (scale.bfloat16(), True)):
+        K.mhc_post_partial_triton(f, h, ws, s, base, fn, 1e-20, 1e-6, 20, settled)
+    assert [k["SETTLED"] for k in recording.launches] == [False, True, False]
+
+
 def test_opcheck():
     h, fn, scale, base, pre_prev = make_inputs(5, 4, 32, torch.bfloat16, True, 2)
     tests = ("test_schema", "test_faketensor")
@@ -265,6 +313,7 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.dsv4.mhc_post_partial, (f, h, ws, scale, base, fn, 1e-20, 1e-6, 20),
                           test_utils=tests)
     torch.library.opcheck(torch.ops.dsv4.mhc_post_sums, (f, h, post, comb, fn), test_utils=tests)
+    torch.library.opcheck(torch.ops.dsv4.mhc_post_sums, (f, h, post, comb, fn, True), test_utils=tests)
     slots = torch.randn(5, 7, 32)  # the MoE's, summed in the fused posts
     torch.library.opcheck(torch.ops.dsv4.mhc_post_partial, (slots, h, ws, scale, base, fn, 1e-20, 1e-6, 20),
                           test_utils=tests)

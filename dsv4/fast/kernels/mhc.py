@@ -214,9 +214,10 @@ def _pre_partial_kernel(
 @triton.jit
 def _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps, iters,
                   HC: tl.constexpr, M: tl.constexpr, SB: tl.constexpr, ACCURATE: tl.constexpr,
-                  THREAD_SINKHORN: tl.constexpr):
+                  THREAD_SINKHORN: tl.constexpr, CACHE: tl.constexpr = ""):
     """The rows' pre [BN, HC], post [BN, HC] and comb [BN, HC, HC] (fp32) from the partial kernel's workspace
-    [n_split, N, M + 1]: the splits' mixes and sums of squares summed, rsqrt, split, Sinkhorn."""
+    [n_split, N, M + 1]: the splits' mixes and sums of squares summed, rsqrt, split, Sinkhorn. CACHE: the
+    workspace loads' cache modifier (`_post_partial_kernel`'s SETTLED reads it from the L2)."""
     BN: tl.constexpr = rows64.shape[0]
     c = tl.arange(0, HC)
     jk = c[:, None] * HC + c[None, :]  # comb[j, k] sits at mixes[2 hc + j hc + k]
@@ -240,11 +241,12 @@ def _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, nor
         s = s0 + sb
         row = ws_ptr + (s[:, None] * N + rows64[None, :]) * (M + 1)  # [SB, BN]
         live = (s < n_split)[:, None] & rmask[None, :]
-        ss += tl.load(row + M, mask=live, other=0.0)
-        pre_raw += tl.load(row[:, :, None] + c[None, None, :], mask=live[:, :, None], other=0.0)
-        post_raw += tl.load(row[:, :, None] + HC + c[None, None, :], mask=live[:, :, None], other=0.0)
+        ss += tl.load(row + M, mask=live, other=0.0, cache_modifier=CACHE)
+        pre_raw += tl.load(row[:, :, None] + c[None, None, :], mask=live[:, :, None], other=0.0, cache_modifier=CACHE)
+        post_raw += tl.load(row[:, :, None] + HC + c[None, None, :], mask=live[:, :, None], other=0.0,
+                            cache_modifier=CACHE)
         comb_raw += tl.load(row[:, :, None, None] + 2 * HC + jk[None, None, :, :], mask=live[:, :, None, None],
-                            other=0.0)
+                            other=0.0, cache_modifier=CACHE)
     ss = tl.sum(ss, axis=0)
     pre_raw = tl.sum(pre_raw, axis=0)
     post_raw = tl.sum(post_raw, axis=0)
@@ -389,13 +391,29 @@ def _expand_inputs(f_ptr, res_ptr, rows64, rmask, pid_d, D, stride_fn, stride_fs
                    HC: tl.constexpr, BD: tl.constexpr, SLOTS: tl.constexpr, INTERP: tl.constexpr):
     """The program's d tile of f [BN, BD] and of the residual streams [BN, HC, BD], fp32. The kernels that finish
     coefficients load them first, so this round trip runs under the partial sums and the Sinkhorn chain rather
-    than after it. SLOTS (> 0): f is the MoE's slots [N, SLOTS, D] fp32 (slot stride stride_fs), summed in slot
-    order and rounded to the streams' dtype (`summed_slots`)."""
+    than after it."""
+    res = _streams_tile(res_ptr, rows64, rmask, pid_d, D, stride_rn, stride_rk, HC, BD)
+    return _sublayer_tile(f_ptr, res_ptr, rows64, rmask, pid_d, D, stride_fn, stride_fs, BD, SLOTS, INTERP), res
+
+
+@triton.jit
+def _streams_tile(res_ptr, rows64, rmask, pid_d, D, stride_rn, stride_rk, HC: tl.constexpr, BD: tl.constexpr,
+                  CACHE: tl.constexpr = ""):
+    """The program's d tile of the residual streams [BN, HC, BD], fp32 (CACHE: the loads' cache modifier)."""
     c = tl.arange(0, HC)
     dd = pid_d * BD + tl.arange(0, BD)
     m2 = rmask[:, None] & (dd < D)[None, :]
-    res = tl.load(res_ptr + rows64[:, None, None] * stride_rn + c[None, :, None] * stride_rk + dd[None, None, :],
-                  mask=m2[:, None, :], other=0.0).to(tl.float32)
+    return tl.load(res_ptr + rows64[:, None, None] * stride_rn + c[None, :, None] * stride_rk + dd[None, None, :],
+                   mask=m2[:, None, :], other=0.0, cache_modifier=CACHE).to(tl.float32)
+
+
+@triton.jit
+def _sublayer_tile(f_ptr, res_ptr, rows64, rmask, pid_d, D, stride_fn, stride_fs, BD: tl.constexpr,
+                   SLOTS: tl.constexpr, INTERP: tl.constexpr):
+    """The program's d tile of the sub-layer's output f [BN, BD], fp32. SLOTS (> 0): f is the MoE's slots [N, SLOTS,
+    D] fp32 (slot stride stride_fs), summed in slot order and rounded to the streams' dtype (`summed_slots`)."""
+    dd = pid_d * BD + tl.arange(0, BD)
+    m2 = rmask[:, None] & (dd < D)[None, :]
     f_tile = f_ptr + rows64[:, None] * stride_fn + dd[None, :]
     fv = tl.load(f_tile, mask=m2, other=0.0).to(tl.float32)
     if SLOTS:
@@ -403,7 +421,7 @@ def _expand_inputs(f_ptr, res_ptr, rows64, rmask, pid_d, D, stride_fn, stride_fs
             fv += tl.load(f_tile + slot * stride_fs, mask=m2, other=0.0)
         if res_ptr.dtype.element_ty == tl.bfloat16:
             fv = to_bf16(fv, INTERP).to(tl.float32)
-    return fv, res
+    return fv
 
 
 @triton.jit
@@ -475,20 +493,41 @@ def _post_finish_kernel(
 
 
 @triton.jit
+def _site_coefficients(ws_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, rows64, rmask, N, D, n_split, norm_eps,
+                       hc_eps, iters, HC: tl.constexpr, M: tl.constexpr, SB: tl.constexpr, FINISH: tl.constexpr,
+                       ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, CACHE: tl.constexpr):
+    """A post's (pre, post, comb): FINISH, finished from the site's workspace (`_coefficients`); else post and comb
+    as given (pre unused: post's stands in)."""
+    if FINISH:
+        return _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps, iters, HC,
+                             M, SB, ACCURATE, THREAD_SINKHORN, CACHE)
+    c = tl.arange(0, HC)
+    jk = c[:, None] * HC + c[None, :]
+    post = tl.load(post_ptr + rows64[:, None] * HC + c[None, :], mask=rmask[:, None], other=0.0, cache_modifier=CACHE)
+    comb = tl.load(comb_ptr + rows64[:, None, None] * (HC * HC) + jk[None, :, :], mask=rmask[:, None, None],
+                   other=0.0, cache_modifier=CACHE)
+    return post, post, comb
+
+
+@triton.jit
 def _post_partial_kernel(
     f_ptr, res_ptr, ws_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, fn_ptr, out_ptr, x_ptr, ws_next_ptr,
     N, D, n_split, norm_eps, hc_eps, iters,
     stride_fn, stride_fs, stride_rn, stride_rk, stride_on, stride_ok, stride_xn,
     HC: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr, FINISH: tl.constexpr,
     SLOTS: tl.constexpr, ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, INTERP: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, SETTLED: tl.constexpr,
 ):
     """Program (row, d step): a site's post, then the next site's partial pass over the new streams' d step while
     they are in registers (as `_pre_partial_kernel`, its projection in fp32 on the CUDA cores: one row). FINISH
     (V4.1): the post's coefficients finished from this site's workspace ws (as `_post_finish_kernel`) and x
     collapsed with this site's pre; else (V4) post and comb as given and no x (the next site collapses with its
-    own pre, which its finish makes). SLOTS: f is the MoE's slots (`_expand_inputs`)."""
-    wait_for_predecessor(PDL)
+    own pre, which its finish makes). SLOTS: f is the MoE's slots (`_sublayer_tile`). SETTLED: everything but f
+    was written before the kernel this one follows, so all of it, and the coefficients' chain, comes before the
+    PDL wait, beside that kernel's tail; only f waits (`mhc_post_partial`'s settled)."""
+    if not SETTLED:
+        wait_for_predecessor(PDL)
+    CACHE: tl.constexpr = ".cg" if SETTLED else ""  # before the wait an SM's L1 may hold an older layer's lines
     rows64 = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)  # [1]: one row (the Sinkhorn in threads, at hc 4)
     rmask = rows64 < N
     pid_s = tl.program_id(1)
@@ -499,16 +538,14 @@ def _post_partial_kernel(
     # so nothing waits for it, and a load a stream after the Sinkhorn chain put four DRAM round trips in series
     fn = tl.load(fn_ptr + cols[None, :, None].to(tl.int64) * (HC * D) + (c[:, None, None] * D + dd[None, None, :]),
                  mask=(cols < M)[None, :, None], other=0.0)
-    fv, res = _expand_inputs(f_ptr, res_ptr, rows64, rmask, pid_s, D, stride_fn, stride_fs, stride_rn, stride_rk, HC,
-                             BD, SLOTS, INTERP)
-    if FINISH:
-        pre, post, comb = _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps,
-                                        iters, HC, M, SB, ACCURATE, THREAD_SINKHORN)
-    else:
-        jk = c[:, None] * HC + c[None, :]
-        post = tl.load(post_ptr + rows64[:, None] * HC + c[None, :], mask=rmask[:, None], other=0.0)
-        comb = tl.load(comb_ptr + rows64[:, None, None] * (HC * HC) + jk[None, :, :], mask=rmask[:, None, None],
-                       other=0.0)
+    res = _streams_tile(res_ptr, rows64, rmask, pid_s, D, stride_rn, stride_rk, HC, BD, CACHE)
+    if not SETTLED:  # f's round trip under the coefficients' chain
+        fv = _sublayer_tile(f_ptr, res_ptr, rows64, rmask, pid_s, D, stride_fn, stride_fs, BD, SLOTS, INTERP)
+    pre, post, comb = _site_coefficients(ws_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, rows64, rmask, N, D, n_split,
+                                         norm_eps, hc_eps, iters, HC, M, SB, FINISH, ACCURATE, THREAD_SINKHORN, CACHE)
+    if SETTLED:  # f after the chain: the predecessor wrote it
+        wait_for_predecessor(PDL)
+        fv = _sublayer_tile(f_ptr, res_ptr, rows64, rmask, pid_s, D, stride_fn, stride_fs, BD, SLOTS, INTERP)
     h = _expand(fv, res, out_ptr, post, comb, rows64, rmask, pid_s, D, stride_on, stride_ok, HC, BD,
                 INTERP).to(tl.float32)  # [1, HC, BD], as stored
     # the next site's partial mixes and this row's x, each one reduction over the streams: summed stream by stream
@@ -740,31 +777,37 @@ def mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters
     return out, pre
 
 
-def mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, cfg: dict | None = None):
+def mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled: bool = False,
+                            cfg: dict | None = None):
     """The Triton path of mhc_post_partial; `cfg` (num_warps) overrides the launch's warps (`post_partial_warps`)."""
     if residual.shape[0] > POST_PARTIAL_MAX_N:
         out, pre = mhc_post_finish_triton(summed_slots(f, residual.dtype), residual, ws, scale, base, norm_eps, hc_eps,
                                           iters)
         return (out, *mhc_pre_partial_triton(out, fn_next, pre))
-    ws, scale, base = ws.contiguous(), scale.float().contiguous(), base.float().contiguous()
-    return _post_partial(f, residual, fn_next, (ws, scale, base, ws, ws), (norm_eps, hc_eps, iters), True, cfg)
+    return _post_partial(f, residual, fn_next, (ws, scale, base, ws, ws), (norm_eps, hc_eps, iters), True, settled,
+                         cfg)
 
 
-def mhc_post_sums_triton(f, residual, post, comb, fn_next, cfg: dict | None = None):
+def mhc_post_sums_triton(f, residual, post, comb, fn_next, settled: bool = False, cfg: dict | None = None):
     """The Triton path of mhc_post_sums; `cfg` as mhc_post_partial_triton's."""
     if residual.shape[0] > POST_PARTIAL_MAX_N:
         out = mhc_post_triton(summed_slots(f, residual.dtype), residual, post, comb)
         return out, mhc_pre_partial_triton(out, fn_next, None)[1]
-    post, comb = post.float().contiguous(), comb.float().contiguous()
-    out, _, ws_next = _post_partial(f, residual, fn_next, (post, post, post, post, comb), (0.0, 0.0, 0), False, cfg)
+    out, _, ws_next = _post_partial(f, residual, fn_next, (post, post, post, post, comb), (0.0, 0.0, 0), False,
+                                    settled, cfg)
     return out, ws_next
 
 
-def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple, finish: bool, cfg: dict | None):
+def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple, finish: bool, settled: bool,
+                  cfg: dict | None):
     """`_post_partial_kernel` -> (h', x, the next site's workspace); coefficients: (ws, scale, base, post, comb) as
     the kernel takes them (FINISH reads the first three, else the last two; the others stand in for the pointers),
-    finish_args (norm_eps, hc_eps, iters)."""
-    f, residual, fn_next = f.contiguous(), residual.contiguous(), fn_next.float().contiguous()
+    finish_args (norm_eps, hc_eps, iters). settled (`mhc_post_partial`): read before the PDL wait all but f, unless
+    one of them had to be copied here first (the copy would be the kernel it follows)."""
+    given = (residual, fn_next, *coefficients)
+    read = (residual.contiguous(), *(t.float().contiguous() for t in given[1:]))  # the streams in their dtype
+    settled = settled and all(a is b for a, b in zip(given, read))
+    (residual, fn_next, *coefficients), f = read, f.contiguous()
     N, hc, D = residual.shape
     M = (2 + hc) * hc
     dtype = _output_dtype(f, residual)
@@ -782,8 +825,8 @@ def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple,
         f.stride(0), stride_fs, residual.stride(0), residual.stride(1), out.stride(0), out.stride(1), x.stride(0),
         HC=hc, M=M, MP=triton.next_power_of_2(M), BD=D // S, SB=min(triton.next_power_of_2(split), 32),
         FINISH=finish, SLOTS=slots, ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, 1),
-        INTERP=not f.is_cuda,
-        PDL=pdl(f), num_warps=(cfg or {}).get("num_warps", post_partial_warps(N)), launch_pdl=pdl(f),
+        INTERP=not f.is_cuda, PDL=pdl(f), SETTLED=settled,
+        num_warps=(cfg or {}).get("num_warps", post_partial_warps(N)), launch_pdl=pdl(f),
     )
     return out, x, ws_next
 
@@ -886,19 +929,23 @@ def _(f, residual, ws, scale, base, norm_eps, hc_eps, iters):
 @torch.library.custom_op("dsv4::mhc_post_partial", mutates_args=())
 def mhc_post_partial(f: torch.Tensor, residual: torch.Tensor, ws: torch.Tensor, scale: torch.Tensor,
                      base: torch.Tensor, fn_next: torch.Tensor, norm_eps: float, hc_eps: float,
-                     iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     iters: int, settled: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mhc_post_finish, then mhc_pre_partial of the next site (fn_next) on its output collapsing with this site's
     pre, in one kernel: f [N, D], residual [N, hc, D], ws -> (h' [N, hc, D], x [N, D], the next site's workspace).
-    f may be the MoE's slots [N, S, D] fp32, summed in the kernel (`summed_slots`; the outputs in residual's dtype)."""
+    f may be the MoE's slots [N, S, D] fp32, summed in the kernel (`summed_slots`; the outputs in residual's dtype).
+    settled: the caller knows that residual and ws were written before the kernel that made f (a sub-layer ran
+    between the site's pre pass and this post, as in the decode step), so the kernel reads them and finishes the
+    coefficients before its PDL wait, beside that kernel's tail, and waits only to read f. Wrong where residual
+    or ws comes from the kernel just before: the default reads nothing before the wait."""
     _check_f(f, residual, "mhc_post_partial")
     if use_triton(f) and _hc_supported(residual.shape[1], residual.shape[2]):
-        return mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters)
+        return mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled)
     return tuple(t.contiguous() for t in mhc_post_partial_twin(f, residual, ws, scale, base, fn_next, norm_eps,
                                                                 hc_eps, iters))
 
 
 @mhc_post_partial.register_fake
-def _(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters):
+def _(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled=False):
     _check_f(f, residual, "mhc_post_partial")
     N, hc, D = residual.shape
     dtype = _output_dtype(f, residual)
@@ -927,20 +974,20 @@ def _check_f(f: torch.Tensor, residual: torch.Tensor, what: str) -> None:
 
 @torch.library.custom_op("dsv4::mhc_post_sums", mutates_args=())
 def mhc_post_sums(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                  fn_next: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  fn_next: torch.Tensor, settled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """V4's decode: mhc_post, then the next site's partial sums (fn_next) on its output, in one kernel (up to
     POST_PARTIAL_MAX_N rows): f [N, D], residual [N, hc, D], post [N, hc], comb [N, hc, hc] -> (h' [N, hc, D],
-    the next site's workspace [S, N, M + 1], which `mhc_pre_finish` finishes). f may be the MoE's slots, as
-    mhc_post_partial's."""
+    the next site's workspace [S, N, M + 1], which `mhc_pre_finish` finishes). f may be the MoE's slots and
+    settled is residual, post and comb's, as mhc_post_partial's."""
     _check_f(f, residual, "mhc_post_sums")
     if use_triton(f) and _hc_supported(residual.shape[1], residual.shape[2]):
-        return mhc_post_sums_triton(f, residual, post, comb, fn_next)
+        return mhc_post_sums_triton(f, residual, post, comb, fn_next, settled)
     out, ws = mhc_post_sums_twin(f, residual, post, comb, fn_next)
     return out.contiguous(), ws.contiguous()
 
 
 @mhc_post_sums.register_fake
-def _(f, residual, post, comb, fn_next):
+def _(f, residual, post, comb, fn_next, settled=False):
     _check_f(f, residual, "mhc_post_sums")
     _, hc, D = residual.shape
     dtype = _output_dtype(f, residual)
