@@ -166,7 +166,8 @@ def mhc_kernels() -> list[Kernel]:
     post_partial = Kernel("mhc_post partial", mhc._post_partial_kernel,
                           {**post_finish.types, "x_ptr": "*bf16"},
                           {"HC": HC, "M": M, "MP": c["MP"], "BD": D // splits, "SB": f["SB"], "FINISH": True,
-                           "SLOTS": 0, "ACCURATE": True, "THREAD_SINKHORN": True, "INTERP": False, "PDL": True},
+                           "SLOTS": 0, "ACCURATE": True, "THREAD_SINKHORN": True, "INTERP": False, "PDL": True,
+                           "SETTLED": True},
                           mhc.post_partial_warps(1))
     post_sums = Kernel("mhc_post sums", mhc._post_partial_kernel, post_partial.types,
                        {**post_partial.constexprs, "FINISH": False}, mhc.post_partial_warps(1))
@@ -266,7 +267,7 @@ def fp8_gemv_kernels() -> list[Kernel]:
                            "eps": "fp32"},
                           {"BM": 1, "BN": BN, "BK": BK, "BLOCK_K": 32, "STAGES": stages, "OUT_BF16": True, "INTERP": False,
                            "PDL": True, "EVEN_K": K % BK == 0, "NORM": name.startswith("wq_"), "X_BF16": True,
-                           "NORM_CHUNK": rope.NORM_CHUNK}, warps, stages))
+                           "NORM_CHUNK": rope.NORM_CHUNK, "START": name == "wo_b"}, warps, stages))
     return out
 
 

@@ -130,11 +130,11 @@ class Fp8Copy:
         return x.shape[0] == 1
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype, groups: int = 1,
-                 norm: RMSNorm | None = None) -> torch.Tensor:
+                 norm: RMSNorm | None = None, start_successor: bool = False) -> torch.Tensor:
         """x [1, groups * K] (with `norm`, norm(x), normalized in the kernel) -> [1, N] out_dtype (see fp8_gemv for
         groups)."""
         weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-        return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups, weight, eps)
+        return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups, weight, eps, start_successor)
 
     @staticmethod
     def stacked(copies: Iterable[Fp8Copy | None]) -> Fp8Copy | None:
@@ -528,7 +528,7 @@ class FastAttention(Attention):
             return self._output(o[:, None])[:, 0]
         wo_a, wo_b = self.wo_fp8
         o = wo_a(o.reshape(o.shape[0], -1), o.dtype, groups=self.o_groups)  # [1, groups * o_lora_rank]
-        return wo_b(o, o.dtype)
+        return wo_b(o, o.dtype, start_successor=True)  # the site's post reads all but this early (`settled`)
 
     def _global_ids(self, slots, view: LayerSlots, picks) -> torch.Tensor:
         """The indexer's `picks` (entry ids [B, k], -1 none) as rows of the source's compressed store, flat over the

@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from dsv4.fast.kernels import pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
+from dsv4.fast.kernels import pdl, start_successor, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.engram import _e4m3_to_f32
 from dsv4.fast.kernels.rope import NORM_CHUNK, rounded, streamed_inverse_rms
 from dsv4.quant import dequantize_fp8
@@ -76,7 +76,7 @@ def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, eps, M, N, K, KW, KS, block_n, G,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     OUT_BF16: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
-    X_BF16: tl.constexpr, NORM_CHUNK: tl.constexpr,
+    X_BF16: tl.constexpr, NORM_CHUNK: tl.constexpr, START: tl.constexpr,
 ):
     """Program: weight rows pid * BN .. + BN for all BM <= M activation rows; of G groups of N / G rows (BN
     divides N / G when G > 1), each reading its own K columns of x's rows. KW = K / 4 (words a row) comes as an
@@ -88,6 +88,7 @@ def _fp8_gemv_kernel(
     is a shift, not a division by a runtime int. NORM: every program first sums its rows' squares (x is a few KB,
     read from L2 by each), then normalizes the activations it loads as `rms_norm` does, weight nw_ptr."""
     wait_for_predecessor(PDL)
+    start_successor(START)
     pid = tl.program_id(0)
     n = pid * BN + tl.arange(0, BN)
     nmask = n < N
@@ -220,7 +221,7 @@ def gemv_output(M: int, N: int, K: int, out_dtype, device) -> tuple[torch.Tensor
 
 
 def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1, cfg: dict | None = None,
-                     norm_weight: torch.Tensor | None = None, eps: float = 0.0):
+                     norm_weight: torch.Tensor | None = None, eps: float = 0.0, start_successor: bool = False):
     M, (N, K) = x.shape[0], w.shape
     y, done = gemv_output(M, N, K, out_dtype, x.device)
     if done:
@@ -232,22 +233,24 @@ def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1
         norm_weight.contiguous() if norm else x, float(eps), M, N, K, K // 4, w_scale.shape[1], bn, groups,
         BM=triton.next_power_of_2(M), BN=BN, BK=BK, BLOCK_K=bk, STAGES=stages, OUT_BF16=out_dtype == torch.bfloat16,
         INTERP=_INTERP, PDL=pdl(x), EVEN_K=K % BK == 0, NORM=norm, X_BF16=x.dtype == torch.bfloat16,
-        NORM_CHUNK=NORM_CHUNK, num_warps=warps, launch_pdl=pdl(x))
+        NORM_CHUNK=NORM_CHUNK, START=start_successor and pdl(x), num_warps=warps, launch_pdl=pdl(x))
     return y
 
 
 @torch.library.custom_op("dsv4::fp8_gemv", mutates_args=())
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bn: int, bk: int,
              out_dtype: torch.dtype = torch.bfloat16, groups: int = 1, norm_weight: torch.Tensor | None = None,
-             eps: float = 0.0) -> torch.Tensor:
+             eps: float = 0.0, start_successor: bool = False) -> torch.Tensor:
     """x [M <= MAX_M, groups * K] (with norm_weight [K], rms_norm(x, norm_weight, eps)) times the block-scaled FP8
-    weight w [N, K] transposed, group by group -> [M, N] out_dtype."""
+    weight w [N, K] transposed, group by group -> [M, N] out_dtype. start_successor: the next kernel starts as this
+    one's last programs do (`dsv4.fast.kernels.start_successor`); the same values."""
     _check(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight)
     if use_triton(x):
-        return _fp8_gemv_triton(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight=norm_weight, eps=eps)
+        return _fp8_gemv_triton(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight=norm_weight, eps=eps,
+                                start_successor=start_successor)
     return fp8_gemv_reference(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight, eps)
 
 
 @fp8_gemv.register_fake
-def _(x, w, w_scale, bn, bk, out_dtype=torch.bfloat16, groups=1, norm_weight=None, eps=0.0):
+def _(x, w, w_scale, bn, bk, out_dtype=torch.bfloat16, groups=1, norm_weight=None, eps=0.0, start_successor=False):
     return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype)

@@ -83,7 +83,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from dsv4.fast.kernels import pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
+from dsv4.fast.kernels import pdl, start_successor, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.fp8_gemv import _dot4
 from dsv4.fast.kernels.quant import _e2m1_values
 from dsv4.quant import dequantize_mxfp4
@@ -513,8 +513,10 @@ def _gather_down_kernel(
     SHARED: tl.constexpr, SH_FP8: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """Program (t, d tile, slot): out[t, slot, d] = round(h[t, slot] . w2[e, d]) (the caller sums the slots);
-    h as the up kernel's planes, w2 as int32 words; SH_FP8 as in the up kernel (shq2, she2)."""
+    h as the up kernel's planes, w2 as int32 words; SH_FP8 as in the up kernel (shq2, she2). Its successor (the
+    slots' reader: the FFN site's fused post, `settled`) starts as its last programs do."""
     wait_for_predecessor(PDL)
+    start_successor(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     slot = tl.program_id(2)
