@@ -214,7 +214,7 @@ def _pre_partial_kernel(
 @triton.jit
 def _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps, iters,
                   HC: tl.constexpr, M: tl.constexpr, SB: tl.constexpr, ACCURATE: tl.constexpr,
-                  THREAD_SINKHORN: tl.constexpr, CACHE: tl.constexpr = ""):
+                  THREAD_SINKHORN: tl.constexpr, CACHE: tl.constexpr):
     """The rows' pre [BN, HC], post [BN, HC] and comb [BN, HC, HC] (fp32) from the partial kernel's workspace
     [n_split, N, M + 1]: the splits' mixes and sums of squares summed, rsqrt, split, Sinkhorn. CACHE: the
     workspace loads' cache modifier (`_post_partial_kernel`'s SETTLED reads it from the L2)."""
@@ -294,7 +294,7 @@ def _pre_finish_kernel(
         # their chain (the workspace's sums, the Sinkhorn) rather than after it (a decode token's program has one)
         first = tl.load(streams + d_begin, mask=r3, other=0.0)  # [BN, HC, BD]
     pre, post, comb = _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps,
-                                    iters, HC, M, SB, ACCURATE, THREAD_SINKHORN)
+                                    iters, HC, M, SB, ACCURATE, THREAD_SINKHORN, "")
 
     if pid_d == 0:
         tl.store(pre_ptr + rows64[:, None] * HC + c[None, :], pre, mask=r2)
@@ -392,13 +392,13 @@ def _expand_inputs(f_ptr, res_ptr, rows64, rmask, pid_d, D, stride_fn, stride_fs
     """The program's d tile of f [BN, BD] and of the residual streams [BN, HC, BD], fp32. The kernels that finish
     coefficients load them first, so this round trip runs under the partial sums and the Sinkhorn chain rather
     than after it."""
-    res = _streams_tile(res_ptr, rows64, rmask, pid_d, D, stride_rn, stride_rk, HC, BD)
+    res = _streams_tile(res_ptr, rows64, rmask, pid_d, D, stride_rn, stride_rk, HC, BD, "")
     return _sublayer_tile(f_ptr, res_ptr, rows64, rmask, pid_d, D, stride_fn, stride_fs, BD, SLOTS, INTERP), res
 
 
 @triton.jit
 def _streams_tile(res_ptr, rows64, rmask, pid_d, D, stride_rn, stride_rk, HC: tl.constexpr, BD: tl.constexpr,
-                  CACHE: tl.constexpr = ""):
+                  CACHE: tl.constexpr):
     """The program's d tile of the residual streams [BN, HC, BD], fp32 (CACHE: the loads' cache modifier)."""
     c = tl.arange(0, HC)
     dd = pid_d * BD + tl.arange(0, BD)
@@ -485,7 +485,7 @@ def _post_finish_kernel(
     fv, res = _expand_inputs(f_ptr, res_ptr, rows64, rmask, tl.program_id(1), D, stride_fn, 0, stride_rn, stride_rk,
                              HC, BD, 0, INTERP)
     pre, post, comb = _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps,
-                                    iters, HC, M, SB, ACCURATE, THREAD_SINKHORN)
+                                    iters, HC, M, SB, ACCURATE, THREAD_SINKHORN, "")
     if tl.program_id(1) == 0:
         c = tl.arange(0, HC)
         tl.store(pre_ptr + rows64[:, None] * HC + c[None, :], pre, mask=rmask[:, None])
