@@ -177,7 +177,10 @@ def test_gpu_decode_shapes(M, N, K, groups, block):
     """V4.1's wq_b + indexer wq_b, wo_b, grouped wo_a and wq_a + wkv widths (and a ragged one) at decode batch
     sizes, in V4.1's and V4's weight blocks, through the PTX decode and the default tiles of each batch size."""
     x, w, s = make_case(M + N, M, N, K, block, groups=groups)
-    check(fp8_gemv(x, w, s, *block, torch.bfloat16, groups), x, w, s, block, groups)
+    y = fp8_gemv(x, w, s, *block, torch.bfloat16, groups)
+    check(y, x, w, s, block, groups)
+    # its successor started early (wo_b's, before the site's post) changes nothing
+    assert torch.equal(fp8_gemv(x, w, s, *block, torch.bfloat16, groups, start_successor=True), y)
     if groups == 1:  # with the norm before it (attn_norm before wq_a + wkv, q_norm before wq_b), on the CPU's norm
         x, _, _, norm = normed_case(M + N, M, N, K, block)
         y = fp8_gemv(x, w, s, *block, torch.bfloat16, 1, norm, 1e-6)
