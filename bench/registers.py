@@ -157,14 +157,16 @@ def mhc_kernels() -> list[Kernel]:
     p = mhc.post_config(1, D)
     post = Kernel("mhc_post", mhc._post_kernel, {"f_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16"},
                   {"HC": HC, "BN": p["BN"], "BD": p["BD"], "INTERP": False, "PDL": True}, p["num_warps"])
-    post_finish = Kernel("mhc_post finish", mhc._post_finish_kernel,
-                         {**post.types, "norm_eps": "fp32", "hc_eps": "fp32"},
-                         {"HC": HC, "M": M, "BN": p["BN"], "BD": p["BD"], "SB": f["SB"], "ACCURATE": True,
-                          "THREAD_SINKHORN": mhc.sinkhorn_in_threads(HC, p["BN"]), "INTERP": False, "PDL": True},
+    # the step's: the FFN site's before an Engram layer and after the last, on the MoE's slots
+    post_finish = Kernel("mhc_post finish (MoE slots)", mhc._post_finish_kernel,
+                         {**post.types, "f_ptr": "*fp32", "norm_eps": "fp32", "hc_eps": "fp32"},
+                         {"HC": HC, "M": M, "BN": p["BN"], "BD": p["BD"], "SB": f["SB"], "SLOTS": TOP_K + 1,
+                          "ACCURATE": True, "THREAD_SINKHORN": mhc.sinkhorn_in_threads(HC, p["BN"]), "INTERP": False,
+                          "PDL": True, "SETTLED": True},
                          p["num_warps"])
     splits = mhc.partial_splits(D, 2)
     post_partial = Kernel("mhc_post partial", mhc._post_partial_kernel,
-                          {**post_finish.types, "x_ptr": "*bf16"},
+                          {**post_finish.types, "f_ptr": "*bf16", "x_ptr": "*bf16"},
                           {"HC": HC, "M": M, "MP": c["MP"], "BD": D // splits, "SB": f["SB"], "FINISH": True,
                            "SLOTS": 0, "ACCURATE": True, "THREAD_SINKHORN": True, "INTERP": False, "PDL": True,
                            "SETTLED": True},
@@ -391,7 +393,7 @@ _ATTN = {"stride_hn": HC * D, "stride_hk": D, "stride_xn": D}
 LAUNCH_INTS = {
     "mhc_pre partial": {"N": 1, "D": D, "steps_per_prog": 1, "stride_wn": HC, **_ATTN},
     "mhc_pre finish": {"N": 1, "D": D, "n_split": 80, "d_per_prog": D, **_ATTN},
-    "mhc_post finish": {"N": 1, "D": D, "n_split": 80},
+    "mhc_post finish (MoE slots)": {"N": 1, "D": D, "n_split": 80, "stride_fs": D},
     "mhc_post partial": {"N": 1, "D": D, "n_split": 80},
     "mhc_post partial (MoE slots)": {"N": 1, "D": D, "n_split": 80, "stride_fs": D},
     "mhc_post sums (MoE slots)": {"N": 1, "D": D, "n_split": 1, "stride_fs": D},

@@ -672,7 +672,7 @@ class FastBlock(Block):
         if next_site is not None:
             h, x, coefficients = self.decode_post_partial(f, h, "ffn", coefficients, next_site)
             return h, (x, coefficients), picks, pool
-        h, pre = self.decode_post_site(summed_slots(f, h.dtype), h, "ffn", coefficients)
+        h, pre = self.decode_post_site(f, h, "ffn", coefficients)
         return h, pre, picks, pool
 
     def decode_pre_site(self, h: torch.Tensor, site: str, pre: torch.Tensor | None):
@@ -709,13 +709,15 @@ class FastBlock(Block):
         return h, x, (post, comb)
 
     def decode_post_site(self, f: torch.Tensor, h: torch.Tensor, site: str, coefficients):
-        """The sub-layer's output f [B, D] spread over the streams h [B, hc, D] -> (h', this site's pre: V4.1's next
-        collapse weights, None for V4)."""
+        """The sub-layer's output f [B, D] (or the MoE's slots: `summed_slots`) spread over the streams h [B, hc, D]
+        -> (h', this site's pre: V4.1's next collapse weights, None for V4). V4.1's post sums the slots in its kernel
+        and is `settled`, as `decode_post_partial`'s."""
         c = self.config
         if c.is_v41:
             scale, base = self.site_params(site)[1:]
-            return mhc_post_finish(f, h, coefficients, scale, base, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
-        return mhc_post(f, h, *coefficients), None
+            return mhc_post_finish(f, h, coefficients, scale, base, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters,
+                                   settled=True)
+        return mhc_post(summed_slots(f, h.dtype), h, *coefficients), None
 
 
 # ---------------------------------------------------------------------------------------------- model

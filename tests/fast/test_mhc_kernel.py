@@ -253,12 +253,12 @@ def test_decode_ops_fallback_is_their_twins(arch, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["v41", "v4"])
-@settings(deadline=None, max_examples=examples(4))
+@settings(deadline=None, max_examples=examples(2))  # V4.1's three posts: ~5 s an example interpreted
 @given(N=st.integers(1, K.POST_PARTIAL_MAX_N), slots=st.integers(0, 3), bf16=st.booleans(),
        seed=st.integers(0, 2**31 - 1))
 def test_a_settled_post_gives_the_same_bits(arch, N, slots, bf16, seed):
-    """The fused posts with `settled` (everything but f read, and the coefficients finished, before the PDL wait)
-    give bit for bit what they give without it: only the order of the kernel's loads moves."""
+    """The fused posts and V4.1's post with its finish, with `settled` (everything but f read, and the coefficients
+    finished, before the PDL wait), give bit for bit what they give without it: only the order of the loads moves."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     h, fn, scale, base, pre_prev = make_inputs(N, 4, 64, dtype, arch == "v41", seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -266,11 +266,12 @@ def test_a_settled_post_gives_the_same_bits(arch, N, slots, bf16, seed):
     fn_next = torch.randn(fn.shape, generator=g) / 16
     if arch == "v41":
         ws = K.mhc_pre_partial(h, fn, pre_prev)[1]
-        run = lambda settled: K.mhc_post_partial(f, h, ws, scale, base, fn_next, 1e-20, 1e-6, 20, settled)
+        run = lambda settled: (*K.mhc_post_partial(f, h, ws, scale, base, fn_next, 1e-20, 1e-6, 20, settled),
+                               *K.mhc_post_finish(f, h, ws, scale, base, 1e-20, 1e-6, 20, settled))
     else:
         _, _, post, comb = K.mhc_pre_twin(h, fn, scale, base, None, 1e-6, 1e-6, 20)
         run = lambda settled: K.mhc_post_sums(f, h, post, comb, fn_next, settled)
-    for a, b in zip(run(True), run(False)):
+    for a, b in zip(run(True), run(False), strict=True):
         assert torch.equal(a, b)
 
 
@@ -318,6 +319,8 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.dsv4.mhc_post_partial, (slots, h, ws, scale, base, fn, 1e-20, 1e-6, 20),
                           test_utils=tests)
     torch.library.opcheck(torch.ops.dsv4.mhc_post_sums, (slots, h, post, comb, fn), test_utils=tests)
+    torch.library.opcheck(torch.ops.dsv4.mhc_post_finish, (slots, h, ws, scale, base, 1e-20, 1e-6, 20, True),
+                          test_utils=tests)
     torch.library.opcheck(torch.ops.dsv4.mhc_pre_finish, (h, ws, scale, base, 1e-6, 1e-6, 20), test_utils=tests)
 
 
@@ -326,9 +329,10 @@ def test_opcheck():
 @given(N=st.integers(1, K.POST_PARTIAL_MAX_N + 1), slots=st.integers(1, 7), D=st.sampled_from([32, 96]),
        bf16=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_the_fused_posts_sum_the_moes_slots_as_the_module_does(arch, N, slots, D, bf16, seed):
-    """mhc_post_partial (V4.1) and mhc_post_sums (V4) given the MoE's slots [N, S, D] fp32 give, bit for bit, what
-    they give for the slots' sum in order rounded to the streams' dtype (`summed_slots`, the module's output), in
-    the kernel up to POST_PARTIAL_MAX_N rows and past it (the two kernels); the outputs in the streams' dtype."""
+    """mhc_post_partial and mhc_post_finish (V4.1) and mhc_post_sums (V4) given the MoE's slots [N, S, D] fp32 give,
+    bit for bit, what they give for the slots' sum in order rounded to the streams' dtype (`summed_slots`, the
+    module's output), the fused posts in one kernel up to POST_PARTIAL_MAX_N rows and past it (two kernels); the
+    outputs in the streams' dtype."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     h, fn, scale, base, pre_prev = make_inputs(N, 4, D, dtype, True, seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -336,13 +340,14 @@ def test_the_fused_posts_sum_the_moes_slots_as_the_module_does(arch, N, slots, D
     fn_next = torch.randn(fn.shape, generator=g) / (4 * D) ** 0.5 * 4
     if arch == "v41":
         ws = K.mhc_pre_partial(h, fn, pre_prev)[1]
-        run = lambda f: K.mhc_post_partial(f, h, ws, scale, base, fn_next, 1e-20, 1e-6, 20)
+        run = lambda f: (*K.mhc_post_partial(f, h, ws, scale, base, fn_next, 1e-20, 1e-6, 20),
+                         *K.mhc_post_finish(f, h, ws, scale, base, 1e-20, 1e-6, 20))
     else:
         _, _, post, comb = K.mhc_pre_twin(h, fn, scale, base, None, 1e-6, 1e-6, 20)
         run = lambda f: K.mhc_post_sums(f, h, post, comb, fn_next)
     got, want = run(f), run(K.summed_slots(f, dtype))
     assert got[0].dtype == dtype
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
 
@@ -354,6 +359,8 @@ def test_the_fused_posts_refuse_misshapen_slots():
             K.mhc_post_partial(f, h, ws, scale, base, fn, 1e-20, 1e-6, 20)
         with pytest.raises(ValueError, match=r"f \[2, 32\] or fp32 slots"):
             K.mhc_post_sums(f, h, torch.rand(2, 4), torch.rand(2, 4, 4), fn)
+        with pytest.raises(ValueError, match=r"mhc_post_finish: f \[2, 32\] or fp32 slots"):
+            K.mhc_post_finish(f, h, ws, scale, base, 1e-20, 1e-6, 20)
 
 
 # ------------------------------------------------------------------------------------------------

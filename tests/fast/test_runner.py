@@ -467,7 +467,8 @@ def test_a_v41_layer_takes_the_next_layers_attention_site_pass_but_before_an_eng
     bit those of every layer taking its own pass."""
     calls = []
     post_partial = model_module.mhc_post_partial
-    monkeypatch.setattr(model_module, "mhc_post_partial", lambda *a: calls.append(a[0].shape[0]) or post_partial(*a))
+    monkeypatch.setattr(model_module, "mhc_post_partial",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or post_partial(*a, **k))
     fast = models(tiny_v41_dir, packed=True)[1]
     assert [i for i, layer in enumerate(fast.layers) if layer.role.engram] == [1, 3] and len(fast.layers) == 8
     fused, fed = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
@@ -488,7 +489,7 @@ def test_a_v4_decode_step_takes_each_sites_partial_sums_in_the_post_before_it(ti
     calls = Counter()
     for name in ("mhc_post_sums", "mhc_pre", "mhc_pre_finish"):
         op = getattr(model_module, name)
-        monkeypatch.setattr(model_module, name, lambda *a, op=op, name=name: calls.update([name]) or op(*a))
+        monkeypatch.setattr(model_module, name, lambda *a, op=op, name=name, **k: calls.update([name]) or op(*a, **k))
     fast = models(tiny_v4_dir, packed=True)[1]
     L = len(fast.layers)
     paired, fed = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
@@ -511,13 +512,14 @@ def test_a_v4_decode_step_takes_each_sites_partial_sums_in_the_post_before_it(ti
 
 
 def test_a_batch_1_decode_step_sums_the_moes_slots_in_the_ffn_post(arch_dir, monkeypatch):
-    """At one token the MoE hands its slots (`FastMoE.slots`) to the FFN site's fused post (V4.1's
-    `mhc_post_partial`, V4's `mhc_post_sums`), which sums them, wherever that post takes the next site's pass; the
-    attention sites' posts take the attention's output as before; the logits are those of the module's own sum."""
+    """At one token the MoE hands its slots (`FastMoE.slots`) to the FFN site's post, which sums them: the fused
+    post (V4.1's `mhc_post_partial`, V4's `mhc_post_sums`) wherever that post takes the next site's pass, and
+    V4.1's `mhc_post_finish` elsewhere; the attention sites' posts take the attention's output as before; the
+    logits are those of the module's own sum."""
     seen = Counter()
-    for name in ("mhc_post_partial", "mhc_post_sums"):
+    for name in ("mhc_post_partial", "mhc_post_sums", "mhc_post_finish"):
         op = getattr(model_module, name)
-        monkeypatch.setattr(model_module, name, lambda f, *a, op=op: seen.update([f.dim()]) or op(f, *a))
+        monkeypatch.setattr(model_module, name, lambda f, *a, op=op, **k: seen.update([f.dim()]) or op(f, *a, **k))
     ref, fast = models(arch_dir, packed=False)
     runner = Runner(fast, max_seqs=1, max_len=64, compile=False)
     slot, seq = runner.allocate(), ReferenceSequence(ref)
@@ -525,8 +527,9 @@ def test_a_batch_1_decode_step_sums_the_moes_slots_in_the_ffn_post(arch_dir, mon
     seq.run(prompt(20, 5))
     seen.clear()  # the decode step's calls alone
     got = runner.decode([slot], token[None])[0]
-    fused = sum(fast._next_attn_site(i) is not None for i in range(len(fast.layers)))
-    assert fused and seen == Counter({3: fused, 2: len(fast.layers)})
+    layers = len(fast.layers)
+    fused = sum(fast._next_attn_site(i) is not None for i in range(layers))
+    assert fused and seen == Counter({3: layers if fast.config.is_v41 else fused, 2: layers})
     assert_close(got, seq.run([int(token)]), EXACT)
 
 

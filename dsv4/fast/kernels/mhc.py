@@ -387,19 +387,11 @@ def _placed_row(comb, jk, j: tl.constexpr, a, b, c, d):
 
 
 @triton.jit
-def _expand_inputs(f_ptr, res_ptr, rows64, rmask, pid_d, D, stride_fn, stride_fs, stride_rn, stride_rk,
-                   HC: tl.constexpr, BD: tl.constexpr, SLOTS: tl.constexpr, INTERP: tl.constexpr):
-    """The program's d tile of f [BN, BD] and of the residual streams [BN, HC, BD], fp32. The kernels that finish
-    coefficients load them first, so this round trip runs under the partial sums and the Sinkhorn chain rather
-    than after it."""
-    res = _streams_tile(res_ptr, rows64, rmask, pid_d, D, stride_rn, stride_rk, HC, BD, "")
-    return _sublayer_tile(f_ptr, res_ptr, rows64, rmask, pid_d, D, stride_fn, stride_fs, BD, SLOTS, INTERP), res
-
-
-@triton.jit
 def _streams_tile(res_ptr, rows64, rmask, pid_d, D, stride_rn, stride_rk, HC: tl.constexpr, BD: tl.constexpr,
                   CACHE: tl.constexpr):
-    """The program's d tile of the residual streams [BN, HC, BD], fp32 (CACHE: the loads' cache modifier)."""
+    """The program's d tile of the residual streams [BN, HC, BD], fp32 (CACHE: the loads' cache modifier). The
+    kernels that finish coefficients load it first, so this round trip runs under the partial sums and the
+    Sinkhorn chain rather than after it."""
     c = tl.arange(0, HC)
     dd = pid_d * BD + tl.arange(0, BD)
     m2 = rmask[:, None] & (dd < D)[None, :]
@@ -428,7 +420,7 @@ def _sublayer_tile(f_ptr, res_ptr, rows64, rmask, pid_d, D, stride_fn, stride_fs
 def _expand(fv, res, out_ptr, post, comb, rows64, rmask, pid_d, D, stride_on, stride_ok, HC: tl.constexpr,
             BD: tl.constexpr, INTERP: tl.constexpr):
     """The program's d tile of h'_k = post_k f + sum_j comb[j, k] residual_j in fp32 (j in order), stored in the
-    output's dtype and returned as stored ([BN, HC, BD]); fv, res from `_expand_inputs`, post [BN, HC] and comb
+    output's dtype and returned as stored ([BN, HC, BD]); fv, res from `_post_inputs`, post [BN, HC] and comb
     [BN, HC, HC] fp32 in registers."""
     c = tl.arange(0, HC)
     dd = pid_d * BD + tl.arange(0, BD)
@@ -463,8 +455,8 @@ def _post_kernel(
     jk = c[:, None] * HC + c[None, :]
     post = tl.load(post_ptr + rows64[:, None] * HC + c[None, :], mask=rmask[:, None], other=0.0)
     comb = tl.load(comb_ptr + rows64[:, None, None] * (HC * HC) + jk[None, :, :], mask=rmask[:, None, None], other=0.0)
-    fv, res = _expand_inputs(f_ptr, res_ptr, rows64, rmask, tl.program_id(1), D, stride_fn, 0, stride_rn, stride_rk,
-                             HC, BD, 0, INTERP)
+    res = _streams_tile(res_ptr, rows64, rmask, tl.program_id(1), D, stride_rn, stride_rk, HC, BD, "")
+    fv = _sublayer_tile(f_ptr, res_ptr, rows64, rmask, tl.program_id(1), D, stride_fn, 0, BD, 0, INTERP)
     _expand(fv, res, out_ptr, post, comb, rows64, rmask, tl.program_id(1), D, stride_on, stride_ok, HC, BD, INTERP)
 
 
@@ -472,20 +464,23 @@ def _post_kernel(
 def _post_finish_kernel(
     f_ptr, res_ptr, ws_ptr, scale_ptr, base_ptr, out_ptr, pre_ptr,
     N, D, n_split, norm_eps, hc_eps, iters,
-    stride_fn, stride_rn, stride_rk, stride_on, stride_ok,
-    HC: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr,
+    stride_fn, stride_fs, stride_rn, stride_rk, stride_on, stride_ok,
+    HC: tl.constexpr, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr, SLOTS: tl.constexpr,
     ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
+    SETTLED: tl.constexpr,
 ):
     """mhc_post with the site's coefficients finished here from the partial kernel's workspace (what the finish
-    kernel did): every program of a row finishes them, the first of its d tiles stores pre."""
-    wait_for_predecessor(PDL)
+    kernel did): every program of a row finishes them, the first of its d tiles stores pre. SLOTS and SETTLED as
+    `_post_partial_kernel`'s."""
+    if not SETTLED:
+        wait_for_predecessor(PDL)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rmask = rows < N
     rows64 = rows.to(tl.int64)
-    fv, res = _expand_inputs(f_ptr, res_ptr, rows64, rmask, tl.program_id(1), D, stride_fn, 0, stride_rn, stride_rk,
-                             HC, BD, 0, INTERP)
-    pre, post, comb = _coefficients(ws_ptr, scale_ptr, base_ptr, rows64, rmask, N, D, n_split, norm_eps, hc_eps,
-                                    iters, HC, M, SB, ACCURATE, THREAD_SINKHORN, "")
+    fv, res, pre, post, comb = _post_inputs(
+        f_ptr, res_ptr, ws_ptr, scale_ptr, base_ptr, ws_ptr, ws_ptr, rows64, rmask, tl.program_id(1), N, D, n_split,
+        norm_eps, hc_eps, iters, stride_fn, stride_fs, stride_rn, stride_rk, HC, M, BD, SB, True, SLOTS, ACCURATE,
+        THREAD_SINKHORN, INTERP, PDL, SETTLED)
     if tl.program_id(1) == 0:
         c = tl.arange(0, HC)
         tl.store(pre_ptr + rows64[:, None] * HC + c[None, :], pre, mask=rmask[:, None])
@@ -510,6 +505,28 @@ def _site_coefficients(ws_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, rows64, 
 
 
 @triton.jit
+def _post_inputs(f_ptr, res_ptr, ws_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, rows64, rmask, pid_d, N, D, n_split,
+                 norm_eps, hc_eps, iters, stride_fn, stride_fs, stride_rn, stride_rk, HC: tl.constexpr,
+                 M: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr, FINISH: tl.constexpr, SLOTS: tl.constexpr,
+                 ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
+                 SETTLED: tl.constexpr):
+    """A post program's inputs: its tiles of f and the streams, and the site's (pre, post, comb)
+    (`_site_coefficients`). The kernel has waited for its predecessor before this, or with SETTLED (everything but
+    f written before the kernel it follows) not yet: then the streams and the coefficients' chain run before the
+    wait, beside the predecessor's tail, and only f's load follows it; else f's round trip runs under the chain."""
+    CACHE: tl.constexpr = ".cg" if SETTLED else ""  # before the wait an SM's L1 may hold an older layer's lines
+    res = _streams_tile(res_ptr, rows64, rmask, pid_d, D, stride_rn, stride_rk, HC, BD, CACHE)
+    if not SETTLED:
+        fv = _sublayer_tile(f_ptr, res_ptr, rows64, rmask, pid_d, D, stride_fn, stride_fs, BD, SLOTS, INTERP)
+    pre, post, comb = _site_coefficients(ws_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, rows64, rmask, N, D, n_split,
+                                         norm_eps, hc_eps, iters, HC, M, SB, FINISH, ACCURATE, THREAD_SINKHORN, CACHE)
+    if SETTLED:
+        wait_for_predecessor(PDL)
+        fv = _sublayer_tile(f_ptr, res_ptr, rows64, rmask, pid_d, D, stride_fn, stride_fs, BD, SLOTS, INTERP)
+    return fv, res, pre, post, comb
+
+
+@triton.jit
 def _post_partial_kernel(
     f_ptr, res_ptr, ws_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, fn_ptr, out_ptr, x_ptr, ws_next_ptr,
     N, D, n_split, norm_eps, hc_eps, iters,
@@ -527,7 +544,6 @@ def _post_partial_kernel(
     PDL wait, beside that kernel's tail; only f waits (`mhc_post_partial`'s settled)."""
     if not SETTLED:
         wait_for_predecessor(PDL)
-    CACHE: tl.constexpr = ".cg" if SETTLED else ""  # before the wait an SM's L1 may hold an older layer's lines
     rows64 = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)  # [1]: one row (the Sinkhorn in threads, at hc 4)
     rmask = rows64 < N
     pid_s = tl.program_id(1)
@@ -538,14 +554,10 @@ def _post_partial_kernel(
     # so nothing waits for it, and a load a stream after the Sinkhorn chain put four DRAM round trips in series
     fn = tl.load(fn_ptr + cols[None, :, None].to(tl.int64) * (HC * D) + (c[:, None, None] * D + dd[None, None, :]),
                  mask=(cols < M)[None, :, None], other=0.0)
-    res = _streams_tile(res_ptr, rows64, rmask, pid_s, D, stride_rn, stride_rk, HC, BD, CACHE)
-    if not SETTLED:  # f's round trip under the coefficients' chain
-        fv = _sublayer_tile(f_ptr, res_ptr, rows64, rmask, pid_s, D, stride_fn, stride_fs, BD, SLOTS, INTERP)
-    pre, post, comb = _site_coefficients(ws_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, rows64, rmask, N, D, n_split,
-                                         norm_eps, hc_eps, iters, HC, M, SB, FINISH, ACCURATE, THREAD_SINKHORN, CACHE)
-    if SETTLED:  # f after the chain: the predecessor wrote it
-        wait_for_predecessor(PDL)
-        fv = _sublayer_tile(f_ptr, res_ptr, rows64, rmask, pid_s, D, stride_fn, stride_fs, BD, SLOTS, INTERP)
+    fv, res, pre, post, comb = _post_inputs(
+        f_ptr, res_ptr, ws_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, rows64, rmask, pid_s, N, D, n_split, norm_eps,
+        hc_eps, iters, stride_fn, stride_fs, stride_rn, stride_rk, HC, M, BD, SB, FINISH, SLOTS, ACCURATE,
+        THREAD_SINKHORN, INTERP, PDL, SETTLED)
     h = _expand(fv, res, out_ptr, post, comb, rows64, rmask, pid_s, D, stride_on, stride_ok, HC, BD,
                 INTERP).to(tl.float32)  # [1, HC, BD], as stored
     # the next site's partial mixes and this row's x, each one reduction over the streams: summed stream by stream
@@ -756,33 +768,51 @@ def mhc_pre_finish_triton(h, ws, scale, base, norm_eps, hc_eps, iters):
     return outs
 
 
-def mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters, cfg: dict | None = None):
-    f, residual, ws = f.contiguous(), residual.contiguous(), ws.contiguous()
-    scale, base = scale.float().contiguous(), base.float().contiguous()
+def mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters, settled: bool = False,
+                           cfg: dict | None = None):
+    given = (residual, ws, scale, base)
+    (residual, ws, scale, base), f = _read(given), f.contiguous()
+    settled = settled and _as_given(given, (residual, ws, scale, base))
     N, hc, D = residual.shape
-    out = torch.empty(N, hc, D, dtype=f.dtype, device=f.device)
+    out = torch.empty(N, hc, D, dtype=_output_dtype(f, residual), device=f.device)
     pre = torch.empty(N, hc, dtype=torch.float32, device=f.device)
     if N == 0:
         return out, pre
     c = post_config(N, D, cfg)
     split = ws.shape[0]
+    slots, stride_fs = _slots(f)
     _post_finish_kernel[(triton.cdiv(N, c["BN"]), triton.cdiv(D, c["BD"]))](
         f, residual, ws, scale, base, out, pre,
         N, D, split, norm_eps, hc_eps, iters,
-        f.stride(0), residual.stride(0), residual.stride(1), out.stride(0), out.stride(1),
-        HC=hc, M=(2 + hc) * hc, BN=c["BN"], BD=c["BD"], SB=min(triton.next_power_of_2(split), 32),
+        f.stride(0), stride_fs, residual.stride(0), residual.stride(1), out.stride(0), out.stride(1),
+        HC=hc, M=(2 + hc) * hc, BN=c["BN"], BD=c["BD"], SB=min(triton.next_power_of_2(split), 32), SLOTS=slots,
         ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, c["BN"]), INTERP=not f.is_cuda, PDL=pdl(f),
-        num_warps=c["num_warps"], launch_pdl=pdl(f),
+        SETTLED=settled, num_warps=c["num_warps"], launch_pdl=pdl(f),
     )
     return out, pre
+
+
+def _slots(f: torch.Tensor) -> tuple[int, int]:
+    """(slots, slot stride) of a post's f: the MoE's slots [N, S, D], or (0, 0) for a plain [N, D]."""
+    return (f.shape[1], f.stride(1)) if f.dim() == 3 else (0, 0)
+
+
+def _read(given: tuple) -> tuple:
+    """A post's residual streams (first, in their dtype) and coefficient inputs (fp32) as its kernel reads them."""
+    return (given[0].contiguous(), *(t.float().contiguous() for t in given[1:]))
+
+
+def _as_given(given: tuple, read: tuple) -> bool:
+    """Whether the kernel reads the tensors it was given: a `settled` post reads them before its PDL wait, so one
+    copied here first (the copy the kernel just before it) takes that away."""
+    return all(a is b for a, b in zip(given, read))
 
 
 def mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled: bool = False,
                             cfg: dict | None = None):
     """The Triton path of mhc_post_partial; `cfg` (num_warps) overrides the launch's warps (`post_partial_warps`)."""
     if residual.shape[0] > POST_PARTIAL_MAX_N:
-        out, pre = mhc_post_finish_triton(summed_slots(f, residual.dtype), residual, ws, scale, base, norm_eps, hc_eps,
-                                          iters)
+        out, pre = mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters, settled)
         return (out, *mhc_pre_partial_triton(out, fn_next, pre))
     return _post_partial(f, residual, fn_next, (ws, scale, base, ws, ws), (norm_eps, hc_eps, iters), True, settled,
                          cfg)
@@ -805,9 +835,8 @@ def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple,
     finish_args (norm_eps, hc_eps, iters). settled (`mhc_post_partial`): read before the PDL wait all but f, unless
     one of them had to be copied here first (the copy would be the kernel it follows)."""
     given = (residual, fn_next, *coefficients)
-    read = (residual.contiguous(), *(t.float().contiguous() for t in given[1:]))  # the streams in their dtype
-    settled = settled and all(a is b for a, b in zip(given, read))
-    (residual, fn_next, *coefficients), f = read, f.contiguous()
+    (residual, fn_next, *coefficients), f = _read(given), f.contiguous()
+    settled = settled and _as_given(given, (residual, fn_next, *coefficients))
     N, hc, D = residual.shape
     M = (2 + hc) * hc
     dtype = _output_dtype(f, residual)
@@ -818,7 +847,7 @@ def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple,
     if N == 0:
         return out, x, ws_next
     split = coefficients[0].shape[0] if finish else 1  # without a finish no splits are read: one compile for all N
-    slots, stride_fs = (f.shape[1], f.stride(1)) if f.dim() == 3 else (0, 0)  # the MoE's slots, or a plain f
+    slots, stride_fs = _slots(f)
     _post_partial_kernel[(N, S)](
         f, residual, *coefficients, fn_next, out, x, ws_next,
         N, D, split, *finish_args,
@@ -911,19 +940,24 @@ def _(h, fn, collapse_pre):
 
 @torch.library.custom_op("dsv4::mhc_post_finish", mutates_args=())
 def mhc_post_finish(f: torch.Tensor, residual: torch.Tensor, ws: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-                    norm_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    norm_eps: float, hc_eps: float, iters: int,
+                    settled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """mhc_post with the site's coefficients finished from `mhc_pre_partial`'s workspace ws: f [N, D], residual
-    [N, hc, D] -> (h' [N, hc, D] in f's dtype, the site's pre [N, hc] fp32, the next site's collapse weights)."""
+    [N, hc, D] -> (h' [N, hc, D] in f's dtype, the site's pre [N, hc] fp32, the next site's collapse weights).
+    f may be the MoE's slots and settled is residual and ws's, as mhc_post_partial's."""
+    _check_f(f, residual, "mhc_post_finish")
     if use_triton(f) and _hc_supported(residual.shape[1], 16):
-        return mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters)
-    out, pre = mhc_post_finish_twin(f, residual, ws, scale, base, norm_eps, hc_eps, iters)
+        return mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters, settled)
+    out, pre = mhc_post_finish_twin(summed_slots(f, residual.dtype), residual, ws, scale, base, norm_eps, hc_eps,
+                                    iters)
     return out.contiguous(), pre.contiguous()
 
 
 @mhc_post_finish.register_fake
-def _(f, residual, ws, scale, base, norm_eps, hc_eps, iters):
-    return residual.new_empty(residual.shape, dtype=f.dtype), residual.new_empty(residual.shape[:2],
-                                                                                 dtype=torch.float32)
+def _(f, residual, ws, scale, base, norm_eps, hc_eps, iters, settled=False):
+    _check_f(f, residual, "mhc_post_finish")
+    return (residual.new_empty(residual.shape, dtype=_output_dtype(f, residual)),
+            residual.new_empty(residual.shape[:2], dtype=torch.float32))
 
 
 @torch.library.custom_op("dsv4::mhc_post_partial", mutates_args=())
