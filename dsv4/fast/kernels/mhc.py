@@ -11,19 +11,24 @@
     h'_k = post_k f + sum_j comb[j, k] residual_j in fp32.
 
 `dsv4::mhc_pre_partial(h, fn, collapse_pre) -> (x, ws)` and
-`dsv4::mhc_post_finish(f, residual, ws, scale, base, norm_eps, hc_eps, iters) -> (h', pre)`
+`dsv4::mhc_post_finish(f, residual, ws, scale, base, norm_eps, hc_eps, iters, settled) -> (h', pre)`
     V4.1's decode pair: a site's pre, post and comb are first read by its post (x collapses with the previous
     site's pre), so the post kernel finishes them from the partial kernel's workspace ws [S, N, M + 1]
     (`partial_splits`) and the finish kernel's launch goes; pre [N, hc] fp32 is the next site's collapse weights.
-`dsv4::mhc_post_partial(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters) -> (h', x, ws_next)`
+`dsv4::mhc_post_partial(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled) -> (h', x, ws_next)`
     mhc_post_finish, then mhc_pre_partial of the next site on h' (collapsing with this site's pre) in the same
     kernel, a program per (row, d step of the partial pass): V4.1's attention post and FFN pre in one launch. Its
     projection runs on the CUDA cores in fp32 (one row a program, so the Sinkhorn stays in threads). Up to
     POST_PARTIAL_MAX_N rows; more take the two kernels (every program finishes its row's coefficients again).
     f may be the MoE's slots [N, S, D] fp32 (the gather path's routed experts and shared expert), summed in slot
     order and rounded to the streams' dtype as the module sums them (`summed_slots`): the decode step's FFN post
-    takes the sum where a kernel of its own made it.
-`dsv4::mhc_post_sums(f, residual, post, comb, fn_next) -> (h', ws_next)` and
+    takes the sum where a kernel of its own made it (mhc_post_finish's too).
+    settled (the three posts; default False): the caller vouches that residual and the coefficients' inputs were
+    written before the kernel that made f (the decode step: a sub-layer ran between the site's pre pass and its
+    post). The kernel then reads them and finishes the coefficients before its PDL wait, and waits only for f;
+    the kernels before the decode step's posts (wo_b's FP8 GEMV, the MoE's down kernel) start it early
+    (`start_successor`), so that chain runs beside their last programs.
+`dsv4::mhc_post_sums(f, residual, post, comb, fn_next, settled) -> (h', ws_next)` and
 `dsv4::mhc_pre_finish(h, ws, scale, base, norm_eps, hc_eps, iters) -> (x, pre, post, comb)`
     V4's decode pair (each site collapses with its own pre, so x waits for the finish): the post with the
     coefficients given and the next site's partial sums on h' in the same kernel (mhc_post_partial's, without
