@@ -28,6 +28,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4.fast.kernels import mhc as K
+from dsv4.fast.kernels.fp8_gemv import fp8_gemv
+from dsv4.quant import quantize_fp8
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -428,6 +430,43 @@ def test_decode_ops_gpu(arch, D, N, dtype):
     h, fn, scale, base, pre_prev = make_inputs(N, 4, D, dtype, arch == "v41", N, device="cuda")
     f = torch.randn(N, D, generator=torch.Generator().manual_seed(N + 1)).to(dtype).cuda()
     check_decode_ops(arch, h, fn, scale, base, pre_prev, f, fn * 0.5, 20)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("arch,D", [("v41", 5120), ("v4", 4096)])
+def test_gpu_a_settled_post_after_its_early_starting_gemv(arch, D):
+    """The decode step's order with real PDL: a site's pass, wo_b's FP8 GEMV starting its successor early, then the
+    settled post reading the GEMV's output. Eager and replayed in a CUDA graph on new streams and a new GEMV input
+    each time, it gives the bits of the unsettled post after the plain GEMV: its early reads see what the pass
+    wrote, and f only once the GEMV is done."""
+    h, fn, scale, base, pre_prev = make_inputs(1, 4, D, torch.bfloat16, True, 7, device="cuda")
+    g = torch.Generator().manual_seed(8)
+    w, s = (t.cuda() for t in quantize_fp8(torch.randn(D, 8192, generator=g) / 64, (128, 128)))
+    o = torch.randn(1, 8192, generator=g).bfloat16().cuda()
+
+    def step(settled: bool):
+        if arch == "v41":
+            ws = K.mhc_pre_partial(h, fn, pre_prev)[1]
+        else:
+            _, _, post, comb = K.mhc_pre(h, fn, scale, base, None, 1e-6, 1e-6, 20)
+        f = fp8_gemv(o, w, s, 128, 128, torch.bfloat16, start_successor=settled)
+        if arch == "v41":
+            return K.mhc_post_partial(f, h, ws, scale, base, fn * 0.5, 1e-20, 1e-6, 20, settled)
+        return K.mhc_post_sums(f, h, post, comb, fn * 0.5, settled)
+
+    for a, b in zip(step(True), step(False), strict=True):
+        assert torch.equal(a, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step(True)
+    for seed in range(3):
+        g.manual_seed(seed)
+        h.copy_(torch.randn(h.shape, generator=g))
+        o.copy_(torch.randn(o.shape, generator=g))
+        graph.replay()
+        for a, b in zip(got, step(False), strict=True):
+            assert torch.equal(a, b)
 
 
 def check_post_partial_at(warps, D, device):
