@@ -184,16 +184,21 @@ def mhc_kernels() -> list[Kernel]:
 
 
 def routing_kernels() -> list[Kernel]:
-    """The gate GEMM at one token (K split over the chip's programs) and the router over its partial logits."""
+    """The gate GEMM at one token (K split over the chip's programs), its last program routing as the decode step
+    runs it, and the router over the partial logits as a launch of its own (more than 8 rows)."""
     BM, BE, BK, split, _ = moe_routing.gate_config(1, EXPERTS, D, 2, TARGET)
-    gate = Kernel("moe gate GEMM", moe_routing._gate_gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16"},
-                  {"BM": BM, "BE": BE, "BK": BK, "F32": False, "INTERP": False, "PDL": True}, 4)
     c = moe_routing.route_config(1, EXPERTS, split, True)
+    routing = {"TOPK": TOP_K, "KP": triton.next_power_of_2(TOP_K), "EP": c["EP"], "BR": c["BR"], "SB": c["SB"],
+               "SCORE": moe_routing._SCORE_FUNCS["sqrtsoftplus"], "HAS_BIAS": True, "HASHED": False,
+               "NORMALIZE": True, "ACCURATE": True, "COMBINE": c["combine"]}
+    gate = Kernel("moe gate GEMM routing", moe_routing._gate_gemm_kernel,
+                  {"x_ptr": "*bf16", "w_ptr": "*bf16", "count_ptr": "*i32", "hashed_ptr": "*i64", "ids_ptr": "*i64",
+                   "temp": "fp32", "scale": "fp32"},
+                  {"BM": BM, "BE": BE, "BK": BK, "F32": False, "INTERP": False, "PDL": True, "ROUTE": True, **routing},
+                  4)
     route = Kernel("moe route", moe_routing._route_kernel,
                    {"ids_ptr": "*i64", "hashed_ptr": "*i64", "temp": "fp32", "scale": "fp32"},
-                   {"TOPK": TOP_K, "KP": triton.next_power_of_2(TOP_K), "EP": c["EP"], "BR": c["BR"], "SB": c["SB"],
-                    "SCORE": moe_routing._SCORE_FUNCS["sqrtsoftplus"], "HAS_BIAS": True, "HASHED": False,
-                    "NORMALIZE": True, "ACCURATE": True, "COMBINE": c["combine"], "PDL": True}, c["num_warps"])
+                   {**routing, "PDL": True}, c["num_warps"])
     return [gate, route]
 
 
@@ -401,7 +406,7 @@ LAUNCH_INTS = {
     # unused split count is the stand-in's rows
     "mhc_pre finish collapsing": {"N": 1, "D": D, "n_split": 80, "d_per_prog": 64, **_ATTN},
     "mhc_post sums": {"N": 1, "D": D, "n_split": 1},
-    "moe gate GEMM": {"N": 1, "E": EXPERTS, "D": D, "steps_per_prog": 1, "stride_xn": D, "stride_we": D},
+    "moe gate GEMM routing": {"N": 1, "E": EXPERTS, "D": D, "steps_per_prog": 1, "stride_xn": D, "stride_we": D},
     "moe route": {"N": 1, "E": EXPERTS, "n_split": 40, "stride_split": EXPERTS, "stride_ln": EXPERTS},
     **{f"moe gather {part}{tokens}": {"D": D, "I": I, "E": EXPERTS}
        for part in ("up", "down") for tokens in ("", f" ({moe_experts.GATHER_MAX_N} tokens)")},

@@ -208,6 +208,9 @@ class FastMoE(MoE):
         self.limit = stacked.pop("limit")
         self.stacked = stacked
         self.shared_fp8 = self._shared_rows([fp8.get(getattr(self.shared_experts, n)) for n in ("w1", "w3", "w2")])
+        # the gate GEMM's programs count themselves in here where its last one routes (`gate_route`'s count)
+        self.register_buffer("route_count", torch.zeros(1, dtype=torch.int32, device=self.gate.weight.device),
+                             persistent=False)
         inter = stacked["w2"].shape[-1] * 2
         for e, expert in enumerate(self.experts):  # the checkpoint's names now view the stacked bytes
             for name, data, scale, rows in (("w1", "w13", "s13", slice(0, inter)), ("w3", "w13", "s13", slice(inter, None)),
@@ -231,7 +234,7 @@ class FastMoE(MoE):
         g = self.gate
         hashed = g.tid2eid[input_ids] if hasattr(g, "tid2eid") else None
         weights, ids = gate_route(x, g.weight, getattr(g, "bias", None), hashed, g.topk, g.temp, g.scale,
-                                  g.norm_topk_prob, g.scoring_func)
+                                  g.norm_topk_prob, g.scoring_func, self.route_count)
         s = self.stacked
         experts = (ids, weights, s["w13"], s["s13"], s["w2"], s["s2"], s["shared13"], s["shared2"], self.limit)
         if x.shape[0] == 1:  # the decode step's token: the planes fuse into a compiled kernel

@@ -192,6 +192,50 @@ def test_gate_route_split_configs_agree():
         check_route(out, ref, sel, 6, rel=5e-6)
 
 
+@settings(deadline=None, max_examples=examples(8))
+@given(N=st.integers(1, 8), E=st.sampled_from([24, 384]), hashed=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_the_gemms_last_program_routes_as_the_routing_kernel(N, E, hashed, seed):
+    """With a count (the decode step's), up to 8 rows are routed by the gate GEMM's last program: the weights and
+    ids of the two launches, bit for bit (the same partials summed in the same order), and the count back at 0."""
+    g = torch.Generator().manual_seed(seed)
+    x, weight = torch.randn(N, 96, generator=g).bfloat16(), (torch.randn(E, 96, generator=g) / 10).bfloat16()
+    bias = None if hashed else torch.randn(E, generator=g) * 0.05
+    ids_in = torch.stack([torch.randperm(E, generator=g)[:6] for _ in range(N)]) if hashed else None
+    assert R.fused_route_rows(N, E, 16) == 1 << (N - 1).bit_length()
+    count = torch.zeros(1, dtype=torch.int32)
+    args = (x, weight, bias, ids_in, 6, 0.8, 1.5, True, "sqrtsoftplus")
+    for _ in range(2):  # the count set back for the next call
+        for a, b in zip(R.gate_route(*args, count), R.gate_route(*args), strict=True):
+            assert torch.equal(a, b)
+        assert count.item() == 0
+
+
+def test_the_gemm_routes_few_rows_of_few_experts_only(monkeypatch):
+    """The GEMM's last program routes one row block of the routing kernel's (at most 8 rows of up to 512 experts),
+    within the GEMM's one row block; else the routing keeps its launch."""
+    assert [R.fused_route_rows(N, 384, 16) for N in (0, 1, 2, 3, 8, 9)] == [0, 1, 2, 4, 8, 0]
+    assert R.fused_route_rows(4, 1024, 16) == 0 and R.fused_route_rows(8, 384, 4) == 0
+    launches, kernel = [], R._route_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(R, "_route_kernel", Recording())
+    count, weight = torch.zeros(1, dtype=torch.int32), torch.randn(384, 64).bfloat16()
+    for N in (8, 9):
+        R.gate_route(torch.randn(N, 64).bfloat16(), weight, None, None, 6, 1.0, 1.5, True, "sqrtsoftplus", count)
+    assert len(launches) == 1  # the 9 rows'
+
+
+def test_a_misshapen_count_is_refused():
+    x, weight = torch.randn(2, 64).bfloat16(), torch.randn(24, 64).bfloat16()
+    for count in (torch.zeros(1), torch.zeros(2, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="gate_route: count must be one int32"):
+            R.gate_route(x, weight, None, None, 6, 1.0, 1.5, True, "sqrtsoftplus", count)
+
+
 def test_fallback_is_the_twin(monkeypatch):
     monkeypatch.setattr(R, "use_triton", lambda t: False)
     logits, bias = torch.randn(4, 24), torch.randn(24)
@@ -217,6 +261,9 @@ def test_opcheck():
     x, weight = torch.randn(5, 64).bfloat16(), torch.randn(24, 64).bfloat16()
     torch.library.opcheck(torch.ops.dsv4.gate_route, (x, weight, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus"),
                           test_utils=tests)
+    count = torch.zeros(1, dtype=torch.int32)
+    torch.library.opcheck(torch.ops.dsv4.gate_route,
+                          (x, weight, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus", count), test_utils=tests)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -255,6 +302,40 @@ def test_gate_route_gpu(N):
     out = R.gate_route(x.cuda(), weight.cuda(), bias.cuda(), None, 6, 1.0, 1.5, True, "sqrtsoftplus")
     ref = R.gate_route_twin(x, weight, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus")
     check_route(tuple(t.cpu()[keep] for t in out), tuple(t[keep] for t in ref), sel[keep], 6, rel=5e-6)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("N", [1, 4, 8])
+def test_gate_route_by_the_gemms_last_program_gpu(N):
+    """The decode step's count on the GPU (the atomic count's release and acquire, the L2 loads of the partials):
+    the twin's routing, eager and replayed from a CUDA graph three times on new rows (the count back at 0 after
+    each), the ids and weights of the two launches (bit for bit at one row, where both sum the partials alike)."""
+    g = torch.Generator().manual_seed(N)
+    D, E = 5120, 384
+    weight = (torch.randn(E, D, generator=g) / D**0.5).bfloat16().cuda()
+    bias = (torch.randn(E, generator=g) * 0.05).cuda()
+    x = torch.randn(N, D, generator=g).bfloat16().cuda()
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def route(*counted):
+        return R.gate_route(x, weight, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus", *counted)
+
+    route(count)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = route(count)
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, generator=g.manual_seed(seed)))
+        graph.replay()
+        want = route()
+        sel = router_scores(torch.nn.functional.linear(x.float(), weight.float()), "sqrtsoftplus") + bias
+        keep = separated(sel - bias, sel, 6, floor=1e-5).cpu()
+        check_route(tuple(t.cpu()[keep] for t in got), tuple(t.cpu()[keep] for t in want), sel.cpu()[keep], 6,
+                    rel=5e-6)
+        if N == 1:
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert count.item() == 0
 
 
 @gpu

@@ -8,14 +8,16 @@
     Order: ids come sorted by descending biased score (ties: the lower expert id first); on the hashed
     path, in the table's order. Twin: `route(router_scores(logits / temp, score_func), ...)`, whose
     top-k order is the same up to ties.
-`dsv4::gate_route(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func) -> (weights, ids)`
+`dsv4::gate_route(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func, count) -> (weights, ids)`
     The same, with the gate GEMM in front: logits = x [N, D] @ weight [E, D]^T in fp32 (bf16 products
     are exact in fp32, so this is F.linear(x.float(), weight.float()) up to summation order). Twin:
-    `Gate.forward`'s sequence.
+    `Gate.forward`'s sequence. With `count` (the decode step's), up to 8 rows are routed in the GEMM's launch.
 
 One program holds a block of rows, all E experts padded to a power of two (E <= 1024), in registers;
 top-k is k rounds of argmax with the winner masked out. gate_route first runs a split-K GEMM on the
-tensor cores into a [S, N, E] fp32 workspace that the routing kernel sums while loading.
+tensor cores into a [S, N, E] fp32 workspace that the routing kernel sums while loading; given a count, the
+GEMM's last program to store its partials routes instead (an atomic count of the programs, release and acquire),
+and the routing's launch and its hand-off (5.6 us of a V4.1 layer's batch-1 step, H100, session 49) go.
 """
 
 from __future__ import annotations
@@ -81,8 +83,22 @@ def _route_kernel(
     COMBINE: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_predecessor(PDL)
-    pid = tl.program_id(0)
-    rows = pid * BR + tl.arange(0, BR)
+    _route_rows(logits_ptr, bias_ptr, hashed_ptr, w_ptr, ids_ptr, tl.program_id(0) * BR + tl.arange(0, BR), N, E,
+                n_split, stride_split, stride_ln, temp, scale, TOPK, KP, EP, SB, SCORE, HAS_BIAS, HASHED, NORMALIZE,
+                ACCURATE, COMBINE, "")
+
+
+@triton.jit
+def _route_rows(
+    logits_ptr, bias_ptr, hashed_ptr, w_ptr, ids_ptr, rows,
+    N, E, n_split, stride_split, stride_ln, temp, scale,
+    TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, SB: tl.constexpr, SCORE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HASHED: tl.constexpr, NORMALIZE: tl.constexpr, ACCURATE: tl.constexpr,
+    COMBINE: tl.constexpr, CACHE: tl.constexpr,
+):
+    """The routing of rows [BR] (weights and ids stored) from their n_split partial logits. CACHE: the partials'
+    cache modifier (".cg" where other programs of the same launch wrote them: `_gate_gemm_kernel`'s ROUTE)."""
+    BR: tl.constexpr = rows.shape[0]
     rmask = rows < N
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, EP)
@@ -95,7 +111,8 @@ def _route_kernel(
     for s0 in tl.range(0, n_split, SB, num_stages=2):
         s = s0 + tl.arange(0, SB)
         part = logits_ptr + s[:, None, None] * stride_split + rows64[None, :, None] * stride_ln + cols[None, None, :]
-        x += tl.sum(tl.load(part, mask=(s < n_split)[:, None, None] & m2[None, :, :], other=0.0), axis=0)
+        x += tl.sum(tl.load(part, mask=(s < n_split)[:, None, None] & m2[None, :, :], other=0.0,
+                            cache_modifier=CACHE), axis=0)
     x = tl.div_rn(x, temp)
     if SCORE == 0:  # sqrt(softplus(x)), softplus with torch's threshold 20
         sp = log1p(exp(tl.minimum(x, 20.0), ACCURATE), ACCURATE)
@@ -140,12 +157,17 @@ def _route_kernel(
 
 @triton.jit
 def _gate_gemm_kernel(
-    x_ptr, w_ptr, ws_ptr,
-    N, E, D, steps_per_prog, stride_xn, stride_we,
+    x_ptr, w_ptr, ws_ptr, count_ptr, bias_ptr, hashed_ptr, rw_ptr, ids_ptr,
+    N, E, D, steps_per_prog, stride_xn, stride_we, temp, scale,
     BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, INTERP: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, ROUTE: tl.constexpr, BR: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
+    EP: tl.constexpr, SB: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASHED: tl.constexpr,
+    NORMALIZE: tl.constexpr, ACCURATE: tl.constexpr, COMBINE: tl.constexpr,
 ):
-    """Partial logits ws[s, n, e] = sum over split s's K range of x[n, :] * w[e, :], fp32 accumulation."""
+    """Partial logits ws[s, n, e] = sum over split s's K range of x[n, :] * w[e, :], fp32 accumulation. ROUTE (one
+    row block, N <= BR: `fused_route_rows`): each program counts itself in at count_ptr once its partials are
+    stored, and the last to arrive routes the rows from them (`_route_rows`: weights at rw_ptr, ids at ids_ptr;
+    the route's arguments as `_route_kernel`'s), then sets the count back to 0 for the next launch."""
     wait_for_predecessor(PDL)
     pid_m = tl.program_id(0)
     pid_e = tl.program_id(1)
@@ -173,6 +195,14 @@ def _gate_gemm_kernel(
             acc += tl.dot(a, b)
     tl.store(ws_ptr + (pid_s * N + rows.to(tl.int64))[:, None] * E + ex[None, :], acc,
              mask=rmask[:, None] & emask[None, :])
+    if ROUTE:
+        tl.debug_barrier()  # every thread's partials stored before the count's release
+        programs = tl.num_programs(1) * tl.num_programs(2)
+        if tl.atomic_add(count_ptr, 1, sem="acq_rel") == programs - 1:
+            _route_rows(ws_ptr, bias_ptr, hashed_ptr, rw_ptr, ids_ptr, tl.arange(0, BR), N, E, tl.num_programs(2),
+                        N * E, E, temp, scale, TOPK, KP, EP, SB, SCORE, HAS_BIAS, HASHED, NORMALIZE, ACCURATE, COMBINE,
+                        ".cg")
+            tl.atomic_xchg(count_ptr, 0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -188,24 +218,35 @@ def _supported(E: int, topk: int, score_func: str) -> bool:
     return 1 <= topk <= E <= MAX_EXPERTS and score_func in _SCORE_FUNCS
 
 
+def _route_outputs(N: int, topk: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing's weights [N, topk] fp32 and ids [N, topk] int64, to be written."""
+    return (torch.empty(N, topk, dtype=torch.float32, device=device),
+            torch.empty(N, topk, dtype=torch.int64, device=device))
+
+
+def _route_args(c: dict, bias, hashed_ids, topk: int, score_func: str, normalize: bool, cuda: bool,
+                fallback: torch.Tensor) -> tuple[tuple, dict]:
+    """The routing's pointer arguments (bias, hashed ids; `fallback` stands in for those absent) and constexprs, as
+    `_route_kernel` and `_gate_gemm_kernel`'s ROUTE take them."""
+    hashed = hashed_ids.contiguous() if hashed_ids is not None else None
+    b = bias.float().contiguous() if bias is not None else None
+    consts = {"TOPK": topk, "KP": triton.next_power_of_2(topk), "EP": c["EP"], "SCORE": _SCORE_FUNCS[score_func],
+              "SB": c["SB"], "HAS_BIAS": b is not None, "HASHED": hashed is not None, "NORMALIZE": bool(normalize),
+              "ACCURATE": cuda, "COMBINE": c["combine"]}
+    return (b if b is not None else fallback, hashed if hashed is not None else fallback), consts
+
+
 def _route_launch(logits, n_split, stride_split, N, E, bias, hashed_ids, topk, temp, scale, normalize, score_func,
                   cfg: dict | None = None):
-    cfg = cfg or {}
-    dev = logits.device
-    weights = torch.empty(N, topk, dtype=torch.float32, device=dev)
-    ids = torch.empty(N, topk, dtype=torch.int64, device=dev)
+    weights, ids = _route_outputs(N, topk, logits.device)
     if N == 0:
         return weights, ids
     c = route_config(N, E, n_split, logits.is_cuda, cfg)
-    hashed = hashed_ids.contiguous() if hashed_ids is not None else None
-    b = bias.float().contiguous() if bias is not None else None
+    pointers, consts = _route_args(c, bias, hashed_ids, topk, score_func, normalize, logits.is_cuda, logits)
     _route_kernel[(triton.cdiv(N, c["BR"]),)](
-        logits, b if b is not None else logits, hashed if hashed is not None else ids, weights, ids,
+        logits, *pointers, weights, ids,
         N, E, n_split, stride_split, logits.stride(-2), float(temp), float(scale),
-        TOPK=topk, KP=triton.next_power_of_2(topk), EP=c["EP"], BR=c["BR"], SCORE=_SCORE_FUNCS[score_func],
-        SB=c["SB"], HAS_BIAS=b is not None, HASHED=hashed is not None, NORMALIZE=bool(normalize),
-        ACCURATE=logits.is_cuda, COMBINE=c["combine"], PDL=pdl(logits), num_warps=c["num_warps"],
-        launch_pdl=pdl(logits),
+        BR=c["BR"], **consts, PDL=pdl(logits), num_warps=c["num_warps"], launch_pdl=pdl(logits),
     )
     return weights, ids
 
@@ -246,7 +287,22 @@ def gate_config(N: int, E: int, D: int, elt: int, target: int, BM=None, BE=None,
     return BM, BE, BK, triton.cdiv(steps, per), per
 
 
-def gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func, cfg=None):
+def fused_route_rows(N: int, E: int, BM: int) -> int:
+    """Rows the gate GEMM's last program routes when it routes (`_gate_gemm_kernel`'s ROUTE), 0 where the routing
+    takes a launch of its own: one program's row block of the routing kernel (`route_config`: at most 8 rows of
+    up to 512 experts in its 4 warps, the gate's) holding all N rows, which the gate's one row block holds too."""
+    BR, EP = triton.next_power_of_2(max(N, 1)), triton.next_power_of_2(E)
+    return BR if 0 < N <= BM and EP <= 512 and BR <= min(8, 4096 // EP) else 0
+
+
+# the gate GEMM's routing constexprs where it does not route (`_gate_gemm_kernel`'s ROUTE off)
+_NO_ROUTE = {"ROUTE": False, "BR": 1, "TOPK": 1, "KP": 1, "EP": 1, "SB": 1, "SCORE": 0, "HAS_BIAS": False,
+             "HASHED": False, "NORMALIZE": False, "ACCURATE": False, "COMBINE": False}
+
+
+def gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func, count=None, cfg=None):
+    """The Triton path of gate_route. With `count` (an int32 zero) and few rows (`fused_route_rows`) the gate GEMM's
+    last program routes: one launch."""
     cfg = cfg or {}
     if x.dtype != weight.dtype:
         x, weight = x.float(), weight.float()
@@ -258,12 +314,22 @@ def gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize,
     BM, BE, BK, split, per = gate_config(N, E, D, x.element_size(), target,
                                          cfg.get("BM"), cfg.get("BE"), cfg.get("BK"), cfg.get("split"))
     ws = torch.empty(split, max(N, 1), E, dtype=torch.float32, device=x.device)
+    BR = fused_route_rows(N, E, BM) if count is not None and not cfg.get("route") else 0
+    outputs = _route_outputs(N, topk, x.device)
+    if BR:
+        c = route_config(N, E, split, x.is_cuda, {"BR": BR})
+        pointers, consts = _route_args(c, bias, hashed_ids, topk, score_func, normalize, x.is_cuda, ws)
+        route = (count, *pointers, *outputs), {"ROUTE": True, "BR": BR, **consts}
+    else:
+        route = (ws,) * 5, _NO_ROUTE
     if N > 0:
         _gate_gemm_kernel[(triton.cdiv(N, BM), triton.cdiv(E, BE), split)](
-            x, weight, ws, N, E, D, per, x.stride(0), weight.stride(0),
-            BM=BM, BE=BE, BK=BK, F32=x.dtype == torch.float32, INTERP=interp, PDL=pdl(x),
+            x, weight, ws, *route[0], N, E, D, per, x.stride(0), weight.stride(0), float(temp), float(scale),
+            BM=BM, BE=BE, BK=BK, F32=x.dtype == torch.float32, INTERP=interp, PDL=pdl(x), **route[1],
             num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), launch_pdl=pdl(x),
         )
+    if BR or N == 0:
+        return outputs
     return _route_launch(ws, split, N * E, N, E, bias, hashed_ids, topk, temp, scale, normalize, score_func,
                          cfg.get("route"))
 
@@ -307,15 +373,21 @@ def gate_route(
     scale: float,
     normalize: bool,
     score_func: str,
+    count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate GEMM + router: x [N, D], weight [E, D] -> weights [N, k] fp32, ids [N, k] int64."""
+    """Gate GEMM + router: x [N, D], weight [E, D] -> weights [N, k] fp32, ids [N, k] int64. count: an int32 [1]
+    zero the caller keeps for this op alone (one stream at a time); with it, few rows are routed by the gate GEMM's
+    last program (`fused_route_rows`), which counts the programs in it and sets it back to 0 before it exits."""
+    if count is not None and (count.dtype != torch.int32 or count.numel() != 1 or count.device != x.device):
+        raise ValueError(f"gate_route: count must be one int32 on x's device, got {count.dtype} "
+                         f"{tuple(count.shape)} on {count.device}")
     if use_triton(x) and _supported(weight.shape[0], topk, score_func):
-        return gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func)
+        return gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func, count)
     w, idx = gate_route_twin(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func)
     return w.contiguous(), idx.clone()
 
 
 @gate_route.register_fake
-def _(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func):
+def _(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func, count=None):
     N = x.shape[0]
     return x.new_empty(N, topk, dtype=torch.float32), x.new_empty(N, topk, dtype=torch.int64)
