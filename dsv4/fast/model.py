@@ -132,7 +132,7 @@ class Fp8Copy:
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype, groups: int = 1,
                  norm: RMSNorm | None = None, start_successor: bool = False) -> torch.Tensor:
         """x [1, groups * K] (with `norm`, norm(x), normalized in the kernel) -> [1, N] out_dtype (see fp8_gemv for
-        groups)."""
+        groups and start_successor)."""
         weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
         return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups, weight, eps, start_successor)
 
