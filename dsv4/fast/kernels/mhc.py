@@ -775,9 +775,8 @@ def mhc_pre_finish_triton(h, ws, scale, base, norm_eps, hc_eps, iters):
 
 def mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters, settled: bool = False,
                            cfg: dict | None = None):
-    given = (residual, ws, scale, base)
-    (residual, ws, scale, base), f = _read(given), f.contiguous()
-    settled = settled and _as_given(given, (residual, ws, scale, base))
+    (residual, ws, scale, base), settled = _as_read((residual, ws, scale, base), settled)
+    f = f.contiguous()
     N, hc, D = residual.shape
     out = torch.empty(N, hc, D, dtype=_output_dtype(f, residual), device=f.device)
     pre = torch.empty(N, hc, dtype=torch.float32, device=f.device)
@@ -802,15 +801,12 @@ def _slots(f: torch.Tensor) -> tuple[int, int]:
     return (f.shape[1], f.stride(1)) if f.dim() == 3 else (0, 0)
 
 
-def _read(given: tuple) -> tuple:
-    """A post's residual streams (first, in their dtype) and coefficient inputs (fp32) as its kernel reads them."""
-    return (given[0].contiguous(), *(t.float().contiguous() for t in given[1:]))
-
-
-def _as_given(given: tuple, read: tuple) -> bool:
-    """Whether the kernel reads the tensors it was given: a `settled` post reads them before its PDL wait, so one
-    copied here first (the copy the kernel just before it) takes that away."""
-    return all(a is b for a, b in zip(given, read))
+def _as_read(given: tuple, settled: bool) -> tuple[tuple, bool]:
+    """A post's residual streams (first, in their dtype) and coefficient inputs (fp32) as its kernel reads them, and
+    whether it may still read them before its PDL wait (`settled`): not where one had to be copied here first (the
+    copy is then the kernel just before it)."""
+    read = (given[0].contiguous(), *(t.float().contiguous() for t in given[1:]))
+    return read, settled and all(a is b for a, b in zip(given, read))
 
 
 def mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled: bool = False,
@@ -839,9 +835,8 @@ def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple,
     the kernel takes them (FINISH reads the first three, else the last two; the others stand in for the pointers),
     finish_args (norm_eps, hc_eps, iters). settled (`mhc_post_partial`): read before the PDL wait all but f, unless
     one of them had to be copied here first (the copy would be the kernel it follows)."""
-    given = (residual, fn_next, *coefficients)
-    (residual, fn_next, *coefficients), f = _read(given), f.contiguous()
-    settled = settled and _as_given(given, (residual, fn_next, *coefficients))
+    (residual, fn_next, *coefficients), settled = _as_read((residual, fn_next, *coefficients), settled)
+    f = f.contiguous()
     N, hc, D = residual.shape
     M = (2 + hc) * hc
     dtype = _output_dtype(f, residual)

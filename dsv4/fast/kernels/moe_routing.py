@@ -315,8 +315,8 @@ def gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize,
                                          cfg.get("BM"), cfg.get("BE"), cfg.get("BK"), cfg.get("split"))
     ws = torch.empty(split, max(N, 1), E, dtype=torch.float32, device=x.device)
     BR = fused_route_rows(N, E, BM) if count is not None and not cfg.get("route") else 0
-    outputs = _route_outputs(N, topk, x.device)
     if BR:
+        outputs = _route_outputs(N, topk, x.device)
         c = route_config(N, E, split, x.is_cuda, {"BR": BR})
         pointers, consts = _route_args(c, bias, hashed_ids, topk, score_func, normalize, x.is_cuda, ws)
         route = (count, *pointers, *outputs), {"ROUTE": True, "BR": BR, **consts}
@@ -328,7 +328,7 @@ def gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize,
             BM=BM, BE=BE, BK=BK, F32=x.dtype == torch.float32, INTERP=interp, PDL=pdl(x), **route[1],
             num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), launch_pdl=pdl(x),
         )
-    if BR or N == 0:
+    if BR:
         return outputs
     return _route_launch(ws, split, N * E, N, E, bias, hashed_ids, topk, temp, scale, normalize, score_func,
                          cfg.get("route"))
