@@ -229,6 +229,20 @@ def test_the_gemm_routes_few_rows_of_few_experts_only(monkeypatch):
     assert len(launches) == 1  # the 9 rows'
 
 
+@pytest.mark.parametrize("kernels", [True, False])
+def test_no_rows_route_to_no_rows(monkeypatch, kernels):
+    """An empty batch through the gate and the router: the Triton path (with and without the GEMM's count) and
+    the twin alike give [0, k] weights and ids."""
+    if not kernels:
+        monkeypatch.setattr(R, "use_triton", lambda t: False)
+    x, weight = torch.empty(0, 64).bfloat16(), torch.randn(24, 64).bfloat16()
+    for count in (None, torch.zeros(1, dtype=torch.int32)):
+        w, ids = R.gate_route(x, weight, None, None, 6, 1.0, 1.5, True, "sqrtsoftplus", count)
+        assert w.shape == (0, 6) and w.dtype == torch.float32 and ids.shape == (0, 6) and ids.dtype == torch.int64
+    w, ids = R.route_topk(torch.empty(0, 24), None, None, 6, 1.0, 1.5, True, "sigmoid")
+    assert w.shape == (0, 6) and ids.shape == (0, 6)
+
+
 def test_a_misshapen_count_is_refused():
     x, weight = torch.randn(2, 64).bfloat16(), torch.randn(24, 64).bfloat16()
     for count in (torch.zeros(1), torch.zeros(2, dtype=torch.int32)):

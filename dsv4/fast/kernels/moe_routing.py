@@ -38,7 +38,7 @@ MAX_EXPERTS = 1024
 def route_topk_twin(logits, bias, hashed_ids, topk, temp, scale, normalize, score_func):
     scores = router_scores(logits.float() / temp, score_func)
     if bias is None and hashed_ids is None:
-        bias = torch.zeros_like(scores[0])  # `route` wants a bias on the top-k path
+        bias = scores.new_zeros(scores.shape[-1])  # `route` wants a bias on the top-k path
     return route(scores, bias, hashed_ids, topk, normalize, scale)
 
 
@@ -278,7 +278,7 @@ def gate_config(N: int, E: int, D: int, elt: int, target: int, BM=None, BE=None,
     # defaults that compile without register spills for sm_90 (ptxas -v, Triton 3.9)
     BE = BE or min(64, triton.next_power_of_2(E))
     BK = BK or (128 if elt <= 2 else 32)
-    nb = triton.cdiv(N, BM) * triton.cdiv(E, BE)
+    nb = max(1, triton.cdiv(N, BM) * triton.cdiv(E, BE))  # no rows: no launch, yet the tiles are asked for
     steps = triton.cdiv(D, BK)
     # split K until about `target` programs run, but keep the fp32 partials ([S, N, E]) under the bytes of
     # the weight itself
