@@ -264,8 +264,8 @@ def dense_gemv_kernels() -> list[Kernel]:
 
 def fp8_gemv_kernels() -> list[Kernel]:
     """The attention's FP8 GEMVs at one row (`FP8_GEMV_SHAPES`): wq_b with the indexer's, wo_a, wo_b, and wq_a
-    with wkv (a layer without an indexer); those on x and on the query latent with their RMSNorm in the kernel, as
-    the step launches them."""
+    with wkv (a layer without an indexer); those on x and on the query latent with their RMSNorm in the kernel, and
+    wq_b's with the query heads' RoPE (V4.1), as the step launches them."""
     out = []
     for name, N, K, groups in FP8_GEMV_SHAPES:
         BN, BK, stages, warps = fp8_gemv._tiles(1, N, K, groups, 32, {})
@@ -274,7 +274,9 @@ def fp8_gemv_kernels() -> list[Kernel]:
                            "eps": "fp32"},
                           {"BM": 1, "BN": BN, "BK": BK, "BLOCK_K": 32, "STAGES": stages, "OUT_BF16": True, "INTERP": False,
                            "PDL": True, "EVEN_K": K % BK == 0, "NORM": name.startswith("wq_"), "X_BF16": True,
-                           "NORM_CHUNK": rope.NORM_CHUNK, "START": name == "wo_b"}, warps, stages))
+                           "NORM_CHUNK": rope.NORM_CHUNK, "START": name == "wo_b",
+                           **({"HEAD": DH, "R": ROPE} if name.startswith("wq_b") else {"HEAD": 1, "R": 0})},
+                          warps, stages))
     return out
 
 

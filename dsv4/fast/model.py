@@ -45,7 +45,7 @@ from dsv4.fast.kernels.attention import sparse_attn_bf16, sparse_attn_fp4
 from dsv4.fast.kernels.compressor import compressor_pool
 from dsv4.fast.kernels.dense_gemv import beats_cublas, dense_gemv
 from dsv4.fast.kernels.engram import engram_hash
-from dsv4.fast.kernels.fp8_gemv import fp8_gemv
+from dsv4.fast.kernels.fp8_gemv import fp8_gemv, rotated_heads
 from dsv4.fast.kernels.indexer import (
     candidate_mask,
     mqa_index_scores,
@@ -131,11 +131,12 @@ class Fp8Copy:
         return x.shape[0] == 1
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype, groups: int = 1,
-                 norm: RMSNorm | None = None, start_successor: bool = False) -> torch.Tensor:
+                 norm: RMSNorm | None = None, start_successor: bool = False, rope: tuple | None = None) -> torch.Tensor:
         """x [1, groups * K] (with `norm`, norm(x), normalized in the kernel) -> [1, N] out_dtype (see fp8_gemv for
-        groups and start_successor)."""
+        groups, start_successor and rope: (cos, sin, heads, head_dim))."""
         weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-        return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups, weight, eps, start_successor)
+        return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups, weight, eps, start_successor,
+                        *(rope or (None, None, 0, 0)))
 
     @staticmethod
     def stacked(copies: Iterable[Fp8Copy | None]) -> Fp8Copy | None:
@@ -176,15 +177,18 @@ class SharedInput:
     def names(self) -> tuple[str, ...]:
         return tuple(name for names, *_ in self.parts for name in names)
 
-    def __call__(self, x: torch.Tensor, norm: RMSNorm | None = None) -> dict[str, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, norm: RMSNorm | None = None, rope: tuple | None = None
+                 ) -> dict[str, torch.Tensor]:
         """x [B, K] -> each linear's output by name [B, N]; with `norm`, of norm(x): the batch-1 FP8 GEMV normalizes
         the rows it reads (`fp8_gemv`'s norm_weight: the norm's launch of its own gone where no other part reads
-        x), the other parts read norm(x)."""
+        x), the other parts read norm(x). rope (cos, sin [B, R/2] fp32, heads, head_dim): the first part's first
+        heads come out rotated (`rotated_heads`; by the batch-1 FP8 GEMV, its rotation launch gone)."""
         outs, normed = {}, None
-        for names, widths, fp32, weight, stored in self.parts:
+        for i, (names, widths, fp32, weight, stored) in enumerate(self.parts):
             out_dtype = torch.float32 if fp32 else x.dtype
+            heads = rope if i == 0 else None
             if stored is not None and stored.serves(x):
-                y = stored(x, out_dtype, norm=norm)
+                y = stored(x, out_dtype, norm=norm, rope=heads)
             else:
                 if normed is None:
                     normed = x if norm is None else norm(x)
@@ -192,6 +196,8 @@ class SharedInput:
                     y = dense_gemv(normed, weight, out_dtype)
                 else:
                     y = fp32_linear(normed, weight) if fp32 else F.linear(normed, weight)
+                if heads is not None:
+                    y = rotated_heads(y, *heads)
             outs.update(zip(names, y.split(widths, dim=-1)))
         return outs
 
@@ -479,10 +485,11 @@ class FastAttention(Attention):
         given."""
         cos, sin = rows.cos_sin[self.rotation]  # [B, R/2]
         on_x = self.on_x(x, norm)  # {linear: [B, N]}, as on_qr below
-        on_qr = self.on_qr(on_x["wq_a"], self.q_norm)
-        if self.is_v41:  # the rotation alone: one compiled kernel already
-            q = self._query_heads(on_qr["wq_b"][:, None], cos[:, None], sin[:, None])[:, 0]  # [B, H, Dh]
+        if self.is_v41:  # the rotation alone, in wq_b's GEMV at batch 1 (a launch of its own before)
+            on_qr = self.on_qr(on_x["wq_a"], self.q_norm, (cos, sin, self.n_heads, self.head_dim))
+            q = on_qr["wq_b"].unflatten(-1, (self.n_heads, self.head_dim))  # [B, H, Dh]
         else:  # V4's per-head norm, then the rotation: one kernel where the compiled step took three
+            on_qr = self.on_qr(on_x["wq_a"], self.q_norm)
             q = query_heads(on_qr["wq_b"], cos, sin, self.n_heads, self.eps, True)
         self._write_kv_rows(on_x["wkv"], self.kv_norm, cos, sin, slots, rows.ring, view.window)  # the window row
         win_idx = rows.attended

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from dsv4.quant import dequantize_fp8, quantize_fp8
 from dsv4.reference.linear import rms_norm
+from dsv4.reference.rope import apply_rope
 
 pytest.importorskip("triton")
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
@@ -123,6 +124,52 @@ def test_a_norm_weight_of_another_width_or_with_groups_is_refused():
         fp8_gemv(x, w, s, 32, 32, torch.bfloat16, 1, norm[:32])
     with pytest.raises(ValueError, match="goes with one group"):
         fp8_gemv(torch.cat((x, x), 1), w, s, 32, 32, torch.bfloat16, 2, norm)
+
+
+def rope_tables(M: int, R: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.rand(M, R // 2, generator=torch.Generator().manual_seed(seed)) * 100
+    return angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+
+
+def rotated(y: torch.Tensor, cos, sin, heads: int, head_dim: int) -> torch.Tensor:
+    """y's first `heads` heads of head_dim through apply_rope (written out here, not `rotated_heads`, which the
+    twin uses), the rest as they are."""
+    q = y[:, :heads * head_dim].view(y.shape[0], 1, heads, head_dim)
+    return torch.cat((apply_rope(q, cos[:, None], sin[:, None]).flatten(1), y[:, heads * head_dim:]), 1)
+
+
+@settings(max_examples=20, deadline=None)
+@given(M=st.integers(1, 3), heads=st.integers(1, 3), head_dim=st.sampled_from([16, 32, 64]), extra=st.integers(0, 40),
+       rope=st.sampled_from([2, 8, 16]), block=st.sampled_from([(16, 16), (32, 32)]), out_bf16=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_rope_heads_are_the_outputs_rotated(M, heads, head_dim, extra, rope, block, out_bf16, seed):
+    """With RoPE tables the first heads come out as apply_rope makes them of the GEMV's own rounded outputs, bit for
+    bit (the rotation's products rounded apart, as the reference's), the rows after them untouched; the twin
+    likewise of its outputs."""
+    N, R = heads * head_dim + extra, min(rope, head_dim // 2) * 2
+    x, w, s = make_case(seed, M, N, 64, block)
+    cos, sin = rope_tables(M, R, seed)
+    out = torch.bfloat16 if out_bf16 else torch.float32
+    y = fp8_gemv(x, w, s, *block, out, 1, None, 0.0, False, cos, sin, heads, head_dim)
+    assert torch.equal(y, rotated(fp8_gemv(x, w, s, *block, out), cos, sin, heads, head_dim))
+    twin = fp8_gemv_reference(x, w, s, *block, out, 1, None, 0.0, cos, sin, heads, head_dim)
+    assert torch.equal(twin, rotated(fp8_gemv_reference(x, w, s, *block, out), cos, sin, heads, head_dim))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"groups": 2}, "one group"),
+    ({"head_dim": 24}, "a multiple of 16"),
+    ({"heads": 3}, "must lie in the weight's 64 rows"),
+    ({"tables": (1, 4)}, r"cos and sin \[N, R/2\]"),
+    ({"heads": 0}, "RoPE takes cos, sin and rope_heads > 0 together"),
+])
+def test_bad_rope_names_the_problem(bad, message):
+    groups = bad.get("groups", 1)
+    x, w, s = make_case(0, 2, 64, 32, (32, 32), groups=groups)
+    cos, sin = rope_tables(*bad.get("tables", (2, 8)), 0)
+    with pytest.raises(ValueError, match=message):
+        fp8_gemv(x, w, s, 32, 32, torch.bfloat16, groups, None, 0.0, False, cos, sin, bad.get("heads", 2),
+                 bad.get("head_dim", 32))
 
 
 def test_every_code_decodes_exactly():

@@ -32,11 +32,12 @@ import torch
 
 from dsv4.fast.kernels import pdl, start_successor, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.engram import _e4m3_to_f32
-from dsv4.fast.kernels.rope import NORM_CHUNK, rounded, streamed_inverse_rms
+from dsv4.fast.kernels.rope import NORM_CHUNK, check_rope_tables, rotate_pairs, rounded, streamed_inverse_rms
 from dsv4.quant import dequantize_fp8
 from dsv4.reference.linear import rms_norm
+from dsv4.reference.rope import apply_rope
 
-__all__ = ["MAX_M", "fp8_gemv", "fp8_gemv_reference"]
+__all__ = ["MAX_M", "fp8_gemv", "fp8_gemv_reference", "rotated_heads"]
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_M = 16  # decode batches; larger M belongs to a GEMM (tensor cores)
@@ -73,10 +74,10 @@ def _dot4(acc, w, x0, x1, x2, x3, INTERP: tl.constexpr):
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, eps, M, N, K, KW, KS, block_n, G,
+    x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, eps, M, N, K, KW, KS, block_n, G, cos_ptr, sin_ptr, rope_rows,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     OUT_BF16: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
-    X_BF16: tl.constexpr, NORM_CHUNK: tl.constexpr, START: tl.constexpr,
+    X_BF16: tl.constexpr, NORM_CHUNK: tl.constexpr, START: tl.constexpr, HEAD: tl.constexpr, R: tl.constexpr,
 ):
     """Program: weight rows pid * BN .. + BN for all BM <= M activation rows; of G groups of N / G rows (BN
     divides N / G when G > 1), each reading its own K columns of x's rows. KW = K / 4 (words a row) comes as an
@@ -86,7 +87,8 @@ def _fp8_gemv_kernel(
     loaded a step ahead: the pipeliner copies nothing under 4 bytes asynchronously, so a byte load in the step
     that uses it waited on memory every step (sm_90 SASS); BLOCK_K is a constexpr so that finding a word's K block
     is a shift, not a division by a runtime int. NORM: every program first sums its rows' squares (x is a few KB,
-    read from L2 by each), then normalizes the activations it loads as `rms_norm` does, weight nw_ptr."""
+    read from L2 by each), then normalizes the activations it loads as `rms_norm` does, weight nw_ptr. R > 0: the
+    output rows below rope_rows are heads of HEAD rows whose last R are rotated (`_rotated_heads`)."""
     wait_for_predecessor(PDL)
     start_successor(START)
     pid = tl.program_id(0)
@@ -123,7 +125,27 @@ def _fp8_gemv_kernel(
         acc = _dot4(acc, tl.broadcast_to(w[None, :, :], (BM, BN, NW)), _rows(x0, BN), _rows(x1, BN),
                     _rows(x2, BN), _rows(x3, BN), INTERP)
         scale = next_scale
-    store_rows(y_ptr, tl.sum(acc, axis=2), mm, n, mmask, nmask, N, OUT_BF16, INTERP)
+    y = tl.sum(acc, axis=2)  # [BM, BN]
+    if R > 0:
+        y = _rotated_heads(y, pid * BN, mm, M, cos_ptr, sin_ptr, rope_rows, HEAD, R, OUT_BF16, INTERP)
+    store_rows(y_ptr, y, mm, n, mmask, nmask, N, OUT_BF16, INTERP)
+
+
+@triton.jit
+def _rotated_heads(y, n0, mm, M, cos_ptr, sin_ptr, rope_rows, HEAD: tl.constexpr, R: tl.constexpr,
+                   BF16: tl.constexpr, INTERP: tl.constexpr):
+    """A program's outputs y [BM, BN] (rows n0.., within one head of HEAD rows; fp32 sums) rounded to the output's
+    dtype and, where n0 < rope_rows, rotated as `apply_rope` rotates the trailing R channels of each head at the
+    activation rows' tables cos / sin [M, R/2]: the query heads' RoPE as wq_b's epilogue."""
+    BM: tl.constexpr = y.shape[0]
+    BN: tl.constexpr = y.shape[1]
+    y = rounded(y, BF16, INTERP)
+    even, odd = tl.split(tl.reshape(y, (BM, BN // 2, 2)))
+    pairs = (n0 % HEAD) // 2 + tl.arange(0, BN // 2)  # the channel pairs' ids in their head
+    table = tl.minimum(mm, M - 1)[:, None] * (R // 2)  # [BM, 1]: rows past M read row M - 1's, never stored
+    e, o = rotate_pairs(even, odd, cos_ptr + table, sin_ptr + table, pairs, HEAD, R, BF16, INTERP)  # [1, BM, BN/2]
+    rotated = tl.reshape(tl.join(e, o), (BM, BN))
+    return tl.where(n0 < rope_rows, rotated, y)
 
 
 @triton.jit
@@ -155,7 +177,8 @@ def _pow2_divisor(n: int, most: int) -> int:
     return min(most, n & -n)
 
 
-def _check(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int, norm_weight=None) -> None:
+def _check(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int, norm_weight=None, rope_cos=None, rope_sin=None,
+           rope_heads: int = 0, head_dim: int = 0) -> None:
     if x.dim() != 2 or w.dim() != 2 or w_scale.dim() != 2:
         raise ValueError("fp8_gemv: x, w and w_scale must be 2-D")
     if x.dtype not in (torch.bfloat16, torch.float32):
@@ -179,18 +202,35 @@ def _check(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int, norm_weight=
     if norm_weight is not None and (groups != 1 or norm_weight.shape != (K,)):
         raise ValueError(f"fp8_gemv: a norm weight [{K}] goes with one group, got {tuple(norm_weight.shape)} and "
                          f"{groups} groups")
+    if (rope_cos is None) != (rope_sin is None) or (rope_cos is None) != (rope_heads == 0):
+        raise ValueError("fp8_gemv: RoPE takes cos, sin and rope_heads > 0 together")
+    if rope_cos is not None:
+        if groups != 1 or head_dim <= 0 or head_dim % 16 or rope_heads * head_dim > N:
+            raise ValueError(f"fp8_gemv: {rope_heads} rotated heads of {head_dim} rows (a multiple of 16) must lie in "
+                             f"the weight's {N} rows, one group (got {groups})")
+        check_rope_tables(rope_cos, rope_sin, M, head_dim, "fp8_gemv")
 
 
 def fp8_gemv_reference(x, w, w_scale, bn: int, bk: int, out_dtype=torch.bfloat16, groups: int = 1,
-                       norm_weight: torch.Tensor | None = None, eps: float = 0.0):
+                       norm_weight: torch.Tensor | None = None, eps: float = 0.0, rope_cos=None, rope_sin=None,
+                       rope_heads: int = 0, head_dim: int = 0):
     """The twin: x through `rms_norm` where norm_weight is given, the weight dequantized exactly (dsv4.quant), fp32
-    matmul per group, one rounding."""
-    _check(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight)
+    matmul per group, one rounding; then the first rope_heads heads of head_dim rows through `apply_rope`."""
+    _check(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight, rope_cos, rope_sin, rope_heads, head_dim)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     M, (N, K) = x.shape[0], w.shape
     wf = dequantize_fp8(w, w_scale, (bn, bk)).view(groups, N // groups, K)
-    return torch.einsum("mgk,gnk->mgn", x.float().view(M, groups, K), wf).reshape(M, N).to(out_dtype)
+    y = torch.einsum("mgk,gnk->mgn", x.float().view(M, groups, K), wf).reshape(M, N).to(out_dtype)
+    return rotated_heads(y, rope_cos, rope_sin, rope_heads, head_dim) if rope_heads else y
+
+
+def rotated_heads(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """y [M, N] with its first `heads` heads of head_dim columns through `apply_rope` at cos / sin [M, R/2], the
+    columns after them as they are: what `fp8_gemv`'s RoPE makes of its output."""
+    M, width = y.shape[0], heads * head_dim
+    q = y[:, :width].view(M, 1, heads, head_dim)
+    return torch.cat((apply_rope(q, cos[:, None], sin[:, None]).flatten(1), y[:, width:]), dim=1)
 
 
 def _tiles(M: int, N: int, K: int, groups: int, bn: int, cfg: dict) -> tuple[int, int, int, int]:
@@ -221,36 +261,49 @@ def gemv_output(M: int, N: int, K: int, out_dtype, device) -> tuple[torch.Tensor
 
 
 def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1, cfg: dict | None = None,
-                     norm_weight: torch.Tensor | None = None, eps: float = 0.0, start_successor: bool = False):
+                     norm_weight: torch.Tensor | None = None, eps: float = 0.0, start_successor: bool = False,
+                     rope_cos=None, rope_sin=None, rope_heads: int = 0, head_dim: int = 0):
     M, (N, K) = x.shape[0], w.shape
     y, done = gemv_output(M, N, K, out_dtype, x.device)
     if done:
         return y
     BN, BK, stages, warps = _tiles(M, N, K, groups, bn, cfg or {})
     norm = norm_weight is not None
+    rope = (rope_cos.contiguous(), rope_sin.contiguous()) if rope_heads else (x, x)
+    if rope_heads and head_dim % BN:
+        raise ValueError(f"fp8_gemv: a program's {BN} rows must lie in one head of {head_dim}")
     _fp8_gemv_kernel[(triton.cdiv(N, BN),)](
         x.contiguous(), w.contiguous(), w_scale.view(torch.uint8).contiguous(), y,
         norm_weight.contiguous() if norm else x, float(eps), M, N, K, K // 4, w_scale.shape[1], bn, groups,
+        *rope, rope_heads * head_dim,
         BM=triton.next_power_of_2(M), BN=BN, BK=BK, BLOCK_K=bk, STAGES=stages, OUT_BF16=out_dtype == torch.bfloat16,
         INTERP=_INTERP, PDL=pdl(x), EVEN_K=K % BK == 0, NORM=norm, X_BF16=x.dtype == torch.bfloat16,
-        NORM_CHUNK=NORM_CHUNK, START=start_successor and pdl(x), num_warps=warps, launch_pdl=pdl(x))
+        NORM_CHUNK=NORM_CHUNK, START=start_successor and pdl(x), HEAD=max(head_dim, 1),
+        R=2 * rope[0].shape[-1] if rope_heads else 0,
+        # the rotation's products and sums rounded apart, as the reference's (`dsv4.fast.kernels.rope`)
+        enable_fp_fusion=not rope_heads, num_warps=warps, launch_pdl=pdl(x))
     return y
 
 
 @torch.library.custom_op("dsv4::fp8_gemv", mutates_args=())
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bn: int, bk: int,
              out_dtype: torch.dtype = torch.bfloat16, groups: int = 1, norm_weight: torch.Tensor | None = None,
-             eps: float = 0.0, start_successor: bool = False) -> torch.Tensor:
+             eps: float = 0.0, start_successor: bool = False, rope_cos: torch.Tensor | None = None,
+             rope_sin: torch.Tensor | None = None, rope_heads: int = 0, head_dim: int = 0) -> torch.Tensor:
     """x [M <= MAX_M, groups * K] (with norm_weight [K], rms_norm(x, norm_weight, eps)) times the block-scaled FP8
     weight w [N, K] transposed, group by group -> [M, N] out_dtype. start_successor: the next kernel starts as this
-    one's last programs do (`dsv4.fast.kernels.start_successor`); the same values."""
-    _check(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight)
+    one's last programs do (`dsv4.fast.kernels.start_successor`); the same values. rope_cos / rope_sin [M, R/2]
+    fp32 with rope_heads: output rows 0 .. rope_heads * head_dim are that many heads, each rotated by `apply_rope`
+    on its trailing R rows at its activation row's tables after the output's rounding (wq_b's query heads)."""
+    rope = (rope_cos, rope_sin, rope_heads, head_dim)
+    _check(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight, *rope)
     if use_triton(x):
-        return _fp8_gemv_triton(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight=norm_weight, eps=eps,
-                                start_successor=start_successor)
-    return fp8_gemv_reference(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight, eps)
+        return _fp8_gemv_triton(x, w, w_scale, bn, bk, out_dtype, groups, None, norm_weight, eps, start_successor,
+                                *rope)
+    return fp8_gemv_reference(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight, eps, *rope)
 
 
 @fp8_gemv.register_fake
-def _(x, w, w_scale, bn, bk, out_dtype=torch.bfloat16, groups=1, norm_weight=None, eps=0.0, start_successor=False):
+def _(x, w, w_scale, bn, bk, out_dtype=torch.bfloat16, groups=1, norm_weight=None, eps=0.0, start_successor=False,
+      rope_cos=None, rope_sin=None, rope_heads=0, head_dim=0):
     return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype)
