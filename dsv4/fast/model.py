@@ -69,7 +69,6 @@ from dsv4.fast.kernels.moe_experts import (
     fp8_rows,
     moe_gather_slots,
     moe_mxfp4_with_shared,
-    normed_planes,
     stack_expert_weights,
 )
 from dsv4.fast.kernels.moe_routing import gate_route
@@ -233,11 +232,11 @@ class FastMoE(MoE):
         """x: [B, S, D], input_ids: [B, S] -> [B, S, D]."""
         return summed_slots(self.slots(x.flatten(0, 1), input_ids.flatten()), x.dtype).view_as(x)
 
-    def slots(self, x: torch.Tensor, input_ids: torch.Tensor, planes: torch.Tensor | None = None) -> torch.Tensor:
+    def slots(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [N, D], input_ids [N] -> the output [N, D] in x's dtype, or for one token its slots [1, k + 1, D] fp32
         (the routed experts weighted, then the shared expert), whose sum in slot order rounded to x's dtype is the
         output (`summed_slots`): the decode step's FFN post sums them (`mhc_post_partial`, `mhc_post_sums`) where
-        a kernel of its own did. planes: x's activation planes where the caller made them with x (`normed_planes`)."""
+        a kernel of its own did."""
         g = self.gate
         hashed = g.tid2eid[input_ids] if hasattr(g, "tid2eid") else None
         weights, ids = gate_route(x, g.weight, getattr(g, "bias", None), hashed, g.topk, g.temp, g.scale,
@@ -246,7 +245,7 @@ class FastMoE(MoE):
         experts = (ids, weights, s["w13"], s["s13"], s["w2"], s["s2"], s["shared13"], s["shared2"], self.limit)
         if x.shape[0] == 1:  # the decode step's token: the planes fuse into a compiled kernel
             stored = [t for c in self.shared_fp8 or () for t in (c.weight, c.scale)]
-            return moe_gather_slots(x, activation_planes(x) if planes is None else planes, *experts, *stored)
+            return moe_gather_slots(x, activation_planes(x), *experts, *stored)
         return moe_mxfp4_with_shared(x, *experts).to(x.dtype)
 
     @staticmethod
@@ -679,20 +678,12 @@ class FastBlock(Block):
         x, coefficients = pre if isinstance(pre, tuple) else self.decode_pre_site(h, "attn", pre)
         a, picks, pool = self.attn.decode(x, self.attn_norm, pos, slots, rows, view, picks, pool, compress)
         h, x, coefficients = self.decode_between_sites(a, h, coefficients)
-        x, planes = self._decode_ffn_input(x)
-        f = self.ffn.slots(x, ids, planes)  # [B, D], or at one token the slots the fused posts sum
+        f = self.ffn.slots(self.ffn_norm(x), ids)  # [B, D], or at one token the slots the fused posts sum
         if next_site is not None:
             h, x, coefficients = self.decode_post_partial(f, h, "ffn", coefficients, next_site)
             return h, (x, coefficients), picks, pool
         h, pre = self.decode_post_site(f, h, "ffn", coefficients)
         return h, pre, picks, pool
-
-    def _decode_ffn_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ffn_norm(x) [B, D] and, at one token, the gather's activation planes of it (`normed_planes`: with the norm
-        in one compiled kernel, where the planes' copy took a launch of its own), else None."""
-        if x.shape[0] != 1:
-            return self.ffn_norm(x), None
-        return normed_planes(x, self.ffn_norm.weight, self.ffn_norm.eps)
 
     def decode_pre_site(self, h: torch.Tensor, site: str, pre: torch.Tensor | None):
         """A decode step's pre-site pass: h [B, hc, D] -> (x [B, D], what `decode_post_site` needs). V4.1 collapses

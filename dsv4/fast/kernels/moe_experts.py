@@ -97,7 +97,6 @@ __all__ = [
     "moe_gather_slots",
     "moe_mxfp4_with_shared",
     "moe_slots_twin",
-    "normed_planes",
     "stack_expert_weights",
 ]
 
@@ -778,18 +777,6 @@ def activation_planes(x: torch.Tensor) -> torch.Tensor:
     in one vector load."""
     N, K = x.shape
     return torch.empty(N, 8, K // 8, dtype=torch.float32, device=x.device).copy_(x.view(N, K // 8, 8).transpose(1, 2))
-
-
-def normed_planes(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, K] -> (rms_norm(x, weight, eps) [N, K] in x's dtype, its activation planes [N, 8, K/8] fp32), the norm
-    taken in the planes' order: compiled, one reduction kernel then writes both, where the norm and the planes'
-    copy of its output in another order were two launches (a batch-1 decode step's FFN input). The same formula
-    as `rms_norm`; only the order of the sum of squares differs."""
-    N, K = x.shape
-    planes = x.view(N, K // 8, 8).transpose(1, 2).float()  # [N, 8, K/8]
-    planes = planes * torch.rsqrt(planes.square().mean((1, 2), keepdim=True) + eps)
-    normed = (weight.float().view(K // 8, 8).t() * planes).to(x.dtype)  # [N, 8, K/8]
-    return normed.transpose(1, 2).reshape(N, K), normed.float()
 
 
 def _block_k(K: int, most: int, cuda: bool) -> int:
