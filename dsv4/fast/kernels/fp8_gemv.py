@@ -32,7 +32,8 @@ import torch
 
 from dsv4.fast.kernels import pdl, start_successor, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.engram import _e4m3_to_f32
-from dsv4.fast.kernels.rope import NORM_CHUNK, check_rope_tables, rotate_pairs, rounded, streamed_inverse_rms
+from dsv4.fast.kernels.rope import (NORM_CHUNK, check_rope_tables, rope_factors, rotated_by, rounded,
+                                   streamed_inverse_rms)
 from dsv4.quant import dequantize_fp8
 from dsv4.reference.linear import rms_norm
 from dsv4.reference.rope import apply_rope
@@ -103,6 +104,10 @@ def _fp8_gemv_kernel(
     x_rows = x_ptr + ((pid * BN) // (N // G)) * K + mm[:, None, None] * (G * K)  # the program's group's columns
     if NORM:  # 1 / sqrt(mean square + eps), as torch computes rsqrt on the CPU (correctly rounded)
         r = streamed_inverse_rms(x_ptr, mm, mmask, K, eps, NORM_CHUNK, STAGES)[:, None, None]
+    if R > 0:  # the RoPE tables asked for now, so that their loads run beside the weights' (`_rotated_heads`)
+        table = tl.minimum(mm, M - 1)[:, None] * (R // 2)  # [BM, 1]: rows past M read row M - 1's, never stored
+        pairs = ((pid * BN) % HEAD) // 2 + tl.arange(0, BN // 2)  # the channel pairs' ids in their head
+        rope = rope_factors(cos_ptr + table, sin_ptr + table, pairs, HEAD, R)  # each [1, BM, BN/2]
     acc = tl.zeros((BM, BN, NW), dtype=tl.float32)
     scale = _word_scales(s_row, c, KW, BLOCK_K)  # [NW]
     for k0 in tl.range(0, KW, NW, num_stages=STAGES):
@@ -127,25 +132,21 @@ def _fp8_gemv_kernel(
         scale = next_scale
     y = tl.sum(acc, axis=2)  # [BM, BN]
     if R > 0:
-        y = _rotated_heads(y, pid * BN, mm, M, cos_ptr, sin_ptr, rope_rows, HEAD, R, OUT_BF16, INTERP)
+        y = _rotated_heads(y, pid * BN < rope_rows, *rope, OUT_BF16, INTERP)
     store_rows(y_ptr, y, mm, n, mmask, nmask, N, OUT_BF16, INTERP)
 
 
 @triton.jit
-def _rotated_heads(y, n0, mm, M, cos_ptr, sin_ptr, rope_rows, HEAD: tl.constexpr, R: tl.constexpr,
-                   BF16: tl.constexpr, INTERP: tl.constexpr):
-    """A program's outputs y [BM, BN] (rows n0.., within one head of HEAD rows; fp32 sums) rounded to the output's
-    dtype and, where n0 < rope_rows, rotated as `apply_rope` rotates the trailing R channels of each head at the
-    activation rows' tables cos / sin [M, R/2]: the query heads' RoPE as wq_b's epilogue."""
+def _rotated_heads(y, in_heads, c, s, rot, BF16: tl.constexpr, INTERP: tl.constexpr):
+    """A program's outputs y [BM, BN] (fp32 sums; rows within one head) rounded to the output's dtype and, where
+    in_heads, rotated as `apply_rope` rotates the trailing channels of each head, by the activation rows' tables
+    (`rope_factors`, [1, BM, BN/2]): the query heads' RoPE as wq_b's epilogue."""
     BM: tl.constexpr = y.shape[0]
     BN: tl.constexpr = y.shape[1]
     y = rounded(y, BF16, INTERP)
     even, odd = tl.split(tl.reshape(y, (BM, BN // 2, 2)))
-    pairs = (n0 % HEAD) // 2 + tl.arange(0, BN // 2)  # the channel pairs' ids in their head
-    table = tl.minimum(mm, M - 1)[:, None] * (R // 2)  # [BM, 1]: rows past M read row M - 1's, never stored
-    e, o = rotate_pairs(even, odd, cos_ptr + table, sin_ptr + table, pairs, HEAD, R, BF16, INTERP)  # [1, BM, BN/2]
-    rotated = tl.reshape(tl.join(e, o), (BM, BN))
-    return tl.where(n0 < rope_rows, rotated, y)
+    e, o = rotated_by(even, odd, c, s, rot, BF16, INTERP)  # [1, BM, BN/2]
+    return tl.where(in_heads, tl.reshape(tl.join(e, o), (BM, BN)), y)
 
 
 @triton.jit

@@ -81,10 +81,21 @@ def rotate_pairs(even, odd, cos_row, sin_row, p, D: tl.constexpr, R: tl.constexp
     """Channel pairs (even, odd) [..., D/2] of pair ids p [D/2], the last R/2 of them rotated by the row's tables
     (cos_row, sin_row: pointers to its R/2 fp32 values) -> (even, odd): (e cos - o sin, e sin + o cos) rounded to
     the model's dtype where rotated, as they were elsewhere."""
+    return rotated_by(even, odd, *rope_factors(cos_row, sin_row, p, D, R), BF16, INTERP)
+
+
+@triton.jit
+def rope_factors(cos_row, sin_row, p, D: tl.constexpr, R: tl.constexpr):
+    """`rotate_pairs`' loads, for a kernel that issues them early: (cos, sin, whether rotated), each [1, D/2]."""
     j = p - (D - R) // 2  # the pair's RoPE frequency; < 0: not rotated
-    rot = (j >= 0)[None, :]
     c = tl.load(cos_row + j, mask=j >= 0, other=1.0)[None, :]
     s = tl.load(sin_row + j, mask=j >= 0, other=0.0)[None, :]
+    return c, s, (j >= 0)[None, :]
+
+
+@triton.jit
+def rotated_by(even, odd, c, s, rot, BF16: tl.constexpr, INTERP: tl.constexpr):
+    """`rotate_pairs` with its tables loaded (`rope_factors`)."""
     return (tl.where(rot, rounded(even * c - odd * s, BF16, INTERP), even),
             tl.where(rot, rounded(even * s + odd * c, BF16, INTERP), odd))
 
