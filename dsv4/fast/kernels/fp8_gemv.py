@@ -2,13 +2,16 @@
 
     y[m, n] = round( sum over k of x[m, k] * e4m3[n, k] * 2^(e8m0[n // bn, k // bk] - 127) )      (fp32 sums)
 
-- `dsv4::fp8_gemv(x, w, w_scale, bn, bk, out_dtype, groups=1, norm_weight=None, eps=0.0) -> [M, N]`: x bf16 /
+- `dsv4::fp8_gemv(x, w, w_scale, bn, bk, out_dtype, groups=1, norm_weight=None, eps=0.0, start_successor=False,
+    rope_cos=None, rope_sin=None, rope_heads=0, head_dim=0) -> [M, N]`: x bf16 /
     fp32 [M, groups * K] (a decode batch), w float8_e4m3fn [N, K], w_scale float8_e8m0fnu [ceil(N / bn), ceil(K /
     bk)], out_dtype bfloat16 / float32. With groups G, output rows g * N / G .. (g + 1) * N / G read x's g-th K
     columns (the attention's grouped `wo_a`); G = 1 is the plain GEMV. With `norm_weight` [K] (G = 1) the GEMV
     reads rms_norm(x, norm_weight, eps) (`dsv4.reference.linear.rms_norm`, rounded to x's dtype) in place of x:
     the RMSNorm before the attention's first linears (attn_norm before wq_a and wkv, q_norm before wq_b), which in
     the compiled decode step was a launch of its own before each GEMV (a one-program reduction, 1.8-2.8 us).
+    With RoPE tables the first rope_heads heads of head_dim output rows come out rotated (`rotated_heads`): V4.1's
+    query heads, whose rotation was an inductor launch after wq_b's GEMV.
 
 The value of `F.linear(x, dequantize_fp8(w, w_scale))` (the fast model's bf16 copies) up to fp32 summation
 order: an e4m3 code times a power of two is a bf16 number and its product with a bf16 activation is exact in
