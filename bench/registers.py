@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -80,6 +80,12 @@ class Kernel:
     num_stages: int = 3
     spills_ok: bool = False  # a known spill the tests tolerate (the reason in `note`)
     note: str = ""
+    fp_fusion: bool = True  # off where the launch turns it off (the RoPE kernels: the reference's roundings)
+
+
+def without_fp_fusion(kernels: list[Kernel]) -> list[Kernel]:
+    """The kernels as launched with `enable_fp_fusion=False` (the RoPE kernels round products and sums apart)."""
+    return [replace(k, fp_fusion=False) for k in kernels]
 
 
 def signature(k: Kernel) -> dict:
@@ -109,7 +115,8 @@ def compile_sm90(k: Kernel, sig: dict | None = None, constexprs: dict | None = N
         knobs.nvidia.dump_ptxas_log = True
         source = ASTSource(k.fn, sig or signature(k), constexprs=constexprs or k.constexprs,
                            attrs=launch_attrs(k) if attrs is None else attrs)
-        compiled = triton.compile(source, target=SM90, options={"num_warps": k.num_warps, "num_stages": k.num_stages})
+        compiled = triton.compile(source, target=SM90, options={"num_warps": k.num_warps, "num_stages": k.num_stages,
+                                                                "enable_fp_fusion": k.fp_fusion})
     return compiled, log.getvalue()
 
 
@@ -276,7 +283,7 @@ def fp8_gemv_kernels() -> list[Kernel]:
                            "PDL": True, "EVEN_K": K % BK == 0, "NORM": name.startswith("wq_"), "X_BF16": True,
                            "NORM_CHUNK": rope.NORM_CHUNK, "START": name == "wo_b",
                            **({"HEAD": DH, "R": ROPE} if name.startswith("wq_b") else {"HEAD": 1, "R": 0})},
-                          warps, stages))
+                          warps, stages, fp_fusion=not name.startswith("wq_b")))
     return out
 
 
@@ -346,7 +353,8 @@ def window_write_kernels() -> list[Kernel]:
     constexprs = {"D": DH, "R": ROPE, "BLOCK": 32, "BF16": True, "FMT": quant.FORMAT_CODES["fp8"], "ROUNDED": False,
                   "HADAMARD": False, "LOG_D": DH.bit_length() - 1, "INTERP": False, "PDL": True}
     key = {"D": INDEX_DH, "LOG_D": INDEX_DH.bit_length() - 1, "FMT": quant.FORMAT_CODES["mxfp4"]}
-    return [Kernel("window write", window_write._window_write_kernel, types, constexprs, 2),
+    return without_fp_fusion([
+            Kernel("window write", window_write._window_write_kernel, types, constexprs, 2),
             Kernel("window write nvfp4 entry", window_write._window_write_kernel, types,
                    {**constexprs, "BLOCK": 16, "FMT": quant.FORMAT_CODES["nvfp4"]}, 2),
             Kernel("window write mxfp4 index key", window_write._window_write_kernel, types, {**constexprs, **key}, 2),
@@ -354,7 +362,7 @@ def window_write_kernels() -> list[Kernel]:
                    {**types, "q_ptr": "*bf16", "s_ptr": "*bf16"},
                    {**constexprs, "BLOCK": 64, "ROUNDED": True}, 2),
             Kernel("window write hadamard index key (V4)", window_write._window_write_kernel, types,
-                   {**constexprs, **key, "HADAMARD": True}, 2)]
+                   {**constexprs, **key, "HADAMARD": True}, 2)])
 
 
 def compressor_kernels() -> list[Kernel]:
@@ -370,15 +378,15 @@ def compressor_kernels() -> list[Kernel]:
         out.append(Kernel(f"compressor pool {name}", compressor._compressor_pool_kernel, types,
                           {"D": d, "RATIO": ratio, "OVERLAP": overlap, "APE": ape, "ROWS": rows,
                            "BD": min(d, max(16, 2048 // rows)), "INTERP": False, "PDL": True}, 4))
-    return out
+    return without_fp_fusion(out)
 
 
 def query_heads_kernels() -> list[Kernel]:
     """V4's decode queries of one bf16 row (64 heads of 512: each head RMS-normed, then rotated)."""
-    return [Kernel("query heads (V4)", rope._query_heads_kernel,
-                   {"q_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
-                   {"H": H, "HB": rope._HEADS_A_PROGRAM, "D": DH, "R": ROPE, "BF16": True, "NORM": True,
-                    "INTERP": False, "PDL": True}, 2)]
+    return without_fp_fusion([Kernel("query heads (V4)", rope._query_heads_kernel,
+                                     {"q_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
+                                     {"H": H, "HB": rope._HEADS_A_PROGRAM, "D": DH, "R": ROPE, "BF16": True,
+                                      "NORM": True, "INTERP": False, "PDL": True}, 2)])
 
 
 def indexer_query_kernels() -> list[Kernel]:
@@ -387,9 +395,9 @@ def indexer_query_kernels() -> list[Kernel]:
     types = {"q_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "w_scale": "fp32"}
     constexprs = {"H": 32, "HB": indexer_query._HEADS_A_PROGRAM, "D": INDEX_DH, "R": ROPE, "BF16": True,
                   "HADAMARD": False, "LOG_D": INDEX_DH.bit_length() - 1, "INTERP": False, "PDL": True}
-    return [Kernel("indexer queries", indexer_query._indexer_query_kernel, types, constexprs, 1),
-            Kernel("indexer queries (V4, Hadamard)", indexer_query._indexer_query_kernel, types,
-                   {**constexprs, "H": 64, "HADAMARD": True}, 1)]
+    return without_fp_fusion([Kernel("indexer queries", indexer_query._indexer_query_kernel, types, constexprs, 1),
+                              Kernel("indexer queries (V4, Hadamard)", indexer_query._indexer_query_kernel, types,
+                                     {**constexprs, "H": 64, "HADAMARD": True}, 1)])
 
 
 _ATTN = {"stride_hn": HC * D, "stride_hk": D, "stride_xn": D}
