@@ -6,7 +6,7 @@ outputs (constraints starting with "="), then the inputs in order; it returns th
 instructions the snippets use are known (an unknown one raises), each to its PTX ISA definition:
 
     shl / shr / and / or / xor .b32, mov.b32 (also packing and unpacking {lo, hi} halves),
-    prmt.b32 (default mode), cvt.rn.f16x2.e4m3x2, cvt.f32.f16, mul.f32, fma.rn.f32, fma.rn.bf16x2
+    prmt.b32 (default mode), cvt.rn.f16x2.e4m3x2, cvt.f32.f16, mul.f32, mul.rn.f32, fma.rn.f32, fma.rn.bf16x2
 
 fp32 arithmetic rounds once, to nearest even, from the exact value (fractions); bf16x2 likewise per half.
 """
@@ -136,7 +136,7 @@ def run(ptx: str, constraints: str, inputs: list[int]) -> list[int]:
             r = e4m3_to_f16_bits(v[0] & 0xFF) | e4m3_to_f16_bits((v[0] >> 8) & 0xFF) << 16
         elif op == "cvt.f32.f16":
             r = f32_bits(f16_value(v[0]))
-        elif op == "mul.f32":
+        elif op in ("mul.f32", "mul.rn.f32"):
             r = round_f32(Fraction(f32_value(v[0])) * Fraction(f32_value(v[1])))
         elif op == "fma.rn.f32":
             r = round_f32(Fraction(f32_value(v[0])) * Fraction(f32_value(v[1])) + Fraction(f32_value(v[2])))

@@ -21,6 +21,7 @@ from ptx_emulator import bf16_value, f32_bits, f32_value, round_bf16, round_f32,
 
 from dsv4.fast.kernels import fp8_gemv as G
 from dsv4.fast.kernels import moe_experts as M
+from dsv4.fast.kernels import rope as R
 from dsv4.quant import E2M1_VALUES
 
 
@@ -99,3 +100,16 @@ def test_e2m1_bf16_ptx_is_its_interpreter_branch(seed):
             for half, (word, scale) in enumerate(zip(words, scales)):
                 want = e2m1((word >> (4 * k)) & 15) * bf16_value(scale)
                 assert bf16_value(pair >> (16 * half)) == bf16_value(round_bf16(want)) == want, (trial, k, half)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rounded_product_ptx_is_its_interpreter_branch(seed):
+    """rope's `_product`: one fp32 product rounded to nearest even (the interpreter's numpy multiply), over
+    products that round, and that fall to subnormals and zero (none overflow: the emulator has no infinities)."""
+    rng = random.Random(seed)
+    for _ in range(400):
+        a, b = (rng.getrandbits(1) << 31 | rng.randint(*exps) << 23 | rng.getrandbits(23) for exps in ((40, 190),
+                                                                                                      (64, 160)))
+        (got,) = run(R._ROUNDED_PRODUCT.value, "=f,f,f", [a, b])
+        want = torch.tensor([f32_value(a)]) * torch.tensor([f32_value(b)])
+        assert_same_float(got, f32_bits(want.item()))

@@ -283,9 +283,7 @@ def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1
         BM=triton.next_power_of_2(M), BN=BN, BK=BK, BLOCK_K=bk, STAGES=stages, OUT_BF16=out_dtype == torch.bfloat16,
         INTERP=_INTERP, PDL=pdl(x), EVEN_K=K % BK == 0, NORM=norm, X_BF16=x.dtype == torch.bfloat16,
         NORM_CHUNK=NORM_CHUNK, START=start_successor and pdl(x), HEAD=max(head_dim, 1),
-        R=2 * rope[0].shape[-1] if rope_heads else 0,
-        # the rotation's products and sums rounded apart, as the reference's (`dsv4.fast.kernels.rope`)
-        enable_fp_fusion=not rope_heads, num_warps=warps, launch_pdl=pdl(x))
+        R=2 * rope[0].shape[-1] if rope_heads else 0, num_warps=warps, launch_pdl=pdl(x))
     return y
 
 

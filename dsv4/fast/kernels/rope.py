@@ -2,8 +2,10 @@
 and the attention's decode queries.
 
 `rotate_pairs` takes a row's channels as (even, odd) pairs [.., D/2], rotates the trailing R/2 pairs by the row's
-tables and rounds them to the model's dtype; the products and sums are the reference's fp32 ones, exact only where
-the kernel compiles with fp fusion off (a fused multiply-add rounds once where the reference rounds twice).
+tables and rounds them to the model's dtype; the products and sums are the reference's fp32 ones, each rounded: the
+products are `mul.rn.f32` (`_ROUNDED_PRODUCT`), which no compiler fuses into a multiply-add (one rounding where the
+reference rounds twice), so a kernel may keep fp fusion on for its other arithmetic (wq_b's FP8 GEMV, whose K loop
+took 111 instructions a step with fusion off, 102 with it on).
 
 `dsv4::query_heads(q, cos, sin, heads, eps, normed) -> [N, heads, D]`
     q [N, heads * D] (wq_b's output, bf16 or fp32), cos / sin [N, R/2] fp32: the rotated query heads of one position
@@ -23,6 +25,7 @@ from dsv4.reference.attention import head_rms_norm
 from dsv4.reference.rope import apply_rope
 
 _HEADS_A_PROGRAM = 2
+_ROUNDED_PRODUCT = tl.constexpr("mul.rn.f32 $0, $1, $2;")  # a multiply with a rounding modifier is never contracted
 NORM_CHUNK = 1024  # x's columns a step of `streamed_inverse_rms`' sum of squares
 
 
@@ -96,8 +99,16 @@ def rope_factors(cos_row, sin_row, p, D: tl.constexpr, R: tl.constexpr):
 @triton.jit
 def rotated_by(even, odd, c, s, rot, BF16: tl.constexpr, INTERP: tl.constexpr):
     """`rotate_pairs` with its tables loaded (`rope_factors`)."""
-    return (tl.where(rot, rounded(even * c - odd * s, BF16, INTERP), even),
-            tl.where(rot, rounded(even * s + odd * c, BF16, INTERP), odd))
+    return (tl.where(rot, rounded(_product(even, c, INTERP) - _product(odd, s, INTERP), BF16, INTERP), even),
+            tl.where(rot, rounded(_product(even, s, INTERP) + _product(odd, c, INTERP), BF16, INTERP), odd))
+
+
+@triton.jit
+def _product(a, b, INTERP: tl.constexpr):
+    """a * b rounded to fp32 on its own, never part of a fused multiply-add (the interpreter's numpy never fuses)."""
+    if INTERP:
+        return a * b
+    return tl.inline_asm_elementwise(_ROUNDED_PRODUCT, "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1)
 
 
 def check_rope_tables(cos: torch.Tensor, sin: torch.Tensor, N: int, D: int, what: str) -> None:
