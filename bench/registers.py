@@ -39,6 +39,7 @@ os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels (the interpreter's are 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common
+import torch
 import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
@@ -195,9 +196,10 @@ def routing_kernels() -> list[Kernel]:
     runs it, and the router over the partial logits as a launch of its own (more than 8 rows)."""
     BM, BE, BK, split, _ = moe_routing.gate_config(1, EXPERTS, D, 2, TARGET)
     c = moe_routing.route_config(1, EXPERTS, split, True)
-    routing = {"TOPK": TOP_K, "KP": triton.next_power_of_2(TOP_K), "EP": c["EP"], "BR": c["BR"], "SB": c["SB"],
-               "SCORE": moe_routing._SCORE_FUNCS["sqrtsoftplus"], "HAS_BIAS": True, "HASHED": False,
-               "NORMALIZE": True, "ACCURATE": True, "COMBINE": c["combine"]}
+    # V4.1's router (a bias, sqrt-softplus scores, normalized), its constexprs as the launch derives them
+    _, consts = moe_routing._route_args(c, torch.zeros(EXPERTS), None, TOP_K, "sqrtsoftplus", True, True,
+                                        torch.empty(0))
+    routing = {**consts, "BR": c["BR"]}
     gate = Kernel("moe gate GEMM routing", moe_routing._gate_gemm_kernel,
                   {"x_ptr": "*bf16", "w_ptr": "*bf16", "count_ptr": "*i32", "hashed_ptr": "*i64", "ids_ptr": "*i64",
                    "temp": "fp32", "scale": "fp32"},

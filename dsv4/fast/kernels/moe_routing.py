@@ -251,6 +251,11 @@ def _route_launch(logits, n_split, stride_split, N, E, bias, hashed_ids, topk, t
     return weights, ids
 
 
+def _most_rows(EP: int) -> int:
+    """The most rows of EP padded experts a routing program keeps in registers ([BR, EP] in 4 warps)."""
+    return min(8, 4096 // EP)
+
+
 def route_config(N: int, E: int, n_split: int, cuda: bool, cfg: dict | None = None) -> dict:
     """The routing kernel's tiles for N rows of E logits in n_split partials: EP (E padded), BR rows a program,
     SB partials summed a step, warps, and `combine` (a top-k round as one reduction of triples: on the GPU; see
@@ -262,7 +267,7 @@ def route_config(N: int, E: int, n_split: int, cuda: bool, cfg: dict | None = No
     if not cuda:
         BR = cfg.get("BR") or min(32, triton.next_power_of_2(N))
     else:
-        BR = cfg.get("BR") or max(1, min(8, 4096 // EP, triton.next_power_of_2(triton.cdiv(N, 128))))
+        BR = cfg.get("BR") or max(1, min(_most_rows(EP), triton.next_power_of_2(triton.cdiv(N, 128))))
     return {"EP": EP, "BR": BR, "SB": cfg.get("SB") or max(1, min(triton.next_power_of_2(n_split), 8192 // (BR * EP))),
             "num_warps": cfg.get("num_warps", 4 if EP <= 512 else 8), "combine": cfg.get("combine", cuda)}
 
@@ -292,7 +297,7 @@ def fused_route_rows(N: int, E: int, BM: int) -> int:
     takes a launch of its own: one program's row block of the routing kernel (`route_config`: at most 8 rows of
     up to 512 experts in its 4 warps, the gate's) holding all N rows, which the gate's one row block holds too."""
     BR, EP = triton.next_power_of_2(max(N, 1)), triton.next_power_of_2(E)
-    return BR if 0 < N <= BM and EP <= 512 and BR <= min(8, 4096 // EP) else 0
+    return BR if 0 < N <= BM and EP <= 512 and BR <= _most_rows(EP) else 0
 
 
 # the gate GEMM's routing constexprs where it does not route (`_gate_gemm_kernel`'s ROUTE off)
