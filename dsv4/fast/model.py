@@ -137,8 +137,8 @@ class Fp8Copy:
         the same launch, at rope's tables (`fp8_gemv_window_write`)."""
         weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
         if window is not None:
-            return fp8_gemv_window_write(x, self.weight, self.scale.view(torch.uint8), *self.block, out_dtype, weight,
-                                         eps, *rope, *window)
+            return fp8_gemv_window_write(x, self.weight, self.scale, *self.block, out_dtype, weight, eps, *rope,
+                                         *window)
         return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups, weight, eps, start_successor,
                         *(rope or (None, None, 0, 0)))
 

@@ -346,10 +346,7 @@ def fp8_gemv_window_write(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tenso
     """`fp8_gemv` (one group, RoPE tables given) and `window_write(kv, kv_weight, kv_eps, rope_cos, rope_sin, data,
     scale, slots, rows, block, fmt)` in one launch: the rows' writes take the first programs, so they run beside the
     GEMV's rather than as a launch after it (V4.1's window row beside wq_b, whose RoPE tables it shares). The GEMV's
-    output as fp8_gemv's; the store's bytes as window_write's. w_scale comes as its bytes (uint8): inductor fails
-    to decompose a mutating op given a float8_e8m0fnu tensor ("auto_functionalized_v2 was not removed", torch
-    2.14)."""
-    w_scale = _e8m0(w_scale)
+    output as fp8_gemv's; the store's bytes as window_write's."""
     window = (kv, kv_weight, kv_eps, data, scale, slots, rows, block, fmt)
     _check_with_window(x, w, w_scale, bn, bk, out_dtype, norm_weight, rope_cos, rope_sin, rope_heads, head_dim, window)
     if use_triton(x):
@@ -364,16 +361,8 @@ def fp8_gemv_window_write(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tenso
 def _(x, w, w_scale, bn, bk, out_dtype, norm_weight, eps, rope_cos, rope_sin, rope_heads, head_dim, kv, kv_weight,
       kv_eps, data, scale, slots, rows, block, fmt="fp8"):
     window = (kv, kv_weight, kv_eps, data, scale, slots, rows, block, fmt)
-    _check_with_window(x, w, _e8m0(w_scale), bn, bk, out_dtype, norm_weight, rope_cos, rope_sin, rope_heads, head_dim,
-                       window)
+    _check_with_window(x, w, w_scale, bn, bk, out_dtype, norm_weight, rope_cos, rope_sin, rope_heads, head_dim, window)
     return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype)
-
-
-def _e8m0(w_scale: torch.Tensor) -> torch.Tensor:
-    """`fp8_gemv_window_write`'s scale bytes (uint8) as the e8m0 scales they are."""
-    if w_scale.dtype != torch.uint8:
-        raise ValueError(f"fp8_gemv_window_write: w_scale comes as its e8m0 bytes (uint8), got {w_scale.dtype}")
-    return w_scale.view(torch.float8_e8m0fnu)
 
 
 def _check_with_window(x, w, w_scale, bn, bk, out_dtype, norm_weight, rope_cos, rope_sin, rope_heads, head_dim,
