@@ -274,22 +274,17 @@ def dense_gemv_kernels() -> list[Kernel]:
 def fp8_gemv_kernels() -> list[Kernel]:
     """The attention's FP8 GEMVs at one row (`FP8_GEMV_SHAPES`): wq_b with the indexer's, wo_a, wo_b, and wq_a
     with wkv (a layer without an indexer); those on x and on the query latent with their RMSNorm in the kernel, and
-    wq_b's with the query heads' RoPE and the window row's write beside it (V4.1), as the step launches them."""
+    wq_b's with the query heads' RoPE (V4.1), as the step launches them."""
     out = []
-    no_window = {"WINDOW": 0, "KV_BLOCK": 1, "KV_FMT": 0, "KV_BF16": False}
-    window = {"WINDOW": DH, "KV_BLOCK": 32, "KV_FMT": quant.FORMAT_CODES["fp8"], "KV_BF16": True}
     for name, N, K, groups in FP8_GEMV_SHAPES:
         BN, BK, stages, warps = fp8_gemv._tiles(1, N, K, groups, 32, {})
-        wq_b = name.startswith("wq_b")
         out.append(Kernel(f"fp8_gemv {name}", fp8_gemv._fp8_gemv_kernel,
                           {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16", "nw_ptr": "*bf16",
-                           "eps": "fp32", "kv_ptr": "*bf16", "kv_w_ptr": "*bf16", "kv_eps": "fp32", "kv_q_ptr": "*u8",
-                           "kv_s_ptr": "*u8", "kv_slot_ptr": "*i64", "kv_row_ptr": "*i64"},
+                           "eps": "fp32"},
                           {"BM": 1, "BN": BN, "BK": BK, "BLOCK_K": 32, "STAGES": stages, "OUT_BF16": True, "INTERP": False,
                            "PDL": True, "EVEN_K": K % BK == 0, "NORM": name.startswith("wq_"), "X_BF16": True,
                            "NORM_CHUNK": rope.NORM_CHUNK, "START": name == "wo_b",
-                           **({"HEAD": DH, "R": ROPE} if wq_b else {"HEAD": 1, "R": 0}),
-                           **(window if wq_b else no_window)},
+                           **({"HEAD": DH, "R": ROPE} if name.startswith("wq_b") else {"HEAD": 1, "R": 0})},
                           warps, stages))
     return out
 

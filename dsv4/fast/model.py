@@ -45,7 +45,7 @@ from dsv4.fast.kernels.attention import sparse_attn_bf16, sparse_attn_fp4
 from dsv4.fast.kernels.compressor import compressor_pool
 from dsv4.fast.kernels.dense_gemv import beats_cublas, dense_gemv
 from dsv4.fast.kernels.engram import engram_hash
-from dsv4.fast.kernels.fp8_gemv import fp8_gemv, fp8_gemv_window_write, rotated_heads
+from dsv4.fast.kernels.fp8_gemv import fp8_gemv, rotated_heads
 from dsv4.fast.kernels.indexer import (
     candidate_mask,
     mqa_index_scores,
@@ -75,7 +75,7 @@ from dsv4.fast.kernels.moe_routing import gate_route
 from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant
 from dsv4.fast.kernels.rope import query_heads
 from dsv4.fast.kernels.topk import topk_select
-from dsv4.fast.kernels.window_write import RowWrite, window_rows, window_write, window_write_rounded
+from dsv4.fast.kernels.window_write import window_rows, window_write, window_write_rounded
 from dsv4.quant import dequantize_fp8, dequantize_mxfp4, dequantize_nvfp4
 from dsv4.reference.attention import V4_WINDOW_FP8_BLOCK, Attention, SharedKV
 from dsv4.reference.indexer import Indexer, hadamard, index_scores
@@ -129,16 +129,11 @@ class Fp8Copy:
     def serves(x: torch.Tensor) -> bool:
         return x.shape[0] == 1
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype, groups: int = 1, norm: RMSNorm | None = None,
-                 start_successor: bool = False, rope: tuple | None = None, window: RowWrite | None = None
-                 ) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype, groups: int = 1,
+                 norm: RMSNorm | None = None, start_successor: bool = False, rope: tuple | None = None) -> torch.Tensor:
         """x [1, groups * K] (with `norm`, norm(x), normalized in the kernel) -> [1, N] out_dtype (see fp8_gemv for
-        groups, start_successor and rope: (cos, sin, heads, head_dim)); with `window` (and rope) that write made in
-        the same launch, at rope's tables (`fp8_gemv_window_write`)."""
+        groups, start_successor and rope: (cos, sin, heads, head_dim))."""
         weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-        if window is not None:
-            return fp8_gemv_window_write(x, self.weight, self.scale, *self.block, out_dtype, weight, eps, *rope,
-                                         *window)
         return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups, weight, eps, start_successor,
                         *(rope or (None, None, 0, 0)))
 
@@ -181,19 +176,18 @@ class SharedInput:
     def names(self) -> tuple[str, ...]:
         return tuple(name for names, *_ in self.parts for name in names)
 
-    def __call__(self, x: torch.Tensor, norm: RMSNorm | None = None, rope: tuple | None = None,
-                 window: RowWrite | None = None) -> dict[str, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, norm: RMSNorm | None = None, rope: tuple | None = None
+                 ) -> dict[str, torch.Tensor]:
         """x [B, K] -> each linear's output by name [B, N]; with `norm`, of norm(x): the batch-1 FP8 GEMV normalizes
         the rows it reads (`fp8_gemv`'s norm_weight: the norm's launch of its own gone where no other part reads
         x), the other parts read norm(x). rope (cos, sin [B, R/2] fp32, heads, head_dim): the first part's first
-        heads come out rotated (`rotated_heads`; by the batch-1 FP8 GEMV, its rotation launch gone). window (with
-        rope): a row write at rope's tables, made beside the first part's batch-1 FP8 GEMV (its launch gone)."""
+        heads come out rotated (`rotated_heads`; by the batch-1 FP8 GEMV, its rotation launch gone)."""
         outs, normed = {}, None
         for i, (names, widths, fp32, weight, stored) in enumerate(self.parts):
             out_dtype = torch.float32 if fp32 else x.dtype
-            heads, beside = (rope, window) if i == 0 else (None, None)
+            heads = rope if i == 0 else None
             if stored is not None and stored.serves(x):
-                y = stored(x, out_dtype, norm=norm, rope=heads, window=beside)
+                y = stored(x, out_dtype, norm=norm, rope=heads)
             else:
                 if normed is None:
                     normed = x if norm is None else norm(x)
@@ -203,8 +197,6 @@ class SharedInput:
                     y = fp32_linear(normed, weight) if fp32 else F.linear(normed, weight)
                 if heads is not None:
                     y = rotated_heads(y, *heads)
-                if beside is not None:
-                    beside(*heads[:2])
             outs.update(zip(names, y.split(widths, dim=-1)))
         return outs
 
@@ -492,15 +484,13 @@ class FastAttention(Attention):
         given."""
         cos, sin = rows.cos_sin[self.rotation]  # [B, R/2]
         on_x = self.on_x(x, norm)  # {linear: [B, N]}, as on_qr below
-        window = self._packed_write(on_x["wkv"], self.kv_norm, slots, rows.ring, view.window)  # the window row
-        if self.is_v41:  # the rotation alone, in wq_b's GEMV at batch 1, and the window row beside it (own launches)
-            on_qr = self.on_qr(on_x["wq_a"], self.q_norm, (cos, sin, self.n_heads, self.head_dim), window)
+        if self.is_v41:  # the rotation alone, in wq_b's GEMV at batch 1 (a launch of its own before)
+            on_qr = self.on_qr(on_x["wq_a"], self.q_norm, (cos, sin, self.n_heads, self.head_dim))
             q = on_qr["wq_b"].unflatten(-1, (self.n_heads, self.head_dim))  # [B, H, Dh]
         else:  # V4's per-head norm, then the rotation: one kernel where the compiled step took three
             on_qr = self.on_qr(on_x["wq_a"], self.q_norm)
             q = query_heads(on_qr["wq_b"], cos, sin, self.n_heads, self.eps, True)
-        if window is None:
-            self._write_kv_rows(on_x["wkv"], self.kv_norm, cos, sin, slots, rows.ring, view.window)
+        self._write_kv_rows(on_x["wkv"], self.kv_norm, cos, sin, slots, rows.ring, view.window)  # the window row
         win_idx = rows.attended
         win_data, win_scale = view.window.flat()
         store = view.store
@@ -528,20 +518,14 @@ class FastAttention(Attention):
         store's own encoding (the window's FP8, the entries' NVFP4): the three in one kernel (`dsv4::window_write`);
         V4's (an FP8 round trip of the unrotated channels, `_window_quant`) into its dense stores likewise
         (`dsv4::window_write_rounded`)."""
-        packed = self._packed_write(kv, norm, slots, places, rows)
-        if packed is not None:
-            packed(cos, sin)
+        if self.is_v41 and rows.scale is not None:
+            window_write(kv, norm.weight, norm.eps, cos, sin, rows.data, rows.scale, slots, places, rows.block,
+                         rows.fmt)
         elif self._rounds_v4_rows(rows):
             window_write_rounded(kv, norm.weight, norm.eps, cos, sin, rows.data, slots, places, V4_WINDOW_FP8_BLOCK)
         else:
             kv = window_rows(kv, norm.weight, norm.eps, cos, sin)  # [B, Dh]
             rows.write(slots, places, kv if self.is_v41 else self._window_quant(kv))
-
-    def _packed_write(self, kv, norm: RMSNorm, slots, places, rows: Rows) -> RowWrite | None:
-        """`_write_kv_rows` into a V4.1 packed store, its tables to come (`dsv4::window_write`); None elsewhere."""
-        if not self.is_v41 or rows.scale is None:
-            return None
-        return RowWrite(kv, norm.weight, norm.eps, rows.data, rows.scale, slots, places, rows.block, rows.fmt)
 
     def _rounds_v4_rows(self, rows: Rows) -> bool:
         """Whether rows written to `rows` take V4's rounding (`_window_quant`) in `dsv4::window_write_rounded`: a V4

@@ -23,8 +23,7 @@ pytest.importorskip("triton")
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (else the op only calls the twin)", allow_module_level=True)
 
-from dsv4.fast.kernels.fp8_gemv import MAX_M, fp8_gemv, fp8_gemv_reference, fp8_gemv_window_write
-from dsv4.fast.kernels.window_write import window_write
+from dsv4.fast.kernels.fp8_gemv import MAX_M, fp8_gemv, fp8_gemv_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -171,67 +170,6 @@ def test_bad_rope_names_the_problem(bad, message):
     with pytest.raises(ValueError, match=message):
         fp8_gemv(x, w, s, 32, 32, torch.bfloat16, groups, None, 0.0, False, cos, sin, bad.get("heads", 2),
                  bad.get("head_dim", 32))
-
-
-def window_case(seed: int, M: int, width: int, fmt: str, block: int):
-    """M rows of wkv's output [M, width] whose squares sum exactly in any order (values k / 8), a norm weight, the
-    rows' distinct places in a 3 x 4 store of `fmt` filled with a marker byte, and a twin store alike."""
-    gen = torch.Generator().manual_seed(seed)
-    kv = (torch.randint(-8, 9, (M, width), generator=gen).float() / 8).to(torch.bfloat16)
-    weight = (1 + torch.randn(width, generator=gen) / 4).to(torch.bfloat16)
-    places = torch.randperm(12, generator=gen)[:M]
-    codes = width if fmt == "fp8" else width // 2
-    stores = [(torch.full((3, 4, codes), 0x5A, dtype=torch.uint8, device=DEVICE),
-               torch.full((3, 4, width // block), 0x5A, dtype=torch.uint8, device=DEVICE)) for _ in range(2)]
-    return kv.to(DEVICE), weight.to(DEVICE), (places // 4).to(DEVICE), (places % 4).to(DEVICE), stores
-
-
-@settings(max_examples=15, deadline=None)
-@given(M=st.integers(1, 3), heads=st.integers(1, 2), store=st.sampled_from([("fp8", 32), ("fp8", 64), ("nvfp4", 16)]),
-       normed=st.booleans(), seed=st.integers(0, 2**16))
-def test_window_rows_written_beside_the_gemv_are_window_writes(M, heads, store, normed, seed):
-    """fp8_gemv_window_write: the GEMV's output fp8_gemv's with the same norm and RoPE, bit for bit, and the store's
-    bytes window_write's (the rows given and no others), the twin's likewise; the window rows' RoPE is the GEMV's."""
-    fmt, block = store
-    x, w, s, norm = normed_case(seed, M, heads * 64 + 8, 96, (32, 32))
-    norm = norm if normed else None
-    cos, sin = rope_tables(M, 16, seed)
-    kv, kv_weight, slots, rows, ((data, scale), (want_data, want_scale)) = window_case(seed, M, 64, fmt, block)
-    args = (x, w, s, 32, 32, torch.bfloat16, norm, 1e-6, cos, sin, heads, 64)
-    y = fp8_gemv_window_write(*args, kv, kv_weight, 1e-6, data, scale, slots, rows, block, fmt)
-    assert torch.equal(y, fp8_gemv(x, w, s, 32, 32, torch.bfloat16, 1, norm, 1e-6, False, cos, sin, heads, 64))
-    window_write(kv, kv_weight, 1e-6, cos, sin, want_data, want_scale, slots, rows, block, fmt)
-    assert torch.equal(data, want_data) and torch.equal(scale, want_scale)
-    assert (data != 0x5A).any(dim=-1).sum() == M  # the rows given, whole, and no others
-
-
-def test_the_ops_twin_writes_what_its_kernel_does(monkeypatch):
-    """Off the kernels (CPU, no interpreter) the op is the two twins: fp8_gemv's output off the kernels with the same
-    arguments, and the kernel's store bytes."""
-    x, w, s, norm = normed_case(5, 1, 72, 96, (32, 32))
-    cos, sin = rope_tables(1, 16, 5)
-    kv, kv_weight, slots, rows, ((data, scale), (twin_data, twin_scale)) = window_case(5, 1, 64, "fp8", 32)
-    args = [x, w, s, 32, 32, torch.float32, norm, 1e-6, cos, sin, 1, 64, kv, kv_weight, 1e-6]
-    fp8_gemv_window_write(*args, data, scale, slots, rows, 32)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
-    twin_data, twin_scale = twin_data.cpu(), twin_scale.cpu()
-    y = fp8_gemv_window_write(*cpu, twin_data, twin_scale, slots.cpu(), rows.cpu(), 32)
-    assert torch.equal(y, fp8_gemv(*cpu[:6], 1, *cpu[6:8], False, *cpu[8:12]))
-    assert torch.equal(twin_data, data.cpu()) and torch.equal(twin_scale, scale.cpu())
-
-
-def test_window_rows_beside_the_gemv_need_its_rope_and_their_rows():
-    x, w, s, _ = normed_case(0, 2, 72, 96, (32, 32))
-    cos, sin = rope_tables(2, 16, 0)
-    kv, kv_weight, slots, rows, ((data, scale), _) = window_case(0, 2, 64, "fp8", 32)
-    args = (x, w, s, 32, 32, torch.bfloat16, None, 1e-6)
-    with pytest.raises(ValueError, match="take the GEMV's RoPE tables"):
-        fp8_gemv_window_write(*args, None, None, 0, 64, kv, kv_weight, 1e-6, data, scale, slots, rows, 32)
-    with pytest.raises(ValueError, match=r"window_write: cos and sin \[N, R/2\]"):  # a row of kv for x's two
-        fp8_gemv_window_write(*args, cos, sin, 1, 64, kv[:1], kv_weight, 1e-6, data, scale, slots[:1], rows[:1], 32)
-    with pytest.raises(ValueError, match=r"kv \[N, D\] and weight \[D\]"):
-        fp8_gemv_window_write(*args, cos, sin, 1, 64, kv, kv_weight[:32], 1e-6, data, scale, slots, rows, 32)
 
 
 def test_every_code_decodes_exactly():

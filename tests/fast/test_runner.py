@@ -25,7 +25,6 @@ from dsv4.engine.request import SamplingParams
 from dsv4.fast import engram_prefetch
 from dsv4.fast import model as model_module
 from dsv4.fast.engram_prefetch import HostEngramEmbedding, keep_engram_on_host
-from dsv4.fast.kernels import window_write as window_write_module
 from dsv4.fast.kernels.compressor import compressor_pool_twin
 from dsv4.fast.kernels.indexer_query import indexer_query_twin
 from dsv4.fast.kernels.rope import query_heads_twin
@@ -547,11 +546,7 @@ def test_a_decode_step_writes_each_packed_row_in_one_op(arch_dir, monkeypatch):
         calls.append((kv.shape[0], *(args[9:] + ("fp8", False)[len(args) - 9:])))
         write(kv, *args)
 
-    def patch(write) -> None:  # the model's own calls (index keys) and `RowWrite`'s (window rows, entries)
-        for module in (model_module, window_write_module):
-            monkeypatch.setattr(module, "window_write", write)
-
-    patch(counted)
+    monkeypatch.setattr(model_module, "window_write", counted)
     fast = models(arch_dir, packed=True)[1]
     fused, fed = decode_steps(Runner(fast, max_seqs=4, max_len=128, compile=False), 2)
     roles, v41 = fast.config.layer_roles, fast.config.is_v41
@@ -560,10 +555,10 @@ def test_a_decode_step_writes_each_packed_row_in_one_op(arch_dir, monkeypatch):
         want[4, "fp8", False] = 2 * len(roles)
         want[4, "nvfp4", False] = 2 * sum(role.owns_compressor for role in roles)
     assert min(want.values()) > 0 and Counter(calls) == want
-    patch(window_write_twin)
+    monkeypatch.setattr(model_module, "window_write", window_write_twin)
     apart, _ = decode_steps(Runner(models(arch_dir, packed=True)[1], max_seqs=4, max_len=128, compile=False), 2, fed)
     assert (fused - apart).abs().max() <= 1e-5 * apart.abs().max()  # as the mHC pairing's test above
-    patch(counted)
+    monkeypatch.setattr(model_module, "window_write", counted)
     calls.clear()
     decode_steps(Runner(models(arch_dir, packed=False)[1], max_seqs=4, max_len=128, compile=False), 1)
     assert calls == []
@@ -926,60 +921,6 @@ def test_a_batch_1_decode_reads_the_attention_weights_as_stored(arch_dir, monkey
     rows.clear()
     runner.decode(slots, tokens)
     assert rows == []
-
-
-def window_rows_beside_and_apart(path, monkeypatch, device: str, dtype: torch.dtype) -> None:
-    """V4.1's batch-1 decode step over packed stores writes each layer's window row in wq_b's FP8 GEMV launch
-    (`fp8_gemv_window_write`, once a layer and step, where a window_write of its own ran), and its logits are bit
-    for bit those of a step that writes the rows in a launch of their own after the GEMV."""
-    calls, fused = Counter(), model_module.fp8_gemv_window_write
-    monkeypatch.setattr(model_module, "fp8_gemv_window_write",
-                        lambda *a, **k: calls.update(["beside"]) or fused(*a, **k))
-    written = window_write_module.window_write
-    monkeypatch.setattr(window_write_module, "window_write",
-                        lambda *a, **k: calls.update(["apart"]) or written(*a, **k))
-
-    def steps(fed=None) -> tuple[torch.Tensor, list[int], int]:
-        """3 greedy steps (or fed the tokens `fed`) -> (their logits, the tokens fed, the model's layers)."""
-        runner = Runner(models(path, packed=True, dtype=dtype, device=device, fp8_decode=True)[1], max_seqs=1,
-                        max_len=64, compile=False)
-        slot = runner.allocate()
-        token, out, fed = runner.prefill(slot, prompt(30, 1)).argmax(), [], list(fed or ())
-        for step in range(3):
-            token = torch.tensor(fed[step], device=device) if len(fed) == 3 else token
-            fed = fed if len(fed) == 3 else [*fed, int(token)]
-            out.append(runner.decode([slot], token.view(1))[0].clone())
-            token = out[-1].argmax()
-        return torch.stack(out), fed, len(runner.model.layers)
-
-    beside, fed, layers = steps()
-    assert calls["beside"] == 3 * layers > 0
-    entries = calls["apart"]  # the compressed entries' writes, which stay apart
-    call = Fp8Copy.__call__
-
-    def apart(self, x, out_dtype, groups=1, norm=None, start_successor=False, rope=None, window=None):
-        y = call(self, x, out_dtype, groups, norm, start_successor, rope)
-        if window is not None:
-            window(*rope[:2])
-        return y
-
-    monkeypatch.setattr(Fp8Copy, "__call__", apart)
-    calls.clear()
-    alone, *_ = steps(fed)
-    assert calls["beside"] == 0 and calls["apart"] == entries + 3 * layers
-    assert torch.equal(beside, alone)
-
-
-def test_a_batch_1_decode_writes_the_window_row_beside_wq_bs_gemv(tiny_v41_dir, monkeypatch):
-    """`window_rows_beside_and_apart` through the kernels' twins."""
-    window_rows_beside_and_apart(tiny_v41_dir, monkeypatch, "cpu", torch.float32)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_window_row_beside_wq_bs_gemv_is_its_own_launchs(tiny_v41_dir, monkeypatch):
-    """`window_rows_beside_and_apart` through the kernels, bf16."""
-    window_rows_beside_and_apart(tiny_v41_dir, monkeypatch, "cuda", torch.bfloat16)
 
 
 def test_a_batch_1_decode_reads_the_shared_experts_as_stored(arch_dir, monkeypatch):

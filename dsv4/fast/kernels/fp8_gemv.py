@@ -35,15 +35,13 @@ import torch
 
 from dsv4.fast.kernels import pdl, start_successor, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.engram import _e4m3_to_f32
-from dsv4.fast.kernels.quant import FORMAT_CODES
 from dsv4.fast.kernels.rope import (NORM_CHUNK, check_rope_tables, rope_factors, rotated_by, rounded,
                                    streamed_inverse_rms)
-from dsv4.fast.kernels.window_write import RowWrite, check_window_write, window_write_twin, write_row
 from dsv4.quant import dequantize_fp8
 from dsv4.reference.linear import rms_norm
 from dsv4.reference.rope import apply_rope
 
-__all__ = ["MAX_M", "fp8_gemv", "fp8_gemv_reference", "fp8_gemv_window_write", "rotated_heads"]
+__all__ = ["MAX_M", "fp8_gemv", "fp8_gemv_reference", "rotated_heads"]
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_M = 16  # decode batches; larger M belongs to a GEMM (tensor cores)
@@ -81,11 +79,9 @@ def _dot4(acc, w, x0, x1, x2, x3, INTERP: tl.constexpr):
 @triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, eps, M, N, K, KW, KS, block_n, G, cos_ptr, sin_ptr, rope_rows,
-    kv_ptr, kv_w_ptr, kv_eps, kv_q_ptr, kv_s_ptr, kv_slot_ptr, kv_row_ptr, kv_slot_rows,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     OUT_BF16: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
     X_BF16: tl.constexpr, NORM_CHUNK: tl.constexpr, START: tl.constexpr, HEAD: tl.constexpr, R: tl.constexpr,
-    WINDOW: tl.constexpr, KV_BLOCK: tl.constexpr, KV_FMT: tl.constexpr, KV_BF16: tl.constexpr,
 ):
     """Program: weight rows pid * BN .. + BN for all BM <= M activation rows; of G groups of N / G rows (BN
     divides N / G when G > 1), each reading its own K columns of x's rows. KW = K / 4 (words a row) comes as an
@@ -96,18 +92,10 @@ def _fp8_gemv_kernel(
     that uses it waited on memory every step (sm_90 SASS); BLOCK_K is a constexpr so that finding a word's K block
     is a shift, not a division by a runtime int. NORM: every program first sums its rows' squares (x is a few KB,
     read from L2 by each), then normalizes the activations it loads as `rms_norm` does, weight nw_ptr. R > 0: the
-    output rows below rope_rows are heads of HEAD rows whose last R are rotated (`_rotated_heads`). WINDOW > 0: the
-    first M programs write the rows of kv [M, WINDOW] to a packed store instead (`window_write.write_row`, at the
-    same RoPE tables), beside the GEMV's programs, which follow."""
+    output rows below rope_rows are heads of HEAD rows whose last R are rotated (`_rotated_heads`)."""
     wait_for_predecessor(PDL)
     start_successor(START)
     pid = tl.program_id(0)
-    if WINDOW > 0:
-        if pid < M:
-            write_row(pid.to(tl.int64), kv_ptr, kv_w_ptr, cos_ptr, sin_ptr, kv_q_ptr, kv_s_ptr, kv_slot_ptr,
-                      kv_row_ptr, kv_slot_rows, kv_eps, WINDOW, R, KV_BLOCK, KV_BF16, KV_FMT, False, False, 1, INTERP)
-            return
-        pid -= M
     n = pid * BN + tl.arange(0, BN)
     nmask = n < N
     NW: tl.constexpr = BK // 4
@@ -278,39 +266,25 @@ def gemv_output(M: int, N: int, K: int, out_dtype, device) -> tuple[torch.Tensor
 
 def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1, cfg: dict | None = None,
                      norm_weight: torch.Tensor | None = None, eps: float = 0.0, start_successor: bool = False,
-                     rope_cos=None, rope_sin=None, rope_heads: int = 0, head_dim: int = 0, window: tuple | None = None):
+                     rope_cos=None, rope_sin=None, rope_heads: int = 0, head_dim: int = 0):
     M, (N, K) = x.shape[0], w.shape
     y, done = gemv_output(M, N, K, out_dtype, x.device)
     if done:
-        if window is not None:
-            RowWrite(*window)(rope_cos, rope_sin)
         return y
     BN, BK, stages, warps = _tiles(M, N, K, groups, bn, cfg or {})
     norm = norm_weight is not None
     rope = (rope_cos.contiguous(), rope_sin.contiguous()) if rope_heads else (x, x)
     if rope_heads and head_dim % BN:
         raise ValueError(f"fp8_gemv: a program's {BN} rows must lie in one head of {head_dim}")
-    kv_args, kv_consts = _window_args(window, x)
-    _fp8_gemv_kernel[(triton.cdiv(N, BN) + (M if window else 0),)](
+    _fp8_gemv_kernel[(triton.cdiv(N, BN),)](
         x.contiguous(), w.contiguous(), w_scale.view(torch.uint8).contiguous(), y,
         norm_weight.contiguous() if norm else x, float(eps), M, N, K, K // 4, w_scale.shape[1], bn, groups,
-        *rope, rope_heads * head_dim, *kv_args,
+        *rope, rope_heads * head_dim,
         BM=triton.next_power_of_2(M), BN=BN, BK=BK, BLOCK_K=bk, STAGES=stages, OUT_BF16=out_dtype == torch.bfloat16,
         INTERP=_INTERP, PDL=pdl(x), EVEN_K=K % BK == 0, NORM=norm, X_BF16=x.dtype == torch.bfloat16,
         NORM_CHUNK=NORM_CHUNK, START=start_successor and pdl(x), HEAD=max(head_dim, 1),
-        R=2 * rope[0].shape[-1] if rope_heads else 0, **kv_consts, num_warps=warps, launch_pdl=pdl(x))
+        R=2 * rope[0].shape[-1] if rope_heads else 0, num_warps=warps, launch_pdl=pdl(x))
     return y
-
-
-def _window_args(window: tuple | None, x: torch.Tensor) -> tuple[tuple, dict]:
-    """The kernel's window-row arguments and constexprs (`fp8_gemv_window_write`'s window, or none: x stands in for
-    its pointers)."""
-    if window is None:
-        return (x, x, 0.0, x, x, x, x, 0), {"WINDOW": 0, "KV_BLOCK": 1, "KV_FMT": 0, "KV_BF16": False}
-    kv, weight, eps, data, scale, slots, rows, block, fmt = window
-    return ((kv.contiguous(), weight.contiguous(), float(eps), data, scale, slots, rows, data.shape[1]),
-            {"WINDOW": kv.shape[1], "KV_BLOCK": block, "KV_FMT": FORMAT_CODES[fmt],
-             "KV_BF16": kv.dtype == torch.bfloat16})
 
 
 @torch.library.custom_op("dsv4::fp8_gemv", mutates_args=())
@@ -335,40 +309,3 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bn: int, b
 def _(x, w, w_scale, bn, bk, out_dtype=torch.bfloat16, groups=1, norm_weight=None, eps=0.0, start_successor=False,
       rope_cos=None, rope_sin=None, rope_heads=0, head_dim=0):
     return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype)
-
-
-@torch.library.custom_op("dsv4::fp8_gemv_window_write", mutates_args=("data", "scale"))
-def fp8_gemv_window_write(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bn: int, bk: int,
-                          out_dtype: torch.dtype, norm_weight: torch.Tensor | None, eps: float, rope_cos: torch.Tensor,
-                          rope_sin: torch.Tensor, rope_heads: int, head_dim: int, kv: torch.Tensor,
-                          kv_weight: torch.Tensor, kv_eps: float, data: torch.Tensor, scale: torch.Tensor,
-                          slots: torch.Tensor, rows: torch.Tensor, block: int, fmt: str = "fp8") -> torch.Tensor:
-    """`fp8_gemv` (one group, RoPE tables given) and `window_write(kv, kv_weight, kv_eps, rope_cos, rope_sin, data,
-    scale, slots, rows, block, fmt)` in one launch: the rows' writes take the first programs, so they run beside the
-    GEMV's rather than as a launch after it (V4.1's window row beside wq_b, whose RoPE tables it shares). The GEMV's
-    output as fp8_gemv's; the store's bytes as window_write's."""
-    window = (kv, kv_weight, kv_eps, data, scale, slots, rows, block, fmt)
-    _check_with_window(x, w, w_scale, bn, bk, out_dtype, norm_weight, rope_cos, rope_sin, rope_heads, head_dim, window)
-    if use_triton(x):
-        return _fp8_gemv_triton(x, w, w_scale, bn, bk, out_dtype, 1, None, norm_weight, eps, False, rope_cos, rope_sin,
-                                rope_heads, head_dim, window)
-    window_write_twin(kv, kv_weight, kv_eps, rope_cos, rope_sin, data, scale, slots, rows, block, fmt)
-    return fp8_gemv_reference(x, w, w_scale, bn, bk, out_dtype, 1, norm_weight, eps, rope_cos, rope_sin, rope_heads,
-                              head_dim)
-
-
-@fp8_gemv_window_write.register_fake
-def _(x, w, w_scale, bn, bk, out_dtype, norm_weight, eps, rope_cos, rope_sin, rope_heads, head_dim, kv, kv_weight,
-      kv_eps, data, scale, slots, rows, block, fmt="fp8"):
-    window = (kv, kv_weight, kv_eps, data, scale, slots, rows, block, fmt)
-    _check_with_window(x, w, w_scale, bn, bk, out_dtype, norm_weight, rope_cos, rope_sin, rope_heads, head_dim, window)
-    return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype)
-
-
-def _check_with_window(x, w, w_scale, bn, bk, out_dtype, norm_weight, rope_cos, rope_sin, rope_heads, head_dim,
-                       window: tuple) -> None:
-    if rope_cos is None:
-        raise ValueError("fp8_gemv_window_write: the window rows take the GEMV's RoPE tables; none given")
-    _check(x, w, w_scale, bn, bk, out_dtype, 1, norm_weight, rope_cos, rope_sin, rope_heads, head_dim)
-    kv, kv_weight, _, data, scale, slots, rows, block, fmt = window
-    check_window_write(kv, kv_weight, rope_cos, rope_sin, data, scale, slots, rows, block, fmt)  # kv's rows: x's

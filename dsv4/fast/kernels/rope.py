@@ -50,11 +50,10 @@ def load_head_pairs(q_ptr, H: tl.constexpr, HB: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def inverse_rms(even, odd, eps, D: tl.constexpr, INTERP: tl.constexpr):
+def inverse_rms(even, odd, eps, D: tl.constexpr):
     """1 / sqrt(mean square + eps) of rows given as channel pairs (even, odd) [rows, D/2] -> [rows, 1] fp32
-    (`_inverse_root`); the squares rounded apart from their sum in any kernel (`_product`)."""
-    squares = _product(even, even, INTERP) + _product(odd, odd, INTERP)
-    return _inverse_root(tl.sum(squares, axis=1), D, eps)[:, None]
+    (`_inverse_root`)."""
+    return _inverse_root(tl.sum(even * even + odd * odd, axis=1), D, eps)[:, None]
 
 
 @triton.jit
@@ -136,7 +135,7 @@ def _query_heads_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, eps, H: tl.constexpr, 
     wait_for_predecessor(PDL)
     n, h, p, even, odd = load_head_pairs(q_ptr, H, HB, D)
     if NORM:
-        r = inverse_rms(even, odd, eps, D, INTERP)
+        r = inverse_rms(even, odd, eps, D)
         even, odd = rounded(even * r, BF16, INTERP), rounded(odd * r, BF16, INTERP)
     even, odd = rotate_pairs(even, odd, cos_ptr + n * (R // 2), sin_ptr + n * (R // 2), p, D, R, BF16, INTERP)
     x = tl.reshape(tl.join(even, odd), (HB, D))

@@ -26,8 +26,6 @@ off; the butterflies are `indexer_query`'s).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
@@ -40,26 +38,7 @@ from dsv4.reference.indexer import hadamard as hadamard_transform
 from dsv4.reference.linear import rms_norm
 from dsv4.reference.rope import apply_rope
 
-__all__ = ["RowWrite", "check_window_write", "window_rows", "window_write", "window_write_rounded",
-           "window_write_rounded_twin", "window_write_twin", "write_row"]
-
-
-class RowWrite(NamedTuple):
-    """`window_write`'s arguments but the RoPE tables, for a write that a kernel with the tables runs beside its own
-    work (`dsv4::fp8_gemv_window_write`); called with (cos, sin), the write by itself."""
-
-    kv: torch.Tensor  # [N, D]
-    weight: torch.Tensor  # [D], the norm's
-    eps: float
-    data: torch.Tensor
-    scale: torch.Tensor
-    slots: torch.Tensor
-    rows: torch.Tensor
-    block: int
-    fmt: str
-
-    def __call__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        window_write(*self[:3], cos, sin, *self[3:])
+__all__ = ["window_rows", "window_write", "window_write_rounded", "window_write_rounded_twin", "window_write_twin"]
 
 
 def window_rows(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
@@ -84,24 +63,14 @@ def _window_write_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr, slot_ptr
                          D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr,
                          FMT: tl.constexpr, ROUNDED: tl.constexpr, HADAMARD: tl.constexpr, LOG_D: tl.constexpr,
                          INTERP: tl.constexpr, PDL: tl.constexpr):
-    """Program: one row (`write_row`)."""
+    """Program: one row. FMT: `FORMAT_CODES`'s, the codes to q_ptr and the scale bytes to s_ptr; ROUNDED (V4, FMT
+    FP8): the FP8 values decoded again and stored in q_ptr's dtype, the RoPE blocks as they are (s_ptr unused)."""
     wait_for_predecessor(PDL)
-    write_row(tl.program_id(0).to(tl.int64), kv_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr, slot_ptr, row_ptr,
-              slot_rows, eps, D, R, BLOCK, BF16, FMT, ROUNDED, HADAMARD, LOG_D, INTERP)
-
-
-@triton.jit
-def write_row(n, kv_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr, slot_ptr, row_ptr, slot_rows, eps,
-              D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr, FMT: tl.constexpr,
-              ROUNDED: tl.constexpr, HADAMARD: tl.constexpr, LOG_D: tl.constexpr, INTERP: tl.constexpr):
-    """Row n (int64) of kv [N, D] written: FMT `FORMAT_CODES`'s, the codes to q_ptr and the scale bytes to s_ptr;
-    ROUNDED (V4, FMT FP8): the FP8 values decoded again and stored in q_ptr's dtype, the RoPE blocks as they are
-    (s_ptr unused). Its products round apart even in a kernel compiled with fp fusion (`_product`): the same bytes
-    in `dsv4::fp8_gemv_window_write`'s GEMV as in this module's own launch, which turns fusion off."""
+    n = tl.program_id(0).to(tl.int64)
     p = tl.arange(0, D // 2)[None, :]  # [1, D/2]: channel pairs (2p, 2p + 1)
     even = _widen(tl.load(kv_ptr + n * D + 2 * p))
     odd = _widen(tl.load(kv_ptr + n * D + 2 * p + 1))
-    r = inverse_rms(even, odd, eps, D, INTERP)
+    r = inverse_rms(even, odd, eps, D)
     even = rounded(_widen(tl.load(w_ptr + 2 * p)) * (even * r), BF16, INTERP)
     odd = rounded(_widen(tl.load(w_ptr + 2 * p + 1)) * (odd * r), BF16, INTERP)
     even, odd = rotate_pairs(even, odd, cos_ptr + n * (R // 2), sin_ptr + n * (R // 2), tl.arange(0, D // 2), D, R,
@@ -141,8 +110,7 @@ def _check_rows(kv, weight, cos, sin, block: int, what: str) -> None:
                          "dividing the row")
 
 
-def check_window_write(kv, weight, cos, sin, data, scale, slots, rows, block: int, fmt: str) -> None:
-    """`window_write`'s arguments, each named in a one-line error where it is misshapen."""
+def _check(kv, weight, cos, sin, data, scale, slots, rows, block: int, fmt: str) -> None:
     _check_rows(kv, weight, cos, sin, block, "window_write")
     _check_write(kv, data, scale, slots, rows, fmt, block, "window_write")
 
@@ -178,7 +146,7 @@ def window_write(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
                  fmt: str = "fp8", hadamard: bool = False) -> None:
     """The rows of kv [N, D] written to the `fmt` store (data, scale) at (slots, rows): see the module doc.
     Slots and rows are not bound-checked (that would read them back to the host)."""
-    check_window_write(kv, weight, cos, sin, data, scale, slots, rows, block, fmt)
+    _check(kv, weight, cos, sin, data, scale, slots, rows, block, fmt)
     if not use_triton(kv):
         window_write_twin(kv, weight, eps, cos, sin, data, scale, slots, rows, block, fmt, hadamard)
         return
@@ -187,7 +155,7 @@ def window_write(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
 
 @window_write.register_fake
 def _(kv, weight, eps, cos, sin, data, scale, slots, rows, block, fmt="fp8", hadamard=False):
-    check_window_write(kv, weight, cos, sin, data, scale, slots, rows, block, fmt)
+    _check(kv, weight, cos, sin, data, scale, slots, rows, block, fmt)
 
 
 @torch.library.custom_op("dsv4::window_write_rounded", mutates_args=("data",))
