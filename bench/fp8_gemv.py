@@ -9,7 +9,9 @@ V4.1's attention projections and decode batch sizes: does one byte a weight beat
 Cases: the decode step's FP8 GEMVs at V4.1 widths and blocks (32 x 32; --arch v4: V4's, 128 x 128), M = 1, 2, 4, 8,
 16 activation rows: wq_b and
 the indexer's wq_b concatenated (one weight, as the fast model reads the query latent's linears), wo_a (8 groups,
-each its own 4096 columns of x) and wo_b. "fused" is the FP8 GEMV (its default tiles), "cublas" the fast model's
+each its own 4096 columns of x), wo_b, and wq_a with wkv (x's linears in a layer without an indexer). At M = 1 and 2
+the one-group cases are also timed with their RMSNorm in the kernel (`graph_normed_us`; the step's form for wq_a +
+wkv and wq_b, which sum x's squares before their K loop). "fused" is the FP8 GEMV (its default tiles), "cublas" the fast model's
 bf16 path on the weight dequantized to bf16 (exactly): F.linear, or for wo_a its einsum (a batched GEMM). Bytes: the weight as each reads it (FP8 + scales, or bf16), the activations and the
 output. Timing: CUDA events, the median of --reps samples of R calls on R rotating weight sets (past L2), per call;
 "graph": replayed from a CUDA graph, as the decode step runs them; at M = 1 and 2 also a sweep of tiles
@@ -55,7 +57,8 @@ def decode_gemvs(arch: str) -> tuple[dict, tuple[int, int]]:
     heads = c.num_attention_heads * c.head_dim
     return ({"wq_b+idx": (heads + c.index_n_heads * c.index_head_dim, c.q_lora_rank, 1),
              "wo_a": (c.o_groups * c.o_lora_rank, heads // c.o_groups, c.o_groups),
-             "wo_b": (c.hidden_size, c.o_groups * c.o_lora_rank, 1)}, tuple(c.weight_block_size))
+             "wo_b": (c.hidden_size, c.o_groups * c.o_lora_rank, 1),
+             "wq_a+wkv": (c.q_lora_rank + c.head_dim, c.hidden_size, 1)}, tuple(c.weight_block_size))
 
 
 def make_set(N, K, block, device, seed):
@@ -114,6 +117,11 @@ def main():
                          for w, s, _ in sets],
                         reps)
                     for c in SWEEP}
+                if G == 1:  # the RMSNorm's prologue: every program sums x's squares before its K loop
+                    norm = torch.rand(K, device=device).to(torch.bfloat16)
+                    row["graph_normed_us"] = common.time_calls(
+                        [lambda w=w, s=s, x=x, norm=norm: fp8_gemv(x, w, s, *block, torch.bfloat16, 1, norm, 1e-6)
+                         for w, s, _ in sets], reps)
             results.append(row)
 
     name = "fp8_gemv" if ARGS.arch == "v41" else f"fp8_gemv-{ARGS.arch}"
