@@ -62,6 +62,7 @@ from dsv4.fast.kernels import (
 
 SM90 = GPUTarget("cuda", 90, 32)
 CUDA = SimpleNamespace(is_cuda=True)  # what the ops' tile choices ask of a tensor
+ALIGNED = SimpleNamespace(data_ptr=lambda: 0)  # a tensor as the caching allocator places it, to an alignment check
 TARGET = 2 * 132  # the programs the ops' D and K splits aim at on the H200: two a multiprocessor
 # V4.1-Flash: width, mHC streams, expert width, routed experts and their top-k, heads, head dim, RoPE dims, the
 # attention's window, the indexer's top-k and head dim
@@ -219,6 +220,7 @@ def moe_kernels() -> list[Kernel]:
     for N, label in ((1, ""), (moe_experts.GATHER_MAX_N, f" ({moe_experts.GATHER_MAX_N} tokens)")):
         c = moe_experts._cfg(CUDA, N, "gather")
         bk_down = moe_experts.down_k_step(c)
+        tail = moe_experts.down_tail(I, bk_down, ALIGNED)
         common = {"STAGES": c["gather_stages"], "IS_BF16": True, "INTERP": False, "SHARED": True, "SH_FP8": N == 1,
                   "PDL": True}
         out.append(Kernel(f"moe gather up{label}", moe_experts._gather_up_kernel,
@@ -228,7 +230,8 @@ def moe_kernels() -> list[Kernel]:
         out.append(Kernel(f"moe gather down{label}", moe_experts._gather_down_kernel,
                           {"ids_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "sh2_ptr": "*bf16",
                            "shq2_ptr": "*i64", "she2_ptr": "*u8"},
-                          {"BD": c["BD"], "BK": bk_down, "EVEN_K": I % bk_down == 0, **common},
+                          {"BD": c["BD"], "BK": bk_down, "EVEN_K": (I - tail) % bk_down == 0, "TAIL": tail,
+                           **common},
                           c["gather_warps"]))
     return out
 

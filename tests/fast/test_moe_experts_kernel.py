@@ -210,13 +210,14 @@ def test_gather_tc_chunks():
     check_close(y, M.moe_experts_twin(x, ids, weights, w13, s13, w2, s2, 1.0, sh13, sh2), torch.bfloat16)
 
 
-@pytest.mark.parametrize("K, offset", [(256, 0), (192, 0), (256, 1)])
-def test_gather_whole_k_steps(K, offset):
-    """The gather kernels at 128-wide K steps: where the step divides the row (256) and the scales sit 4-byte
-    aligned they read the scales as int32 words, four groups each, and drop the K masks; a partial last step (192)
-    or scales one byte off a word (offset 1) take the byte loads. Each 32-group's weights carry their own power of
-    two (2^-3 .. 2^3), so a group read with a neighbour's scale, or a word's bytes in the wrong order, is off by
-    a factor of 2 or more."""
+@pytest.mark.parametrize("K, offset, bk", [(256, 0, 128), (192, 0, 128), (256, 1, 128), (384, 0, 256)])
+def test_gather_whole_k_steps(K, offset, bk):
+    """The gather kernels at bk-wide K steps: where the step divides the row (256 in steps of 128) and the scales sit
+    4-byte aligned they read the scales as int32 words, four groups each, and drop the K masks; a partial last step
+    (192) or scales one byte off a word (offset 1) take the byte loads, except in the down kernel where the rest is
+    a whole step of its own (384 in steps of 256: 128 apart, `down_tail`). Each 32-group's weights carry their own
+    power of two (2^-3 .. 2^3), so a group read with a neighbour's scale, or a word's bytes in the wrong order, is
+    off by a factor of 2 or more."""
     E, k, N = 4, 2, 2
     g = torch.Generator().manual_seed(K + offset)
 
@@ -232,8 +233,9 @@ def test_gather_whole_k_steps(K, offset):
     x = torch.randn(N, K, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
     weights = torch.rand(N, k, generator=g) + 0.1
-    assert M._even_k(K, 128, s13) == (K == 256 and offset == 0)
-    y = M.moe_triton(x, ids, weights, w13, s13, w2, s2, 0.0, path="gather", cfg={"BK": 128})
+    assert M._even_k(K, bk, s13) == (K == 256 and offset == 0)
+    assert M.down_tail(K, bk, s2) == (128 if K == 384 else 0)
+    y = M.moe_triton(x, ids, weights, w13, s13, w2, s2, 0.0, path="gather", cfg={"BK": bk})
     check_close(y, M.moe_experts_twin(x, ids, weights, w13, s13.view(torch.uint8), w2, s2.view(torch.uint8), 0.0),
                 torch.float32)
 
@@ -305,12 +307,13 @@ def test_gather_slots_are_the_fused_ops_terms(N, bf16):
 
 
 @pytest.mark.parametrize("K, block, bk", [(64, (32, 32), 64), (256, (32, 32), 128), (256, (128, 128), 128),
-                                          (256, (64, 128), 256)])
+                                          (256, (64, 128), 256), (384, (128, 128), 256)])
 @pytest.mark.parametrize("bf16", [False, True])
 def test_gather_slots_read_the_shared_expert_as_stored(K, block, bk, bf16):
     """moe_gather_slots with the shared expert's FP8 rows (`fp8_rows`: codes and a scale per row and 32 elements)
     gives the shared slot of the dense rows they hold, and leaves the routed slots as they were, bit for bit; at
-    K steps that divide the rows (256) the scales come as words and the K masks go (the EVEN path). Each weight
+    K steps that divide the rows (256) the scales come as words and the K masks go (the EVEN path), and the down
+    kernel's rows of 384 in steps of 256 end in a whole step of 128 (`down_tail`). Each weight
     block carries its own power of two (2^-3 .. 2^3), so a row or group read with another block's scale is off
     by a factor of 2 or more."""
     E, k, N = 4, 2, 1
@@ -337,6 +340,7 @@ def test_gather_slots_read_the_shared_expert_as_stored(K, block, bk, bf16):
     stored = M._gather(x, M.activation_planes(x), *args, sh13, sh2, 1.0, True, {**M._cfg(x, N, "gather"), "BK": bk},
                        (*rows13, *rows2))
     assert M._even_k(K, bk, rows13[1]) == (K == 256)
+    assert M.down_tail(K, bk, s2, rows2[1]) == (128 if K == 384 else 0)
     assert torch.equal(stored[:, :k], dense[:, :k])
     check_close(stored[:, k], M.moe_slots_twin(x, *args, 1.0, sh13, sh2)[:, k], dtype)
     if bk == 64:  # the op, at its own tiles

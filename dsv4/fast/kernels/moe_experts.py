@@ -496,13 +496,21 @@ def _gather_up_kernel(
 
 @triton.jit
 def _down_sum(w_ptr, s_ptr, rows, dmask, I, planes, BK: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr,
-              EVEN_K: tl.constexpr, FP8: tl.constexpr):
-    """h . w2 rows ([BD] fp32) of eight-code words (`_gemv_words`), h as its planes."""
+              EVEN_K: tl.constexpr, FP8: tl.constexpr, TAIL: tl.constexpr):
+    """h . w2 rows ([BD] fp32) of eight-code words (`_gemv_words`), h as its planes. TAIL > 0 (`down_tail`): the
+    row's last TAIL columns, short of a whole step, are one narrower step of their own after the loop, so that
+    every step reads whole (EVEN_K: no K masks, 16-byte copies, the scales as words)."""
+    total = tl.zeros((rows.shape[0],), dtype=tl.float32)
+    if TAIL > 0:  # first, so that its registers are free again before the pipelined loop's
+        last = tl.zeros((rows.shape[0], TAIL // 32), dtype=tl.float32)
+        last = _gemv_words(last, w_ptr, s_ptr, rows, dmask, I // 8, I // 32, planes, I - TAIL, TAIL // 8, INTERP,
+                           True, FP8)
+        total = tl.sum(last, axis=1)
     part = tl.zeros((rows.shape[0], BK // 32), dtype=tl.float32)
-    for k0 in tl.range(0, I, BK, num_stages=STAGES):
+    for k0 in tl.range(0, I - TAIL, BK, num_stages=STAGES):
         part = _gemv_words(part, w_ptr, s_ptr, rows, dmask, I // 8, I // 32, planes, k0, BK // 8, INTERP, EVEN_K,
                            FP8)
-    return tl.sum(part, axis=1) * (1.0 if FP8 else _WORD_DOT_UNIT)
+    return (total + tl.sum(part, axis=1)) * (1.0 if FP8 else _WORD_DOT_UNIT)
 
 
 @triton.jit
@@ -510,11 +518,11 @@ def _gather_down_kernel(
     hp_ptr, ids_ptr, w2_ptr, s2_ptr, sh2_ptr, shq2_ptr, she2_ptr, out_ptr,
     D, I, S, K, E,
     BD: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr,
-    SHARED: tl.constexpr, SH_FP8: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
+    SHARED: tl.constexpr, SH_FP8: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr, TAIL: tl.constexpr,
 ):
     """Program (t, d tile, slot): out[t, slot, d] = round(h[t, slot] . w2[e, d]) (the caller sums the slots);
-    h as the up kernel's planes, w2 as int32 words; SH_FP8 as in the up kernel (shq2, she2). Its successor (the
-    slots' reader: the FFN site's fused post, `settled`) starts as its last programs do."""
+    h as the up kernel's planes, w2 as int32 words; SH_FP8 as in the up kernel (shq2, she2); TAIL as `_down_sum`'s.
+    Its successor (the slots' reader: the FFN site's fused post, `settled`) starts as its last programs do."""
     wait_for_predecessor(PDL)
     start_successor(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -526,9 +534,9 @@ def _gather_down_kernel(
     planes = hp_ptr + (t * S + slot) * I
     acc = tl.zeros((BD,), dtype=tl.float32)
     if e < E:
-        acc = _down_sum(w2_ptr, s2_ptr, e * D + d64, dmask, I, planes, BK, STAGES, INTERP, EVEN_K, False)
+        acc = _down_sum(w2_ptr, s2_ptr, e * D + d64, dmask, I, planes, BK, STAGES, INTERP, EVEN_K, False, TAIL)
     elif SHARED and SH_FP8:
-        acc = _down_sum(shq2_ptr, she2_ptr, d64, dmask, I, planes, BK, STAGES, INTERP, EVEN_K, True)
+        acc = _down_sum(shq2_ptr, she2_ptr, d64, dmask, I, planes, BK, STAGES, INTERP, EVEN_K, True, TAIL)
     elif SHARED:
         sh_part = tl.zeros((BD, BK // 8), dtype=tl.float32)
         for k0 in tl.range(0, I, BK, num_stages=STAGES):
@@ -831,6 +839,16 @@ def _even_k(K: int, BK: int, scales: torch.Tensor) -> bool:
     return K % BK == 0 and BK % 128 == 0 and scales.data_ptr() % 4 == 0
 
 
+def down_tail(K: int, BK: int, *scales: torch.Tensor) -> int:
+    """The gather down kernel's last step apart (`_down_sum`'s TAIL), or 0: where BK does not divide its rows of K
+    (V4.1's I = 2304 in the one-token 512-wide steps), the remainder as a step of its own, a power of two of whole
+    scale words, lets every step drop its K masks; a masked step read the scales a byte at a time, each load
+    waited on in its step (4 a step, sm_90 SASS), and its weights 8 bytes a copy."""
+    tail = K % BK
+    whole = tail % 128 == 0 and tail & (tail - 1) == 0
+    return tail if tail and whole and all(_even_k(K - tail, BK, t) for t in scales) else 0
+
+
 def down_k_step(c: dict) -> int:
     """The gather down kernel's K step in a `_cfg` config: the up kernel's (BK) unless the config sets its own (BKD)."""
     return c.get("BKD") or c["BK"]
@@ -850,6 +868,7 @@ def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, 
     q13, e13, q2, e2 = shared_fp8 or (w13, s13, w2, s2)  # the routed bytes stand in where the branch is compiled out
     words = lambda q: q.view(torch.int64 if shared_fp8 else torch.int32)
     bk_down = down_k_step(c)
+    tail = down_tail(I, bk_down, s2, e2)
     even = lambda K, BK, *scales: all(_even_k(K, BK, t) for t in scales)
     kw = {"STAGES": c["gather_stages"], "IS_BF16": is_bf16, "INTERP": _INTERP, "SHARED": has_shared,
           "SH_FP8": shared_fp8 is not None, "PDL": pdl(x), "num_warps": c["gather_warps"], "launch_pdl": pdl(x)}
@@ -859,7 +878,7 @@ def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, 
     out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
     _gather_down_kernel[(N, triton.cdiv(D, c["BD"]), S)](
         hp, ids_r, w2.view(torch.int32), s2, sh2, words(q2), e2, out, D, I, S, ids.shape[1], E, BD=c["BD"],
-        BK=bk_down, EVEN_K=even(I, bk_down, s2, e2), **kw)
+        BK=bk_down, EVEN_K=even(I - tail, bk_down, s2, e2), TAIL=tail, **kw)
     return out
 
 
