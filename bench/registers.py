@@ -286,7 +286,7 @@ def fp8_gemv_kernels() -> list[Kernel]:
                            "eps": "fp32"},
                           {"BM": 1, "BN": BN, "BK": BK, "BLOCK_K": 32, "STAGES": stages, "OUT_BF16": True, "INTERP": False,
                            "PDL": True, "EVEN_K": K % BK == 0, "NORM": name.startswith("wq_"), "X_BF16": True,
-                           "NORM_CHUNK": rope.NORM_CHUNK, "START": name == "wo_b",
+                           "NORM_CHUNK": rope.NORM_CHUNK, "START": name == "wo_b", "WORD_SCALES": K % BK == 0,
                            **({"HEAD": DH, "R": ROPE} if name.startswith("wq_b") else {"HEAD": 1, "R": 0})},
                           warps, stages))
     return out

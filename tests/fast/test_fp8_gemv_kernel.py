@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (else the op only calls the twin)", allow_module_level=True)
 
-from dsv4.fast.kernels.fp8_gemv import MAX_M, fp8_gemv, fp8_gemv_reference
+from dsv4.fast.kernels.fp8_gemv import MAX_M, _tiles, _word_scaled, fp8_gemv, fp8_gemv_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -70,11 +70,17 @@ def test_kernel_matches_twin(M, N, words, block, out_bf16, x_bf16, seed):
 
 @pytest.mark.parametrize("K", [256, 512, 260])
 @pytest.mark.parametrize("groups", [1, 2])
-def test_k_steps_with_and_without_a_k_mask(K, groups):
+@pytest.mark.parametrize("block", [(32, 32), (128, 128)])
+def test_k_steps_with_and_without_a_k_mask(K, groups, block):
     """K a multiple of the K step (256, 512: the kernel's unmasked K loop, the real shapes' case) and not (260:
-    the masked one), plain and grouped, against the twin."""
-    x, w, s = make_case(K + groups, 2, 32 * groups, K, (32, 32), groups=groups)
-    check(fp8_gemv(x, w, s, 32, 32, torch.float32, groups), x, w, s, (32, 32), groups)
+    the masked one), plain and grouped, against the twin; whole steps of 32-wide blocks read their scales as
+    words (`_word_scaled`), 128-wide ones (a step's scale bytes no whole word) and masked steps as bytes. Each
+    block's weights carry their own power of two, so a column read with another block's scale is off by 2^1 or
+    more."""
+    x, w, s = make_case(K + groups, 2, 32 * groups, K, block, groups=groups)
+    BK = _tiles(2, 32 * groups, K, groups, block[0], {})[1]
+    assert _word_scaled(K, BK, block[1], s.view(torch.uint8)) == (K % BK == 0 and block == (32, 32))
+    check(fp8_gemv(x, w, s, *block, torch.float32, groups), x, w, s, block, groups)
 
 
 @settings(max_examples=20, deadline=None)

@@ -82,17 +82,21 @@ def _fp8_gemv_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     OUT_BF16: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
     X_BF16: tl.constexpr, NORM_CHUNK: tl.constexpr, START: tl.constexpr, HEAD: tl.constexpr, R: tl.constexpr,
+    WORD_SCALES: tl.constexpr,
 ):
     """Program: weight rows pid * BN .. + BN for all BM <= M activation rows; of G groups of N / G rows (BN
     divides N / G when G > 1), each reading its own K columns of x's rows. KW = K / 4 (words a row) comes as an
     argument so that a launch specializes its divisibility by 16, which K // 4 computed here would not carry to
     the row addresses. EVEN_K (BK divides K): no mask along K, so the loads can be 16-byte vectors (a mask varying
-    along K made them one word each: 8 four-byte asynchronous copies a step per thread at wo_a's tile). The scales are
-    loaded a step ahead: the pipeliner copies nothing under 4 bytes asynchronously, so a byte load in the step
-    that uses it waited on memory every step (sm_90 SASS); BLOCK_K is a constexpr so that finding a word's K block
-    is a shift, not a division by a runtime int. NORM: every program first sums its rows' squares (x is a few KB,
-    read from L2 by each), then normalizes the activations it loads as `rms_norm` does, weight nw_ptr. R > 0: the
-    output rows below rope_rows are heads of HEAD rows whose last R are rotated (`_rotated_heads`)."""
+    along K made them one word each: 8 four-byte asynchronous copies a step per thread at wo_a's tile). The scales:
+    with WORD_SCALES (`_word_scaled`: V4.1's 32-wide blocks) a step reads its own as int32 words (`_step_scales`),
+    which the pipeliner copies asynchronously with the weights; otherwise as bytes a step ahead, which it does not
+    copy (nothing under 4 bytes): a load that waits on memory in the loop (sm_90 SASS: an LDG.U8 a step in wo_a's
+    and wo_b's loops before the words; in the step that used it, it waited a whole latency). BLOCK_K is a constexpr
+    so that finding a word's K block is a shift, not a division by a runtime int. NORM: every program first sums
+    its rows' squares (x is a few KB, read from L2 by each), then normalizes the activations it loads as
+    `rms_norm` does, weight nw_ptr. R > 0: the output rows below rope_rows are heads of HEAD rows whose last R are
+    rotated (`_rotated_heads`)."""
     wait_for_predecessor(PDL)
     start_successor(START)
     pid = tl.program_id(0)
@@ -112,7 +116,8 @@ def _fp8_gemv_kernel(
         pairs = ((pid * BN) % HEAD) // 2 + tl.arange(0, BN // 2)  # the channel pairs' ids in their head
         rope = rope_factors(cos_ptr + table, sin_ptr + table, pairs, HEAD, R)  # each [1, BM, BN/2]
     acc = tl.zeros((BM, BN, NW), dtype=tl.float32)
-    scale = _word_scales(s_row, c, KW, BLOCK_K)  # [NW]
+    if not WORD_SCALES:
+        scale = _word_scales(s_row, c, KW, BLOCK_K)  # [NW]
     for k0 in tl.range(0, KW, NW, num_stages=STAGES):
         cw = k0 + c  # word columns
         if EVEN_K:
@@ -120,7 +125,10 @@ def _fp8_gemv_kernel(
         else:
             cm = cw < KW
         w = tl.load(words + cw[None, :], mask=nmask[:, None] & cm[None, :], other=0)  # [BN, NW]
-        next_scale = _word_scales(s_row, cw + NW, KW, BLOCK_K)
+        if WORD_SCALES:
+            scale = _step_scales(s_row, k0, NW, BLOCK_K)
+        else:
+            next_scale = _word_scales(s_row, cw + NW, KW, BLOCK_K)
         cols = (4 * cw)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, NW, 4]
         xv = tl.load(x_rows + cols, mask=mmask[:, None, None] & cm[None, :, None], other=0.0).to(tl.float32)
         if NORM:
@@ -132,7 +140,8 @@ def _fp8_gemv_kernel(
         x1, x3 = tl.split(odd)
         acc = _dot4(acc, tl.broadcast_to(w[None, :, :], (BM, BN, NW)), _rows(x0, BN), _rows(x1, BN),
                     _rows(x2, BN), _rows(x3, BN), INTERP)
-        scale = next_scale
+        if not WORD_SCALES:
+            scale = next_scale
     y = tl.sum(acc, axis=2)  # [BM, BN]
     if R > 0:
         y = _rotated_heads(y, pid * BN < rope_rows, *rope, OUT_BF16, INTERP)
@@ -169,6 +178,17 @@ def _word_scales(s_row, cw, KW, BLOCK_K: tl.constexpr):
     """The fp32 scales (2^(e8m0 - 127)) of the int32 word columns cw; 0 past the row's KW words."""
     e8m0 = tl.load(s_row + (4 * cw) // BLOCK_K, mask=cw < KW, other=0)
     return (e8m0.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _step_scales(s_row, k0, NW: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 scales of word columns k0 .. k0 + NW (a whole step; k0 a multiple of NW) from the step's NW * 4 /
+    BLOCK_K scale bytes, read as int32 words (lowest byte first): column c's is byte c // (BLOCK_K / 4)."""
+    G: tl.constexpr = 4 * NW // BLOCK_K
+    words = tl.load(s_row.to(tl.pointer_type(tl.int32)) + k0 // BLOCK_K + tl.arange(0, G // 4))  # [G/4]
+    e8m0 = tl.reshape((words[:, None] >> (8 * tl.arange(0, 4))[None, :]) & 255, (G,))
+    per_column = tl.reshape(tl.broadcast_to(e8m0[:, None], (G, BLOCK_K // 4)), (NW,))
+    return (per_column << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -256,6 +276,13 @@ def _tiles(M: int, N: int, K: int, groups: int, bn: int, cfg: dict) -> tuple[int
     return BN, BK, stages, cfg.get("num_warps") or (2 if few else 4)
 
 
+def _word_scaled(K: int, BK: int, bk: int, scales: torch.Tensor) -> bool:
+    """Whether the kernel's steps read their scales as int32 words (`_step_scales`): whole steps (BK divides K), each
+    a whole number of words of scale bytes (BK a multiple of 4 bk), in rows of whole words from a 4-byte aligned
+    start. V4.1's 32-wide blocks are; V4's 128-wide ones in 256-wide steps are not (two bytes a step)."""
+    return K % BK == 0 and BK % (4 * bk) == 0 and scales.shape[1] % 4 == 0 and scales.data_ptr() % 4 == 0
+
+
 def gemv_output(M: int, N: int, K: int, out_dtype, device) -> tuple[torch.Tensor, bool]:
     """A GEMV's output [M, N], and whether it is final already (no rows or columns; K = 0: zeros)."""
     y = torch.empty(M, N, dtype=out_dtype, device=device)
@@ -276,10 +303,11 @@ def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1
     rope = (rope_cos.contiguous(), rope_sin.contiguous()) if rope_heads else (x, x)
     if rope_heads and head_dim % BN:
         raise ValueError(f"fp8_gemv: a program's {BN} rows must lie in one head of {head_dim}")
+    scales = w_scale.view(torch.uint8).contiguous()
     _fp8_gemv_kernel[(triton.cdiv(N, BN),)](
-        x.contiguous(), w.contiguous(), w_scale.view(torch.uint8).contiguous(), y,
+        x.contiguous(), w.contiguous(), scales, y,
         norm_weight.contiguous() if norm else x, float(eps), M, N, K, K // 4, w_scale.shape[1], bn, groups,
-        *rope, rope_heads * head_dim,
+        *rope, rope_heads * head_dim, WORD_SCALES=_word_scaled(K, BK, bk, scales),
         BM=triton.next_power_of_2(M), BN=BN, BK=BK, BLOCK_K=bk, STAGES=stages, OUT_BF16=out_dtype == torch.bfloat16,
         INTERP=_INTERP, PDL=pdl(x), EVEN_K=K % BK == 0, NORM=norm, X_BF16=x.dtype == torch.bfloat16,
         NORM_CHUNK=NORM_CHUNK, START=start_successor and pdl(x), HEAD=max(head_dim, 1),
