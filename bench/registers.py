@@ -62,11 +62,15 @@ from dsv4.fast.kernels import (
 
 SM90 = GPUTarget("cuda", 90, 32)
 CUDA = SimpleNamespace(is_cuda=True)  # what the ops' tile choices ask of a tensor
-ALIGNED = SimpleNamespace(data_ptr=lambda: 0)  # a tensor as the caching allocator places it, to an alignment check
 TARGET = 2 * 132  # the programs the ops' D and K splits aim at on the H200: two a multiprocessor
 # V4.1-Flash: width, mHC streams, expert width, routed experts and their top-k, heads, head dim, RoPE dims, the
 # attention's window, the indexer's top-k and head dim
 D, HC, I, EXPERTS, TOP_K, H, DH, ROPE, WINDOW, INDEX_TOPK, INDEX_DH = 5120, 4, 2304, 384, 6, 64, 512, 64, 128, 512, 128
+
+
+def aligned(columns: int = 0) -> SimpleNamespace:
+    """A scale tensor of `columns` columns as the caching allocator places it, to the ops' alignment checks."""
+    return SimpleNamespace(shape=(1, columns), data_ptr=lambda: 0)
 
 
 @dataclass
@@ -220,7 +224,7 @@ def moe_kernels() -> list[Kernel]:
     for N, label in ((1, ""), (moe_experts.GATHER_MAX_N, f" ({moe_experts.GATHER_MAX_N} tokens)")):
         c = moe_experts._cfg(CUDA, N, "gather")
         bk_down = moe_experts.down_k_step(c)
-        tail = moe_experts.down_tail(I, bk_down, ALIGNED)
+        tail = moe_experts.down_tail(I, bk_down, aligned())
         common = {"STAGES": c["gather_stages"], "IS_BF16": True, "INTERP": False, "SHARED": True, "SH_FP8": N == 1,
                   "PDL": True}
         out.append(Kernel(f"moe gather up{label}", moe_experts._gather_up_kernel,
@@ -286,7 +290,8 @@ def fp8_gemv_kernels() -> list[Kernel]:
                            "eps": "fp32"},
                           {"BM": 1, "BN": BN, "BK": BK, "BLOCK_K": 32, "STAGES": stages, "OUT_BF16": True, "INTERP": False,
                            "PDL": True, "EVEN_K": K % BK == 0, "NORM": name.startswith("wq_"), "X_BF16": True,
-                           "NORM_CHUNK": rope.NORM_CHUNK, "START": name == "wo_b", "WORD_SCALES": K % BK == 0,
+                           "NORM_CHUNK": rope.NORM_CHUNK, "START": name == "wo_b",
+                           "WORD_SCALES": fp8_gemv._word_scaled(K, BK, 32, aligned(K // 32)),
                            **({"HEAD": DH, "R": ROPE} if name.startswith("wq_b") else {"HEAD": 1, "R": 0})},
                           warps, stages))
     return out
