@@ -17,14 +17,15 @@ The value of `F.linear(x, dequantize_fp8(w, w_scale))` (the fast model's bf16 co
 order: an e4m3 code times a power of two is a bf16 number and its product with a bf16 activation is exact in
 fp32. The point is bytes: one byte a weight where the bf16 copy reads two.
 
-A program takes BN weight rows over all of K, in K steps of BK, software-pipelined (`tl.range` stages: the
-next steps' weights are in flight while one is decoded); BN divides the block's rows, so the program has one
-row of scales, and each int32 word lies in one K block (bk is a multiple of 4): a step folds its words' scales
-(several K blocks a step where they are narrow: V4.1's are 32 x 32; read with the step's weights as int32 words
-where they fill words, else as bytes the step before) into the activations (exact: powers of two). The codes are read as int32 words, four K positions each, and two cvt instructions (sm_89)
-widen a word to two fp16x2, exact; the products accumulate elementwise in registers ([BM, BN, BK/4]) and are
-summed once after the loop. Under the Triton interpreter the codes are decoded arithmetically, the same values
-and sums in the same order; `tests/fast/test_inline_ptx.py` runs the PTX in an emulator against that.
+A program takes BN weight rows over all of K, in K steps of BK, software-pipelined (`tl.range` stages: the next
+steps' weights are in flight while one is decoded); BN divides the block's rows, so the program has one row of
+scales, and each int32 word lies in one K block (bk is a multiple of 4): a step folds its words' scales (several K
+blocks a step where they are narrow: V4.1's are 32 x 32; read with the step's weights as int32 words where they fill
+words, else as bytes the step before) into the activations (exact: powers of two). The codes are read as int32
+words, four K positions each, and two cvt instructions (sm_89) widen a word to two fp16x2, exact; the products
+accumulate elementwise in registers ([BM, BN, BK/4]) and are summed once after the loop. Under the Triton
+interpreter the codes are decoded arithmetically, the same values and sums in the same order;
+`tests/fast/test_inline_ptx.py` runs the PTX in an emulator against that.
 """
 
 from __future__ import annotations
