@@ -75,8 +75,8 @@ def test_k_steps_with_and_without_a_k_mask(K, groups, block):
     """K a multiple of the K step (256, 512: the kernel's unmasked K loop, the real shapes' case) and not (260:
     the masked one), plain and grouped, against the twin; whole steps of 32-wide blocks read their scales as
     words (`_word_scaled`), 128-wide ones (a step's scale bytes no whole word) and masked steps as bytes. Each
-    block's weights carry their own power of two, so a column read with another block's scale is off by 2^1 or
-    more."""
+    block's weights carry their own power of two (2^-6 .. 2^6), so a column read with another block's scale is off
+    by a factor of 2 or more wherever the two differ."""
     x, w, s = make_case(K + groups, 2, 32 * groups, K, block, groups=groups)
     BK = _tiles(2, 32 * groups, K, groups, block[0], {})[1]
     assert _word_scaled(K, BK, block[1], s.view(torch.uint8)) == (K % BK == 0 and block == (32, 32))
