@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (else the op only calls the twin)", allow_module_level=True)
 
-from dsv4.fast.kernels.fp8_gemv import MAX_M, _tiles, _word_scaled, fp8_gemv, fp8_gemv_reference
+from dsv4.fast.kernels.fp8_gemv import MAX_M, _fp8_gemv_triton, _tiles, _word_scaled, fp8_gemv, fp8_gemv_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -73,14 +73,24 @@ def test_kernel_matches_twin(M, N, words, block, out_bf16, x_bf16, seed):
 @pytest.mark.parametrize("block", [(32, 32), (128, 128)])
 def test_k_steps_with_and_without_a_k_mask(K, groups, block):
     """K a multiple of the K step (256, 512: the kernel's unmasked K loop, the real shapes' case) and not (260:
-    the masked one), plain and grouped, against the twin; whole steps of 32-wide blocks read their scales as
-    words (`_word_scaled`), 128-wide ones (a step's scale bytes no whole word) and masked steps as bytes. Each
+    the masked one), plain and grouped, against the twin; whole steps read their scales as words (`_word_scaled`:
+    32-wide blocks four a word or more, 128-wide ones one a step, within a word; rows of scales in whole words),
+    masked steps and 128-wide blocks' rows of 2 scale bytes (K = 256) as bytes. Each
     block's weights carry their own power of two (2^-6 .. 2^6), so a column read with another block's scale is off
     by a factor of 2 or more wherever the two differ."""
     x, w, s = make_case(K + groups, 2, 32 * groups, K, block, groups=groups)
     BK = _tiles(2, 32 * groups, K, groups, block[0], {})[1]
-    assert _word_scaled(K, BK, block[1], s.view(torch.uint8)) == (K % BK == 0 and block == (32, 32))
+    assert _word_scaled(K, BK, block[1], s.view(torch.uint8)) == (K % BK == 0 and K // block[1] % 4 == 0)
     check(fp8_gemv(x, w, s, *block, torch.float32, groups), x, w, s, block, groups)
+
+
+@pytest.mark.parametrize("block, BK", [((128, 128), 256), ((128, 128), 128), ((64, 64), 256)])
+def test_scale_bytes_within_a_word(block, BK):
+    """Steps of one or two scale bytes (V4's 128-wide blocks in 256- and 128-wide steps) read the word holding them
+    at each step's byte offset, every byte of the word in its turn; against the twin."""
+    x, w, s = make_case(7, 1, 48, 1024, block)
+    assert _word_scaled(1024, BK, block[1], s.view(torch.uint8))
+    check(_fp8_gemv_triton(x, w, s, *block, torch.float32, 1, {"BK": BK}), x, w, s, block)
 
 
 @settings(max_examples=20, deadline=None)

@@ -183,11 +183,17 @@ def _word_scales(s_row, cw, KW, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _step_scales(s_row, k0, NW: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The fp32 scales of word columns k0 .. k0 + NW (a whole step; k0 a multiple of NW) from the step's NW * 4 /
-    BLOCK_K scale bytes, read as int32 words (lowest byte first): column c's is byte c // (BLOCK_K / 4)."""
+    """The fp32 scales of word columns k0 .. k0 + NW (a whole step; k0 a multiple of NW) from the step's G = NW * 4 /
+    BLOCK_K scale bytes, read as int32 words (lowest byte first): column c's is byte c // (BLOCK_K / 4). G < 4
+    (V4's 128-wide blocks: 2 a 256-wide step) reads the word that holds the step's bytes."""
     G: tl.constexpr = 4 * NW // BLOCK_K
-    words = tl.load(s_row.to(tl.pointer_type(tl.int32)) + k0 // BLOCK_K + tl.arange(0, G // 4))  # [G/4]
-    e8m0 = tl.reshape((words[:, None] >> (8 * tl.arange(0, 4))[None, :]) & 255, (G,))
+    first = (4 * k0) // BLOCK_K  # the step's first scale byte
+    words = s_row.to(tl.pointer_type(tl.int32)) + first // 4
+    if G >= 4:
+        e8m0 = tl.load(words + tl.arange(0, G // 4))[:, None] >> (8 * tl.arange(0, 4))[None, :]  # [G/4, 4]
+    else:
+        e8m0 = tl.load(words + tl.arange(0, 1)) >> (8 * (first % 4) + 8 * tl.arange(0, G))  # [G]
+    e8m0 = tl.reshape(e8m0 & 255, (G,))
     per_column = tl.reshape(tl.broadcast_to(e8m0[:, None], (G, BLOCK_K // 4)), (NW,))
     return (per_column << 23).to(tl.float32, bitcast=True)
 
@@ -278,10 +284,12 @@ def _tiles(M: int, N: int, K: int, groups: int, bn: int, cfg: dict) -> tuple[int
 
 
 def _word_scaled(K: int, BK: int, bk: int, scales: torch.Tensor) -> bool:
-    """Whether the kernel's steps read their scales as int32 words (`_step_scales`): whole steps (BK divides K), each
-    a whole number of words of scale bytes (BK a multiple of 4 bk), in rows of whole words from a 4-byte aligned
-    start. V4.1's 32-wide blocks are; V4's 128-wide ones in 256-wide steps are not (two bytes a step)."""
-    return K % BK == 0 and BK % (4 * bk) == 0 and scales.shape[1] % 4 == 0 and scales.data_ptr() % 4 == 0
+    """Whether the kernel's steps read their scales as int32 words (`_step_scales`): whole steps (BK divides K) of
+    whole blocks, a step's scale bytes whole words (V4.1's 32-wide blocks) or within one (V4's 128-wide: 1 or 2),
+    in rows of whole words from a 4-byte aligned start."""
+    G = BK // bk if BK % bk == 0 else 0  # scale bytes a step
+    return (K % BK == 0 and G > 0 and (G % 4 == 0 or 4 % G == 0) and scales.shape[1] % 4 == 0
+            and scales.data_ptr() % 4 == 0)
 
 
 def gemv_output(M: int, N: int, K: int, out_dtype, device) -> tuple[torch.Tensor, bool]:
