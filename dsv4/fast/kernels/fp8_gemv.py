@@ -90,7 +90,7 @@ def _fp8_gemv_kernel(
     argument so that a launch specializes its divisibility by 16, which K // 4 computed here would not carry to
     the row addresses. EVEN_K (BK divides K): no mask along K, so the loads can be 16-byte vectors (a mask varying
     along K made them one word each: 8 four-byte asynchronous copies a step per thread at wo_a's tile). The scales:
-    with WORD_SCALES (`_word_scaled`: V4.1's 32-wide blocks) a step reads its own as int32 words (`_step_scales`),
+    with WORD_SCALES (`_word_scaled`: V4.1's and V4's blocks) a step reads its own as int32 words (`_step_scales`),
     which the pipeliner copies asynchronously with the weights; otherwise as bytes a step ahead, which it does not
     copy (nothing under 4 bytes): a load that waits on memory in the loop (sm_90 SASS: an LDG.U8 a step in wo_a's
     and wo_b's loops before the words; in the step that used it, it waited a whole latency). BLOCK_K is a constexpr
@@ -118,7 +118,7 @@ def _fp8_gemv_kernel(
         rope = rope_factors(cos_ptr + table, sin_ptr + table, pairs, HEAD, R)  # each [1, BM, BN/2]
     acc = tl.zeros((BM, BN, NW), dtype=tl.float32)
     if not WORD_SCALES:
-        scale = _word_scales(s_row, c, KW, BLOCK_K)  # [NW]
+        scale = _byte_scales(s_row, c, KW, BLOCK_K)  # [NW]
     for k0 in tl.range(0, KW, NW, num_stages=STAGES):
         cw = k0 + c  # word columns
         if EVEN_K:
@@ -129,7 +129,7 @@ def _fp8_gemv_kernel(
         if WORD_SCALES:
             scale = _step_scales(s_row, k0, NW, BLOCK_K)
         else:
-            next_scale = _word_scales(s_row, cw + NW, KW, BLOCK_K)
+            next_scale = _byte_scales(s_row, cw + NW, KW, BLOCK_K)
         cols = (4 * cw)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, NW, 4]
         xv = tl.load(x_rows + cols, mask=mmask[:, None, None] & cm[None, :, None], other=0.0).to(tl.float32)
         if NORM:
@@ -175,8 +175,9 @@ def store_rows(y_ptr, y, mm, n, mmask, nmask, N, OUT_BF16: tl.constexpr, INTERP:
 
 
 @triton.jit
-def _word_scales(s_row, cw, KW, BLOCK_K: tl.constexpr):
-    """The fp32 scales (2^(e8m0 - 127)) of the int32 word columns cw; 0 past the row's KW words."""
+def _byte_scales(s_row, cw, KW, BLOCK_K: tl.constexpr):
+    """The fp32 scales (2^(e8m0 - 127)) of the int32 word columns cw, a byte load each (a masked step's, or where
+    `_step_scales` cannot read them as words); 0 past the row's KW words."""
     e8m0 = tl.load(s_row + (4 * cw) // BLOCK_K, mask=cw < KW, other=0)
     return (e8m0.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
