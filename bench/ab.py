@@ -17,8 +17,8 @@ run is `python <script> <args>` in its tree (working directory and PYTHONPATH), 
 <out>/<label>-<round> for its result files and DSV4_COMMIT to the tree's commit (the base's COMMIT file; this
 tree's $DSV4_COMMIT, else `git rev-parse`), its output in <out>/<label>-<round>.log; <out> is $OUT/ab (out/ab
 without OUT). Last, for each JSON result every run wrote, a table of its top-level numbers and its `by_op`
-microseconds (bench/profile_decode.py's), one column a run, and <out>/ab.json with the same and each run's exit
-status; the exit status is 1 if a run failed.
+microseconds (bench/profile_decode.py's), one column a run, and <out>/ab.json with the same, each run's exit
+status and the GPU its results name; the exit status is 1 if a run failed.
 """
 
 from __future__ import annotations
@@ -89,6 +89,12 @@ def numbers(result: dict) -> dict[str, float]:
     return row
 
 
+def gpus(runs: dict[str, Path]) -> dict[str, str | None]:
+    """{run label: the GPU its result JSONs name (`gpu`), None where none does}: each number's card beside it."""
+    named = lambda results: {json.loads(p.read_text()).get("gpu") for p in sorted(results.glob("*.json"))} - {None}
+    return {label: ", ".join(sorted(named(results))) or None for label, results in runs.items()}
+
+
 def compare(runs: dict[str, Path]) -> dict[str, dict[str, dict[str, float]]]:
     """{result name: {metric: {run label: value}}} over the JSON results every run wrote."""
     names = set.intersection(*({p.name for p in results.glob("*.json")} for results in runs.values()))
@@ -128,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
                            [{"metric": m, **vals} for m, vals in metrics.items()])
     summary = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "script": a.script,
                "args": a.args, "commits": {label: tree_commit(tree) for label, tree in trees.items()},
-               "exit_codes": codes, "results": table}
+               "exit_codes": codes, "gpus": gpus(runs), "results": table}
     (out / "ab.json").write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -46,6 +46,7 @@ def test_runs_alternate_in_their_trees_and_results_line_up(tmp_path, monkeypatch
     assert order.read_text().split("\n")[:-1] == ["base abc1234", "main def5678"] * 2
     assert summary["commits"] == {"base": "abc1234", "main": "def5678"}
     assert summary["exit_codes"] == {"base-0": 0, "main-0": 0, "base-1": 0, "main-1": 0}
+    assert summary["gpus"] == dict.fromkeys(summary["exit_codes"], "none")  # the card each run's results name
     step = summary["results"]["step.json"]
     assert step["graph_step_ms"] == {"base-0": 1.5, "main-0": 1.25, "base-1": 1.5, "main-1": 1.25}
     assert step["us dsv4::mhc_pre"]["main-1"] == 12.5
