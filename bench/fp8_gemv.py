@@ -7,16 +7,16 @@ V4.1's attention projections and decode batch sizes: does one byte a weight beat
     python bench/fp8_gemv.py --replot bench/results/fp8_gemv.json   # the PNG again, from the JSON
 
 Cases: the decode step's FP8 GEMVs at V4.1 widths and blocks (32 x 32; --arch v4: V4's, 128 x 128), M = 1, 2, 4, 8,
-16 activation rows: wq_b and
-the indexer's wq_b concatenated (one weight, as the fast model reads the query latent's linears), wo_a (8 groups,
-each its own 4096 columns of x), wo_b, and wq_a with wkv (x's linears in a layer without an indexer). At M = 1 and 2
-the one-group cases are also timed with their RMSNorm in the kernel (`graph_normed_us`; the step's form for wq_a +
-wkv and wq_b, which sum x's squares before their K loop). "fused" is the FP8 GEMV (its default tiles), "cublas" the fast model's
-bf16 path on the weight dequantized to bf16 (exactly): F.linear, or for wo_a its einsum (a batched GEMM). Bytes: the weight as each reads it (FP8 + scales, or bf16), the activations and the
-output. Timing: CUDA events, the median of --reps samples of R calls on R rotating weight sets (past L2), per call;
-"graph": replayed from a CUDA graph, as the decode step runs them; at M = 1 and 2 also a sweep of tiles
-(graph_sweep_us). Exactness: within the fp32 summation-order
-bound of the twin (tests/fast/test_fp8_gemv_kernel.py's). JSON to $OUT/fp8_gemv.json if OUT is set, else
+16 activation rows: wq_b and the indexer's wq_b concatenated (one weight, as the fast model reads the query latent's
+linears), wo_a (8 groups, each its own 4096 columns of x), wo_b, and wq_a with wkv (x's linears in a layer without an
+indexer). "fused" is the FP8 GEMV (its default tiles), "cublas" the fast model's bf16 path on the weight dequantized
+to bf16 (exactly): F.linear, or for wo_a its einsum (a batched GEMM). Bytes: the weight as each reads it (FP8 +
+scales, or bf16), the activations and the output. Timing: CUDA events, the median of --reps samples of R calls on R
+rotating weight sets (past L2), per call; "graph": replayed from a CUDA graph, as the decode step runs them; at M = 1
+and 2 also a sweep of tiles (graph_sweep_us), and for the one-group cases the GEMV with its RMSNorm in the kernel
+(`graph_normed_us`, the step's form for wq_a + wkv and wq_b, which sum x's squares before their K loop) and the same
+sweep so (`graph_normed_sweep_us`). Exactness: within the fp32 summation-order bound of the twin
+(tests/fast/test_fp8_gemv_kernel.py's). JSON to $OUT/fp8_gemv.json if OUT is set, else
 bench/results/fp8_gemv.json (fp8_gemv-smoke.json with --smoke), and a PNG beside it. The table is printed last.
 """
 
@@ -48,7 +48,8 @@ SMOKE_SHAPES = {"small": (96, 256, 1), "grouped": (64, 128, 2)}
 SWEEP = [{"BN": bn, "BK": bk, "stages": st, "num_warps": nw}
          for bn, bk, st, nw in [(8, 128, 4, 2), (8, 128, 6, 2), (8, 256, 4, 2), (8, 256, 6, 2), (8, 512, 4, 2),
                                 (8, 512, 6, 2), (16, 128, 4, 2), (16, 128, 4, 4), (16, 256, 4, 2), (16, 256, 4, 4),
-                                (16, 512, 4, 4), (32, 128, 3, 4), (32, 256, 3, 4)]]
+                                (16, 512, 4, 4), (32, 128, 3, 4), (32, 128, 4, 4), (32, 256, 3, 4),
+                                (4, 256, 4, 2), (4, 512, 4, 2)]]
 
 
 def decode_gemvs(arch: str) -> tuple[dict, tuple[int, int]]:
@@ -73,6 +74,14 @@ def bf16_path(x, wb, groups):
         return F.linear(x, wb)
     M, (N, K) = x.shape[0], wb.shape
     return torch.einsum("mgk,gnk->mgn", x.view(M, groups, K), wb.view(groups, N // groups, K)).reshape(M, N)
+
+
+def tile_sweep(x, sets, block, G, norm, reps) -> dict:
+    """us a call of each SWEEP tile over the rotating weight sets, in a CUDA graph; with the in-kernel RMSNorm
+    where norm is given (a program's prologue is paid once a program: the tile sets how many pay it)."""
+    return {"BN{BN}_BK{BK}_st{stages}_w{num_warps}".format(**c): common.time_calls(
+        [lambda w=w, s=s, c=c: _fp8_gemv_triton(x, w, s, *block, torch.bfloat16, G, c, norm, 1e-6)
+         for w, s, _ in sets], reps) for c in SWEEP}
 
 
 plot = common.plot_by_case("FP8 GEMV vs cuBLAS bf16", "cublas")
@@ -111,17 +120,13 @@ def main():
                    "fp8_bytes": fp8_bytes + io, "bf16_bytes": 2 * N * K + io}
             common.time_fused_vs_baseline(row, calls, reps, device, "cublas", fp8_bytes + io, 2 * N * K + io)
             if device == "cuda" and M in (1, 2):  # tiles, for tuning the defaults (graph mode)
-                row["graph_sweep_us"] = {
-                    "BN{BN}_BK{BK}_st{stages}_w{num_warps}".format(**c): common.time_calls(
-                        [lambda w=w, s=s, c=c, x=x, G=G: _fp8_gemv_triton(x, w, s, *block, torch.bfloat16, G, c)
-                         for w, s, _ in sets],
-                        reps)
-                    for c in SWEEP}
+                row["graph_sweep_us"] = tile_sweep(x, sets, block, G, None, reps)
                 if G == 1:  # the RMSNorm's prologue: every program sums x's squares before its K loop
                     norm = torch.rand(K, device=device).to(torch.bfloat16)
                     row["graph_normed_us"] = common.time_calls(
                         [lambda w=w, s=s, x=x, norm=norm: fp8_gemv(x, w, s, *block, torch.bfloat16, 1, norm, 1e-6)
                          for w, s, _ in sets], reps)
+                    row["graph_normed_sweep_us"] = tile_sweep(x, sets, block, G, norm, reps)
             results.append(row)
 
     name = "fp8_gemv" if ARGS.arch == "v41" else f"fp8_gemv-{ARGS.arch}"
