@@ -59,8 +59,9 @@ def inverse_rms(even, odd, eps, D: tl.constexpr):
 @triton.jit
 def streamed_inverse_rms(x_ptr, rows, rmask, K, eps, CHUNK: tl.constexpr, STAGES: tl.constexpr):
     """1 / sqrt(mean square + eps) of the rows `rows` [R] (mask rmask) of a contiguous x [N, K] read from memory,
-    fp32 [R] (`_inverse_root`). The chunks' loads pipelined STAGES deep: one at a time, each waited on an L2 round
-    trip (2 a step, sm_90 SASS), 5 in series at K = 5120."""
+    fp32 [R] (`_inverse_root`). The chunks are asynchronous copies STAGES - 1 deep (sm_90 SASS, the FP8 GEMV's
+    launch at 4 stages: chunks 0-2 issued together, then one a step), so K = 5120's five take about two L2 round
+    trips; a K loop after it issues its first copies only once the last chunk is in."""
     squares = tl.zeros((rows.shape[0],), dtype=tl.float32)
     for k0 in tl.range(0, K, CHUNK, num_stages=STAGES):
         k = k0 + tl.arange(0, CHUNK)
