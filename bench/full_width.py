@@ -668,6 +668,20 @@ def released_estimate(arch: str, layers: list[dict], outside_us: float, outside_
             "engram_layers_left_out": RELEASED[arch].get("text_config", {}).get("engram_layer_ids", [])}
 
 
+def released_numbers(result: dict) -> dict:
+    """A profile's released-depth step and roofline (`released_estimate` in its `by_layer_own` and `by_layer`) as
+    top-level numbers, so that `bench/ab.py` tables them, where every kind was measured: `_own` by the kernels' own
+    times in the graph replay (they sum to the graph step: the figure to quote), `_spans` by their spans (which
+    count a PDL kernel's wait for its predecessor)."""
+    out = {}
+    for name, key in (("own", "by_layer_own"), ("spans", "by_layer")):
+        estimate = (result.get(key) or {}).get("estimate", {})
+        if "step_ms" in estimate:
+            out[f"released_ms_{name}"] = estimate["step_ms"]
+            out[f"released_roofline_{name}"] = estimate["roofline"]
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- CLI
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

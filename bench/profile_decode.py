@@ -15,7 +15,9 @@ kernels, other aten ops).
 `by_layer` (`full_width.layer_breakdown`): the launches cut into layers at their mHC posts, each with its kind, time
 alone and the bytes it reads, and the step at the released depth with each released layer at its kind's measured
 time and bytes (`--layers 6` measures every V4.1 kind, 4 every V4 kind); `by_layer_own` the same from the kernels'
-own times in the graph replay (where they line up), the split of the graph's device time.
+own times in the graph replay (where they line up), the split of the graph's device time; where every kind was
+measured, the released depth's step and roofline also as top-level numbers (`released_ms_own`,
+`released_roofline_own`, and `_spans` from the spans), which `bench/ab.py` tables.
 With --prefill-chunk, a cold prefill's kernels too, where the device sat idle (`full_width.idle_gaps`: the longest
 gaps and the host ops that launched the work after them), and its device time by layer module and module-path
 method (`SPANS`: CUDA events around each call, so a span includes the spans inside it).
@@ -66,6 +68,7 @@ from full_width import (  # noqa: E402
     profile_step,
     profiler_activities,
     random_ids,
+    released_numbers,
 )
 
 from dsv4.fast.model import make_fast  # noqa: E402
@@ -246,12 +249,17 @@ def main():
         if B == 1:
             result["by_layer_own"] = layer_breakdown(fast, runner.state, steps, context, nbytes, bw, ARGS.arch,
                                                      key="own_us")
+    result.update(released_numbers(result))
     path = common.write_result(f"profile-decode-{ARGS.arch}-b{B}{'-compiled' if ARGS.compile else ''}", ARGS.smoke, result)
     print(path)
     print(f"graph step {step_ms:.3f} ms; kernels {result['kernel_sum_ms']:.3f} ms in {result['kernel_launches']} launches; "
           f"floor (B=1 bytes) {result['floor_ms_b1']:.3f} ms")
     for r in rows[: ARGS.top]:
         print(f"{r['us']:9.1f} us {r['calls']:4d}x  {r['kernel']}")
+    for name in ("own", "spans"):
+        if f"released_ms_{name}" in result:
+            print(f"released depth by kind ({name}): {result[f'released_ms_{name}']:.3f} ms a step, "
+                  f"{100 * result[f'released_roofline_{name}']:.1f}% of the roofline")
     if "own_sum_ms" in result:
         print(f"graph replay: device span {result['device_span_ms']:.3f} ms, kernels' own time "
               f"{result['own_sum_ms']:.3f} ms, gaps {result['device_span_ms'] - result['own_sum_ms']:.3f} ms")

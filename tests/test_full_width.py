@@ -27,6 +27,7 @@ from bench.full_width import (
     layer_rows,
     main,
     released_estimate,
+    released_numbers,
     role_kind,
     split_by_layer,
     transformers_model,
@@ -314,6 +315,20 @@ def test_released_estimate_names_the_kinds_nothing_measured():
     est = released_estimate("v41", measured_layers("v41", 4, lambda k: 1.0), 0.0, 0, bw=1e12)
     assert est == {"missing_kinds": ["csa r2 kv<- idx<-", "window"]}
     assert released_estimate("v4", measured_layers("v4", 4, lambda k: 1.0), 0.0, 0, bw=1e12)["layers"] == 43
+
+
+def test_released_numbers_come_up_where_every_kind_was_measured():
+    """A profile's released-depth estimates as top-level numbers: own times and spans each where complete."""
+    complete = released_estimate("v4", measured_layers("v4", 4, lambda k: 2.0), 10.0, 0, bw=1e12)
+    partial = released_estimate("v41", measured_layers("v41", 4, lambda k: 2.0), 10.0, 0, bw=1e12)
+    both = released_numbers({"by_layer": {"estimate": complete}, "by_layer_own": {"estimate": complete}})
+    assert both == {"released_ms_own": complete["step_ms"], "released_roofline_own": complete["roofline"],
+                    "released_ms_spans": complete["step_ms"], "released_roofline_spans": complete["roofline"]}
+    assert complete["step_ms"] == pytest.approx((43 * 2.0 + 10.0) / 1e3)
+    assert released_numbers({"by_layer": {"estimate": partial}, "by_layer_own": {"estimate": partial}}) == {}
+    assert released_numbers({"by_layer": None}) == {}  # a batch above 1: no layer rows
+    assert set(released_numbers({"by_layer": {"estimate": complete}})) == {"released_ms_spans",
+                                                                            "released_roofline_spans"}
 
 
 def test_layer_rows_sum_the_times_they_are_asked_for():
