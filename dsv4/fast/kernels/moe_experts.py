@@ -840,6 +840,11 @@ def _even_k(K: int, BK: int, scales: torch.Tensor) -> bool:
     return K % BK == 0 and BK % 128 == 0 and scales.data_ptr() % 4 == 0
 
 
+def _all_even_k(K: int, BK: int, *scales: torch.Tensor) -> bool:
+    """`_even_k` for every scale tensor one launch reads (the routed experts' and the shared expert's)."""
+    return all(_even_k(K, BK, t) for t in scales)
+
+
 def down_tail(K: int, BK: int, *scales: torch.Tensor) -> int:
     """The gather down kernel's last step apart (`_down_sum`'s TAIL), or 0: where BK does not divide its rows of K
     (V4.1's I = 2304 in the one-token 512-wide steps), the remainder as a step of its own, a power of two of whole
@@ -847,7 +852,7 @@ def down_tail(K: int, BK: int, *scales: torch.Tensor) -> int:
     waited on in its step (4 a step, sm_90 SASS), and its weights 8 bytes a copy."""
     tail = K % BK
     whole = tail % 128 == 0 and tail & (tail - 1) == 0
-    return tail if tail and whole and all(_even_k(K - tail, BK, t) for t in scales) else 0
+    return tail if tail and whole and _all_even_k(K - tail, BK, *scales) else 0
 
 
 def down_k_step(c: dict) -> int:
@@ -870,16 +875,15 @@ def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, 
     words = lambda q: q.view(torch.int64 if shared_fp8 else torch.int32)
     bk_down = down_k_step(c)
     tail = down_tail(I, bk_down, s2, e2)
-    even = lambda K, BK, *scales: all(_even_k(K, BK, t) for t in scales)
     kw = {"STAGES": c["gather_stages"], "IS_BF16": is_bf16, "INTERP": _INTERP, "SHARED": has_shared,
           "SH_FP8": shared_fp8 is not None, "PDL": pdl(x), "num_warps": c["gather_warps"], "launch_pdl": pdl(x)}
     _gather_up_kernel[(N, S, triton.cdiv(I, c["BI"]))](
         x, planes, ids_r, wts_r, w13.view(torch.int32), s13, sh13, words(q13), e13, hp, D, I, S, ids.shape[1], E,
-        limit, BI=c["BI"], BK=c["BK"], EVEN_K=even(D, c["BK"], s13, e13), **kw)
+        limit, BI=c["BI"], BK=c["BK"], EVEN_K=_all_even_k(D, c["BK"], s13, e13), **kw)
     out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
     _gather_down_kernel[(N, triton.cdiv(D, c["BD"]), S)](
         hp, ids_r, w2.view(torch.int32), s2, sh2, words(q2), e2, out, D, I, S, ids.shape[1], E, BD=c["BD"],
-        BK=bk_down, EVEN_K=even(I - tail, bk_down, s2, e2), TAIL=tail, **kw)
+        BK=bk_down, EVEN_K=_all_even_k(I - tail, bk_down, s2, e2), TAIL=tail, **kw)
     return out
 
 
