@@ -110,8 +110,6 @@ def _fp8_gemv_kernel(
     words = w_ptr.to(tl.pointer_type(tl.int32)) + n.to(tl.int64)[:, None] * KW
     s_row = s_ptr + ((pid * BN) // block_n) * KS  # BN divides block_n: one scale row for the program
     x_rows = x_ptr + ((pid * BN) // (N // G)) * K + mm[:, None, None] * (G * K)  # the program's group's columns
-    if NORM:  # 1 / sqrt(mean square + eps), as torch computes rsqrt on the CPU (correctly rounded)
-        r = streamed_inverse_rms(x_ptr, mm, mmask, K, eps, NORM_CHUNK, STAGES)[:, None, None]
     if R > 0:  # the RoPE tables asked for now, so that their loads run beside the weights' (`_rotated_heads`)
         table = tl.minimum(mm, M - 1)[:, None] * (R // 2)  # [BM, 1]: rows past M read row M - 1's, never stored
         pairs = ((pid * BN) % HEAD) // 2 + tl.arange(0, BN // 2)  # the channel pairs' ids in their head
@@ -119,34 +117,69 @@ def _fp8_gemv_kernel(
     acc = tl.zeros((BM, BN, NW), dtype=tl.float32)
     if not WORD_SCALES:
         scale = _byte_scales(s_row, c, KW, BLOCK_K)  # [NW]
-    for k0 in tl.range(0, KW, NW, num_stages=STAGES):
+    r = 1.0
+    if NORM:  # 1 / sqrt(mean square + eps), as torch computes rsqrt on the CPU (correctly rounded)
+        # the first step's weights asked for ahead of the norm's loads, so that their memory round trip runs under
+        # the norm's L2 round trips (the pipelined loop's first copies issue only once the norm's are in)
+        w = _step_words(words, c, KW, nmask, EVEN_K)
+        if WORD_SCALES:
+            scale = _step_scales(s_row, 0, NW, BLOCK_K)
+        r = streamed_inverse_rms(x_ptr, mm, mmask, K, eps, NORM_CHUNK, STAGES)[:, None, None]
+        acc = _step_dot(acc, w, scale, x_rows, nw_ptr, c, KW, r, mmask, EVEN_K, NORM, X_BF16, INTERP)
+        if not WORD_SCALES:
+            scale = _byte_scales(s_row, c + NW, KW, BLOCK_K)
+    for k0 in tl.range(NW if NORM else 0, KW, NW, num_stages=STAGES):
         cw = k0 + c  # word columns
-        if EVEN_K:
-            cm = tl.full((NW,), True, tl.int1)
-        else:
-            cm = cw < KW
-        w = tl.load(words + cw[None, :], mask=nmask[:, None] & cm[None, :], other=0)  # [BN, NW]
+        w = _step_words(words, cw, KW, nmask, EVEN_K)
         if WORD_SCALES:
             scale = _step_scales(s_row, k0, NW, BLOCK_K)
         else:
             next_scale = _byte_scales(s_row, cw + NW, KW, BLOCK_K)
-        cols = (4 * cw)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, NW, 4]
-        xv = tl.load(x_rows + cols, mask=mmask[:, None, None] & cm[None, :, None], other=0.0).to(tl.float32)
-        if NORM:
-            nw = tl.load(nw_ptr + cols, mask=cm[None, :, None], other=0.0).to(tl.float32)
-            xv = rounded(nw * (xv * r), X_BF16, INTERP)
-        xq = xv * scale[None, :, None]
-        even, odd = tl.split(tl.reshape(xq, (BM, NW, 2, 2)))  # positions (0, 2) and (1, 3) of each word
-        x0, x2 = tl.split(even)
-        x1, x3 = tl.split(odd)
-        acc = _dot4(acc, tl.broadcast_to(w[None, :, :], (BM, BN, NW)), _rows(x0, BN), _rows(x1, BN),
-                    _rows(x2, BN), _rows(x3, BN), INTERP)
+        acc = _step_dot(acc, w, scale, x_rows, nw_ptr, cw, KW, r, mmask, EVEN_K, NORM, X_BF16, INTERP)
         if not WORD_SCALES:
             scale = next_scale
     y = tl.sum(acc, axis=2)  # [BM, BN]
     if R > 0:
         y = _rotated_heads(y, pid * BN < rope_rows, *rope, OUT_BF16, INTERP)
     store_rows(y_ptr, y, mm, n, mmask, nmask, N, OUT_BF16, INTERP)
+
+
+@triton.jit
+def _in_row(cw, KW, EVEN_K: tl.constexpr):
+    """Which word columns cw lie in the row of KW words: all of them where the steps are whole (EVEN_K), so that
+    the loads carry no mask along K."""
+    if EVEN_K:
+        return tl.full(cw.shape, True, tl.int1)
+    else:
+        return cw < KW
+
+
+@triton.jit
+def _step_words(words, cw, KW, nmask, EVEN_K: tl.constexpr):
+    """A K step's weight words [BN, NW] (int32, four codes each) at word columns cw [NW]; 0 past the row's KW."""
+    return tl.load(words + cw[None, :], mask=nmask[:, None] & _in_row(cw, KW, EVEN_K)[None, :], other=0)
+
+
+@triton.jit
+def _step_dot(acc, w, scale, x_rows, nw_ptr, cw, KW, r, mmask, EVEN_K: tl.constexpr, NORM: tl.constexpr,
+              X_BF16: tl.constexpr, INTERP: tl.constexpr):
+    """acc [BM, BN, NW] + a K step: the activations of word columns cw (with NORM, normalized by r [BM, 1, 1] and
+    the norm weight, rounded as `rms_norm` rounds) scaled by the step's scales [NW], times the words w [BN, NW]."""
+    BM: tl.constexpr = acc.shape[0]
+    BN: tl.constexpr = acc.shape[1]
+    NW: tl.constexpr = acc.shape[2]
+    cm = _in_row(cw, KW, EVEN_K)
+    cols = (4 * cw)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [1, NW, 4]
+    xv = tl.load(x_rows + cols, mask=mmask[:, None, None] & cm[None, :, None], other=0.0).to(tl.float32)
+    if NORM:
+        nw = tl.load(nw_ptr + cols, mask=cm[None, :, None], other=0.0).to(tl.float32)
+        xv = rounded(nw * (xv * r), X_BF16, INTERP)
+    xq = xv * scale[None, :, None]
+    even, odd = tl.split(tl.reshape(xq, (BM, NW, 2, 2)))  # positions (0, 2) and (1, 3) of each word
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return _dot4(acc, tl.broadcast_to(w[None, :, :], (BM, BN, NW)), _rows(x0, BN), _rows(x1, BN), _rows(x2, BN),
+                 _rows(x3, BN), INTERP)
 
 
 @triton.jit
