@@ -96,8 +96,9 @@ def _fp8_gemv_kernel(
     and wo_b's loops before the words; in the step that used it, it waited a whole latency). BLOCK_K is a constexpr
     so that finding a word's K block is a shift, not a division by a runtime int. NORM: every program first sums
     its rows' squares (x is a few KB, read from L2 by each), then normalizes the activations it loads as
-    `rms_norm` does, weight nw_ptr. R > 0: the output rows below rope_rows are heads of HEAD rows whose last R are
-    rotated (`_rotated_heads`)."""
+    `rms_norm` does, weight nw_ptr; its first K step is taken out of the loop, its weights asked for before the
+    sums' loads. R > 0: the output rows below rope_rows are heads of HEAD rows whose last R are rotated
+    (`_rotated_heads`)."""
     wait_for_predecessor(PDL)
     start_successor(START)
     pid = tl.program_id(0)
