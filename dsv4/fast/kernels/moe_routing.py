@@ -33,6 +33,11 @@ from dsv4.reference.moe import route, router_scores
 
 _SCORE_FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 MAX_EXPERTS = 1024
+# The gate GEMM's K splits at most in decode (`gate_config`): the routing sums the splits' partials in series
+# after it (in the GEMM's last program at up to 8 rows). On the H100 (session 57, V4.1, the 4-layer bench step,
+# the gate_route launches' own time over its 4 layers): 64 experts a tile and 40 splits 37.0 us, 10 splits 34.3,
+# 5 splits 39.5; 32 experts a tile and 10 splits 32.7, at batch 8 176.2 against 209.8 for 64 and 40
+DECODE_SPLITS = 10
 
 
 def route_topk_twin(logits, bias, hashed_ids, topk, temp, scale, normalize, score_func):
@@ -279,15 +284,19 @@ def route_topk_triton(logits, bias, hashed_ids, topk, temp, scale, normalize, sc
 
 
 def gate_config(N: int, E: int, D: int, elt: int, target: int, BM=None, BE=None, BK=None, split=None):
-    BM = BM or (16 if N <= 16 else 32 if N <= 32 else 64)
+    """The gate GEMM's tiles for N rows, E experts, D wide: BM rows, BE experts and BK columns a step, the K splits
+    and the steps a split takes."""
+    decode = N <= 16  # one 16-row block
+    BM = BM or (16 if decode else 32 if N <= 32 else 64)
     # defaults that compile without register spills for sm_90 (ptxas -v, Triton 3.9)
-    BE = BE or min(64, triton.next_power_of_2(E))
+    BE = BE or min(32 if decode else 64, triton.next_power_of_2(E))
     BK = BK or (128 if elt <= 2 else 32)
     nb = max(1, triton.cdiv(N, BM) * triton.cdiv(E, BE))  # no rows: no launch, yet the tiles are asked for
     steps = triton.cdiv(D, BK)
     # split K until about `target` programs run, but keep the fp32 partials ([S, N, E]) under the bytes of
-    # the weight itself
-    split = split or max(1, min(steps, triton.cdiv(target, nb), D // (2 * max(N, 1))))
+    # the weight itself; in decode at most DECODE_SPLITS, as the routing sums the partials after the GEMM
+    most = DECODE_SPLITS if decode else steps
+    split = split or max(1, min(most, steps, triton.cdiv(target, nb), D // (2 * max(N, 1))))
     per = triton.cdiv(steps, split)
     return BM, BE, BK, triton.cdiv(steps, per), per
 
