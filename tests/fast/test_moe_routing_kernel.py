@@ -192,6 +192,19 @@ def test_gate_route_split_configs_agree():
         check_route(out, ref, sel, 6, rel=5e-6)
 
 
+@given(N=st.one_of(st.integers(0, 16), st.integers(17, 20000)), E=st.integers(1, 1024), D=st.integers(1, 16384), elt=st.sampled_from([2, 4]),
+       target=st.integers(1, 1024))
+def test_gate_config_splits_cover_k_once(N, E, D, elt, target):
+    """The gate GEMM's K splits: every K step in exactly one split (split s takes steps s * per .. s * per + per - 1,
+    the last cut at D), none empty (an empty one would still count itself in), at most DECODE_SPLITS in decode."""
+    BM, BE, BK, split, per = R.gate_config(N, E, D, elt, target)
+    steps = -(-D // BK)
+    assert split >= 1 and per >= 1
+    assert (split - 1) * per < steps <= split * per
+    if N <= 16:
+        assert split <= R.DECODE_SPLITS
+
+
 @settings(deadline=None, max_examples=examples(8))
 @given(N=st.integers(1, 8), E=st.sampled_from([24, 384]), hashed=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_the_gemms_last_program_routes_as_the_routing_kernel(N, E, hashed, seed):
