@@ -192,8 +192,8 @@ def test_gate_route_split_configs_agree():
         check_route(out, ref, sel, 6, rel=5e-6)
 
 
-@given(N=st.one_of(st.integers(0, 16), st.integers(17, 20000)), E=st.integers(1, 1024), D=st.integers(1, 16384), elt=st.sampled_from([2, 4]),
-       target=st.integers(1, 1024))
+@given(N=st.one_of(st.integers(0, 16), st.integers(17, 20000)), E=st.integers(1, 1024), D=st.integers(1, 16384),
+       elt=st.sampled_from([2, 4]), target=st.integers(1, 1024))
 def test_gate_config_splits_cover_k_once(N, E, D, elt, target):
     """The gate GEMM's K splits: every K step in exactly one split (split s takes steps s * per .. s * per + per - 1,
     the last cut at D), none empty (an empty one would still count itself in), at most DECODE_SPLITS in decode."""
