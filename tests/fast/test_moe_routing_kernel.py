@@ -197,7 +197,7 @@ def test_gate_route_split_configs_agree():
 def test_gate_config_splits_cover_k_once(N, E, D, elt, target):
     """The gate GEMM's K splits: every K step in exactly one split (split s takes steps s * per .. s * per + per - 1,
     the last cut at D), none empty (an empty one would still count itself in), at most DECODE_SPLITS in decode."""
-    BM, BE, BK, split, per = R.gate_config(N, E, D, elt, target)
+    _, _, BK, split, per = R.gate_config(N, E, D, elt, target)
     steps = -(-D // BK)
     assert split >= 1 and per >= 1
     assert (split - 1) * per < steps <= split * per

@@ -33,7 +33,7 @@ from dsv4.reference.moe import route, router_scores
 
 _SCORE_FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 MAX_EXPERTS = 1024
-# The gate GEMM's K splits at most in decode (`gate_config`): the routing sums the splits' partials in series
+# The most K splits the gate GEMM takes in decode (`gate_config`): the routing sums the splits' partials in series
 # after it (in the GEMM's last program at up to 8 rows). On the H100 (session 57, V4.1, the 4-layer bench step,
 # the gate_route launches' own time over its 4 layers, one call): 64 experts a tile and 40 splits 36.8 us, 10 splits
 # 34.3, 5 splits 39.5; 32 experts a tile and 10 splits 32.7; at batch 8 176.2 against 209.8 for 64 and 40
