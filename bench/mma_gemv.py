@@ -1,0 +1,237 @@
+"""Can the batch-1 MoE GEMV get past the CUDA cores' issue rate? An MXFP4 GEMV whose multiply-adds run on the
+tensor cores (`mma.sync` m16n8k16, f16 operands, fp32 accumulation) against the gather up kernel's own K loop
+(`moe_experts._up_sums`) over the same bytes, at V4.1 widths.
+
+    python bench/mma_gemv.py          # GPU: both checked against a float64 reference, then the table
+    python bench/mma_gemv.py --sass   # offline (no GPU): both loops' sm_90 SASS instructions a step
+
+Why: the gather kernels decode each int32 word of eight e2m1 codes on the CUDA cores (the integer moves, four
+e4m3-pair conversions, eight f16 -> f32 widenings, eight FMAs): sm_90 SASS of the batch-1 up loop runs 1021
+instructions a step for 32 words a thread (session 58), about one warp instruction per 4 bytes of weights. At four
+warp instructions a clock per SM, 132 SMs and ~1.98 GHz that issues ~4.2 TB/s at best, the H200's copy rate, so
+the loop is held by its issue slots (the up kernel read 99.5 MB in 34 us on the H200 in session 56: 68% of the
+copy rate). Here the FMAs and widenings go to the tensor cores: what stays on the CUDA cores is the integer decode,
+the e4m3-pair conversions and the loads.
+
+How: a program of 2 warps takes 64 rows; Triton lays a [64, 16] int32 tile of words out as 4 words a thread
+(`sizePerThread [1, 4]`, `threadsPerWarp [8, 4]`), so lane (g, t) holds words 4t .. 4t + 3 of a step (its
+32-element scale group t) of rows g + 8w + 16i, i = 0..3. Each word's codes become four f16x2 pairs (values e2m1
+/ 64, exact): (c0, c2), (c4, c6), (c1, c3), (c5, c7). One mma takes half a word of two rows from every lane, so
+its 16 K positions span the four lanes t, four scale groups; B's column n holds the activations of group n only
+(zero for the lanes t != n), so D[m, n] is row m's sum over group n, and the lanes t < 2 scale their columns
+2t, 2t + 1 by their groups' e8m0 scales in two FMAs. Activations are given as f16 pairs in that order, zero where
+g != t (`b_layout`: 8 x the bytes; a kernel of the model would rather mask the loads). The activations here are
+f16 numbers; bf16 ones outside f16's range would need a power-of-two scale a group, which the FMAs could carry.
+`tests/fast/test_mma_gemv.py` replays the lanes' arithmetic in numpy (the mma's fragment layout written out)
+against the reference; that Triton hands the asm a thread's 16 words in this order only a GPU run's error tells.
+Offline (`--sass`, Triton 3.8): the mma loop 307 instructions a step for 16 words a thread (19.2 a word), the gather
+up kernel's 1021 for 32 (31.9).
+JSON: $OUT/mma_gemv.json if OUT is set, else bench/results/mma_gemv.json; `--sass` prints only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.fast.kernels.moe_experts import _up_sums, activation_planes
+
+# one int32 word of eight codes (low nibble first) -> f16x2 pairs {r0..r3}: (c0, c2), (c4, c6), (c1, c3), (c5, c7),
+# through e4m3 bytes as `moe_experts._WORD_DOT_PTX` makes them (value e2m1 / 64)
+_DECODE = [
+    "shl.b32 t, {w}, 4;", "and.b32 t, t, 0x80808080;", "shl.b32 u, {w}, 2;", "and.b32 u, u, 0x1C1C1C1C;",
+    "or.b32 l, t, u;",  # codes 0, 2, 4, 6
+    "and.b32 t, {w}, 0x80808080;", "shr.b32 u, {w}, 2;", "and.b32 u, u, 0x1C1C1C1C;", "or.b32 h, t, u;",  # 1, 3, 5, 7
+    "mov.b32 {{x0, x1}}, l;", "mov.b32 {{x2, x3}}, h;",
+    "cvt.rn.f16x2.e4m3x2 {r0}, x0;", "cvt.rn.f16x2.e4m3x2 {r1}, x1;",
+    "cvt.rn.f16x2.e4m3x2 {r2}, x2;", "cvt.rn.f16x2.e4m3x2 {r3}, x3;",
+]
+PAIRS = ((0, 2), (4, 6), (1, 3), (5, 7))  # the codes of each f16x2 pair a word decodes to, in `_DECODE`'s order
+ROWS = "PQRS"  # a lane's four rows (i = 0..3); mma 0 takes P and Q, mma 1 R and S
+# operand numbers: 16 sums out, 16 sums in, 16 words, 16 scale words, 16 shifts, 16 B pairs (one each a tile element)
+OUT, SUM, WORD, SCALE, SHIFT, B = 0, 16, 32, 48, 64, 80
+
+
+def mma_step_ptx() -> str:
+    """One K step of a lane (16 tile elements: rows P, Q, R, S x words 0..3): decode, 16 mma, scale, sum. Element
+    (row i, word j) of the sums carries row i's running sum at j = 0 (zeros at 1..3); of B, mma (word i, half j // 2)'s
+    b0 (j even) or b1 (j odd), as `b_layout` lays them."""
+    ptx = ["{", ".reg .b32 t, u, l, h, s0, f0, f1;", ".reg .b16 x0, x1, x2, x3;",
+           ".reg .b32 " + ", ".join(f"{r}<16>" for r in ROWS) + ";", ".reg .f32 d<4>, e<4>;"]
+    for i, row in enumerate(ROWS):
+        for j in range(4):
+            ptx += [s.format(w=f"${WORD + 4 * i + j}", r0=f"{row}{4 * j}", r1=f"{row}{4 * j + 1}",
+                             r2=f"{row}{4 * j + 2}", r3=f"{row}{4 * j + 3}") for s in _DECODE]
+    for top, low, d in (("P", "Q", "d"), ("R", "S", "e")):
+        acc = f"{{{d}0, {d}1, {d}2, {d}3}}"
+        for n, (j, half) in enumerate((j, half) for j in range(4) for half in range(2)):
+            a = [f"{top}{4 * j + 2 * half}", f"{low}{4 * j + 2 * half}", f"{top}{4 * j + 2 * half + 1}",
+                 f"{low}{4 * j + 2 * half + 1}"]
+            b = [f"${B + 4 * j + 2 * half}", f"${B + 4 * j + 2 * half + 1}"]
+            c = "{0f00000000, 0f00000000, 0f00000000, 0f00000000}" if n == 0 else acc
+            ptx.append(f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {acc}, {{{', '.join(a)}}}, "
+                       f"{{{', '.join(b)}}}, {c};")
+    for i, (d, col) in enumerate((("d", 0), ("d", 2), ("e", 0), ("e", 2))):  # rows P, Q (d) and R, S (e)
+        ptx += [f"shr.b32 s0, ${SCALE + 4 * i}, ${SHIFT};",  # scale bytes 2t, 2t + 1 (0 past the word)
+                "shl.b32 f0, s0, 23;", "and.b32 f0, f0, 0x7F800000;", "shl.b32 f1, s0, 15;",
+                "and.b32 f1, f1, 0x7F800000;",
+                f"fma.rn.f32 ${OUT + 4 * i}, {d}{col}, f0, ${SUM + 4 * i};",
+                f"fma.rn.f32 ${OUT + 4 * i}, {d}{col + 1}, f1, ${OUT + 4 * i};"]
+        ptx += [f"mov.f32 ${OUT + 4 * i + j}, 0f00000000;" for j in (1, 2, 3)]
+    return "\n".join(ptx + ["}"])
+
+
+_STEP_PTX = tl.constexpr(mma_step_ptx())
+_STEP_OPERANDS = tl.constexpr(",".join(["=f"] * 16 + ["f"] * 16 + ["r"] * 64))
+
+
+@triton.jit
+def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, y_ptr, R, KW, STEPS, STAGES: tl.constexpr):
+    """Program (row tile, K split): y[split, r] = the split's sum over K of e2m1 codes x scales x activations / 64.
+    w int32 words [R, KW]; s the e8m0 scales as int32 words [R, KW / 16]; b `b_layout`'s [STEPS, 8, 4, 16]."""
+    BR: tl.constexpr = 64
+    NW: tl.constexpr = 16  # words a row a step: four scale groups
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    split = tl.program_id(1)
+    per = STEPS // tl.num_programs(1)
+    c = tl.arange(0, NW)
+    r = tl.arange(0, BR)
+    b_slot = ((r % 8) * (4 * NW) + (r // 16) * NW)[:, None] + c[None, :]  # lane group g = r % 8, row rep i = r // 16
+    shift = (c // 4 * 16)[None, :] + tl.zeros((BR, NW), tl.int32)  # lane t: its columns' scale bytes 2t, 2t + 1
+    acc = tl.zeros((BR, NW), tl.float32)
+    for s in tl.range(split * per, split * per + per, num_stages=STAGES):
+        w = tl.load(w_ptr + rows[:, None] * KW + s * NW + c[None, :])
+        sw = tl.load(s_ptr + rows * (KW // 16) + s)
+        b = tl.load(b_ptr + s * (8 * 4 * NW) + b_slot)
+        acc = tl.inline_asm_elementwise(_STEP_PTX, _STEP_OPERANDS,
+                                        [acc, w, sw[:, None] + tl.zeros((BR, NW), tl.int32), shift, b],
+                                        dtype=tl.float32, is_pure=True, pack=16)
+    tl.store(y_ptr + split * R + rows, tl.sum(acc, axis=1))
+
+
+def b_layout(a: torch.Tensor) -> torch.Tensor:
+    """Activations a [K] (f16 numbers) -> [K / 128, 8 (g), 4 (i), 16 (4t + j)] int32 f16x2: element (g, i, 4t + j)
+    is pair j (`PAIRS`) of word 4t + i of the step where g == t, else zero."""
+    steps = a.numel() // 128
+    v = a.view(steps, 16, 8).to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF  # [step, word, code]
+    pairs = torch.stack([v[:, :, p] | (v[:, :, q] << 16) for p, q in PAIRS], -1)  # [step, word, j]
+    out = torch.zeros(steps, 8, 4, 4, 4, dtype=torch.int32, device=a.device)  # [step, g, i, t, j]
+    for t in range(4):
+        out[:, t, :, t, :] = pairs[:, 4 * t:4 * t + 4, :]
+    return out.view(steps, 8, 4, 16)
+
+
+def gemv_mma(words, scales, b, y, stages: int = 3) -> None:
+    """y [splits, R] = each K split's sum of words' codes x scales x activations / 64: words int32 [R, K / 8],
+    scales uint8 e8m0 [R, K / 32], b = b_layout(activations)."""
+    R, KW = words.shape
+    _gemv_mma_kernel[(R // 64, y.shape[0])](words, scales.view(torch.int32), b, y, R, KW, KW // 16, STAGES=stages,
+                                            num_warps=2)
+
+
+def sass_counts() -> list[dict]:
+    """The mma loop's and the gather up kernel's batch-1 loop in sm_90 SASS (Triton's own ptxas; no GPU):
+    instructions a step and a word."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import registers as R
+    from sass_loops import kernel_row
+
+    mma = R.Kernel("mma GEMV", _gemv_mma_kernel, {"w_ptr": "*i32", "s_ptr": "*i32", "b_ptr": "*i32"},
+                   {"STAGES": 3}, 2, 3)
+    up = next(k for k in R.moe_kernels() if k.name == "moe gather up")
+    rows = []
+    for k, words in ((mma, 64 * 16 // 64), (up, 2 * up.constexprs["BI"] * up.constexprs["BK"] // 8 // 64)):
+        step = kernel_row(k, None)["loops"][0]["instructions"]  # the K loop (the up kernel's routed experts')
+        rows.append({"kernel": k.name, "instructions_a_step": step, "words_a_thread": words,
+                     "instructions_a_word": step / words})
+    return rows
+
+
+def check_and_time(split_stages: list[tuple[int, int]], sets: int = 4) -> dict:
+    """Both GEMVs at V4.1's up (7 slots x w1 and w3 rows of 2304, K 5120: 88 MB) and down (7 x 5120 rows, K 2304:
+    44 MB) sizes: the largest error against a float64 reference (relative to the largest |y|), and the time of one
+    call, over `sets` weight sets in turn (more bytes than the L2 holds, as the step's layers are)."""
+    import common
+
+    from dsv4.quant import E2M1_VALUES
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    bw = common.copy_bandwidth(dev)
+    result = {**common.metadata("cuda"), "copy_bandwidth": bw, "weight_sets": sets, "rows": []}
+    for R_, K, shape in ((7 * 2 * 2304, 5120, "up"), (7 * 5120, 2304, "down")):
+        words = [torch.randint(-2**31, 2**31 - 1, (R_, K // 8), dtype=torch.int32, device=dev, generator=gen)
+                 for _ in range(sets)]
+        scales = [torch.randint(118, 136, (R_, K // 32), dtype=torch.uint8, device=dev, generator=gen)
+                  for _ in range(sets)]
+        a = torch.randn(K, device=dev, generator=gen).half().float()
+        codes = torch.stack([(words[0] >> (4 * j)) & 15 for j in range(8)], -1).reshape(R_, K)
+        scale = torch.pow(2.0, scales[0].double() - 127).repeat_interleave(32, 1)
+        ref = (E2M1_VALUES.to(dev).double()[codes.long()] * scale) @ a.double()
+        del codes, scale
+        nbytes = words[0].numel() * 4 + scales[0].numel()
+        b, planes = b_layout(a), activation_planes(a[None])
+        cases = {}
+        for split, stages in split_stages:
+            if (K // 128) % split == 0:
+                y = torch.empty(split, R_, device=dev)
+                cases[f"mma split {split} stages {stages}"] = (
+                    [lambda n=n, y=y, st=stages: gemv_mma(words[n], scales[n], b, y, st) for n in range(sets)],
+                    lambda y=y: y.sum(0) * 64)
+        y = torch.empty(R_, device=dev)
+        cases["CUDA cores (_up_sums, BK 256)"] = (
+            [lambda n=n, y=y: gemv_cores(words[n], scales[n], planes, y) for n in range(sets)], lambda y=y: y)
+        for name, (calls, total) in cases.items():
+            calls[0]()
+            err = ((total().double() - ref).abs().max() / ref.abs().max()).item()
+            us = common.time_calls(calls, 20, graph=True)
+            row = {"shape": shape, "rows": R_, "K": K, "kernel": name, "us": us, "bytes": nbytes,
+                   "of_copy_rate": nbytes / (us * 1e-6) / bw, "max_rel_err": err}
+            result["rows"].append(row)
+            print(f"{shape:4s} {name:32s} {us:7.1f} us  {100 * row['of_copy_rate']:5.1f}% of the copy rate  "
+                  f"error {err:.1e}")
+    return result
+
+
+@triton.jit
+def _gemv_cores_kernel(w_ptr, s_ptr, xp_ptr, y_ptr, R2, D, BK: tl.constexpr, STAGES: tl.constexpr):
+    """The gather up kernel's routed loop (`_up_sums`, 16 + 16 rows) on rows i and R2 + i."""
+    i = tl.program_id(0) * 16 + tl.arange(0, 16)
+    imask = i < R2
+    g, u = _up_sums(w_ptr, s_ptr, i.to(tl.int64), i.to(tl.int64) + R2, imask, D, xp_ptr, BK, STAGES, False, True,
+                    False)
+    tl.store(y_ptr + i, g, mask=imask)
+    tl.store(y_ptr + R2 + i, u, mask=imask)
+
+
+def gemv_cores(words, scales, planes, y) -> None:
+    """y [R] = the same sums by the CUDA-core loop, at the batch-1 gather's 2 warps and two stages (BK 256 divides
+    both K)."""
+    R, KW = words.shape
+    _gemv_cores_kernel[(R // 32,)](words, scales, planes, y, R // 2, KW * 8, BK=256, STAGES=2, num_warps=2)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sass", action="store_true", help="offline: the loops' SASS instruction counts only")
+    args = p.parse_args(argv)
+    counts = sass_counts()
+    for row in counts:
+        print(f"{row['kernel']}: {row['instructions_a_step']} instructions a step, "
+              f"{row['instructions_a_word']:.1f} a word")
+    if args.sass:
+        return
+    import common
+
+    result = check_and_time([(1, 2), (1, 3), (1, 4), (2, 3), (4, 3)])
+    result["sass"] = counts
+    print(common.write_result("mma_gemv", False, result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""bench/mma_gemv.py's tensor-core GEMV without a GPU: its word decode in the PTX emulator, and its PTX step's mma
+operands replayed for every lane of a warp with m16n8k16's fragment layout written out, on `b_layout`'s activations,
+against a float64 reference. A wrong B slot, pair order or operand in the PTX text moves a product into the wrong
+group's column or K position and fails these."""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `bench` as a package
+
+from ptx_emulator import run
+
+from bench import mma_gemv as G
+from dsv4.quant import E2M1_VALUES
+
+E2M1 = E2M1_VALUES.double().numpy()
+
+
+def mma_operands() -> list[tuple[list[str], list[int], str]]:
+    """Each mma of the step: its A registers (named row letter + index), its B tile elements, its accumulator."""
+    out = []
+    for line in G.mma_step_ptx().splitlines():
+        if line.startswith("mma."):
+            d, a, b, _ = re.findall(r"\{([^}]*)\}", line)
+            out.append(([x.strip() for x in a.split(",")], [int(x.strip()[1:]) - G.B for x in b.split(",")],
+                        d.split(",")[0].strip()[0]))
+    return out
+
+
+@functools.cache
+def decoded(word: int) -> list[tuple[float, float]]:
+    """A word's four f16x2 registers by `_DECODE` itself, in the PTX emulator."""
+    ptx = "\n".join(s.format(w="$4", r0="$0", r1="$1", r2="$2", r3="$3") for s in G._DECODE)
+    return [f16_pair(r) for r in run(ptx, "=r,=r,=r,=r,r", [word])]
+
+
+def test_decode_gives_the_pairs_in_pairs_order():
+    """`_DECODE`'s registers hold PAIRS' codes (values e2m1 / 64), which `b_layout` pairs the activations by."""
+    rng = np.random.default_rng(0)
+    for word in rng.integers(0, 2**32, 200).tolist():
+        want = [(E2M1[word >> 4 * p & 15] / 64, E2M1[word >> 4 * q & 15] / 64) for p, q in G.PAIRS]
+        assert decoded(word) == want
+
+
+def f16_pair(bits: int) -> tuple[float, float]:
+    halves = np.array([bits & 0xFFFF, bits >> 16 & 0xFFFF], dtype=np.uint16).view(np.float16)
+    return float(halves[0]), float(halves[1])
+
+
+def lane_sums(words: np.ndarray, scales: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """y [64] of one program: every lane (g, t) of both warps holds words 4t..4t+3 of rows 16i + 8w + g; each mma
+    gathers A and B from the 32 lanes by the fragment layout (a0: row g, k 2t, 2t+1; a1: row g + 8; a2 / a3: k + 8;
+    b0: k 2t, 2t+1, column g; b1: k + 8), and the lanes t < 2 scale columns 2t, 2t+1 by those groups' scales."""
+    y = np.zeros(64)
+    mmas = mma_operands()
+    for w in range(2):
+        for s in range(words.shape[1] // 16):
+            for acc_name, rows in (("d", (0, 1)), ("e", (2, 3))):
+                D = np.zeros((16, 8))
+                for a_regs, b_elems, acc in mmas:
+                    if acc != acc_name:
+                        continue
+                    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+                    for g in range(8):
+                        for t in range(4):
+                            for n, reg in enumerate(a_regs):
+                                i, j, k = G.ROWS.index(reg[0]), int(reg[1:]) // 4, int(reg[1:]) % 4
+                                word = int(words[16 * i + 8 * w + g, 16 * s + 4 * t + j]) & 0xFFFFFFFF
+                                row, col = g + 8 * (n % 2), 2 * t + 8 * (n // 2)
+                                A[row, col:col + 2] = decoded(word)[k]
+                            for n, elem in enumerate(b_elems):
+                                i, j = elem // 4, elem % 4  # the lane's tile element: row rep i, word j
+                                B[2 * t + 8 * n:2 * t + 8 * n + 2, g] = f16_pair(int(b[s, g, i, 4 * t + j]) & 0xFFFFFFFF)
+                    D += A @ B
+                for g in range(8):
+                    for half, i in enumerate(rows):
+                        row = 16 * i + 8 * w + g
+                        for n in range(4):  # columns 0..3 sit in lanes t = 0, 1 (2t, 2t + 1)
+                            y[row] += D[g + 8 * half, n] * 2.0 ** (int(scales[row, 4 * s + n]) - 127)
+    return y * 64
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_lanes_replay_the_reference(seed):
+    rng = np.random.default_rng(seed)
+    K = 256
+    words = rng.integers(-2**31, 2**31 - 1, (64, K // 8)).astype(np.int32)
+    scales = rng.integers(118, 136, (64, K // 32)).astype(np.uint8)
+    a = torch.from_numpy(rng.standard_normal(K)).half().float()
+    codes = np.stack([(words.astype(np.int64) >> 4 * j) & 15 for j in range(8)], -1).reshape(64, K)
+    ref = (E2M1[codes] * np.exp2(scales.astype(np.float64) - 127).repeat(32, 1)) @ a.double().numpy()
+    got = lane_sums(words, scales, G.b_layout(a).numpy())
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
