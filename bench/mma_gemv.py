@@ -14,18 +14,17 @@ copy rate). Here the FMAs and widenings go to the tensor cores: what stays on th
 the e4m3-pair conversions and the loads.
 
 How: a program of 2 warps takes 64 rows; Triton lays a [64, 16] int32 tile of words out as 4 words a thread
-(`sizePerThread [1, 4]`, `threadsPerWarp [8, 4]`), so lane (g, t) holds words 4t .. 4t + 3 of a step (its
-32-element scale group t) of rows g + 8w + 16i, i = 0..3. Each word's codes become four f16x2 pairs (values e2m1
-/ 64, exact): (c0, c2), (c4, c6), (c1, c3), (c5, c7). One mma takes half a word of two rows from every lane, so
-its 16 K positions span the four lanes t, four scale groups; B's column n holds the activations of group n only
-(zero for the lanes t != n), so D[m, n] is row m's sum over group n, and the lanes t < 2 scale their columns
-2t, 2t + 1 by their groups' e8m0 scales in two FMAs. Activations are given as f16 pairs in that order, zero where
-g != t (`b_layout`: 8 x the bytes; a kernel of the model would rather mask the loads). The activations here are
-f16 numbers; bf16 ones outside f16's range would need a power-of-two scale a group, which the FMAs could carry.
-`tests/fast/test_mma_gemv.py` replays the lanes' arithmetic in numpy (the mma's fragment layout written out)
-against the reference; that Triton hands the asm a thread's 16 words in this order only a GPU run's error tells.
-Offline (`--sass`, Triton 3.8): the mma loop 307 instructions a step for 16 words a thread (19.2 a word), the gather
-up kernel's 1021 for 32 (31.9).
+(`sizePerThread [1, 4]`, `threadsPerWarp [8, 4]`), so lane (g, t) holds words 4t .. 4t + 3 of a step (its 32-element
+scale group t) of rows g + 8w + 16i, i = 0..3. Each word's codes become four f16x2 pairs (values e2m1 / 64, exact):
+(c0, c2), (c4, c6), (c1, c3), (c5, c7). One mma takes half a word of two rows from every lane, so its 16 K positions
+span the four lanes t, four scale groups; B's column n holds the activations of group n only (zero for the lanes
+t != n), so D[m, n] is row m's sum over group n, and the lanes t < 2 scale their columns 2t, 2t + 1 by their groups'
+e8m0 scales in two FMAs. Activations are given as f16 pairs in that order (`b_layout`), loaded where g == t (zero
+elsewhere: masked loads). The activations here are f16 numbers; bf16 ones outside f16's range would need a power-of-two
+scale a group, which the FMAs could carry. `tests/fast/test_mma_gemv.py` replays the lanes' arithmetic in numpy
+(the mma's fragment layout written out) against the reference; that Triton hands the asm a thread's 16 words in this
+order only a GPU run's error tells. Offline (`--sass`, Triton 3.8): the mma loop 306 instructions a step for 16
+words a thread (19.1 a word), the gather up kernel's 1021 for 32 (31.9).
 JSON: $OUT/mma_gemv.json if OUT is set, else bench/results/mma_gemv.json; `--sass` prints only.
 """
 
@@ -60,7 +59,7 @@ OUT, SUM, WORD, SCALE, SHIFT, B = 0, 16, 32, 48, 64, 80
 def mma_step_ptx() -> str:
     """One K step of a lane (16 tile elements: rows P, Q, R, S x words 0..3): decode, 16 mma, scale, sum. Element
     (row i, word j) of the sums carries row i's running sum at j = 0 (zeros at 1..3); of B, mma (word i, half j // 2)'s
-    b0 (j even) or b1 (j odd), as `b_layout` lays them."""
+    b0 (j even) or b1 (j odd), as the kernel loads them."""
     ptx = ["{", ".reg .b32 t, u, l, h, s0, f0, f1;", ".reg .b16 x0, x1, x2, x3;",
            ".reg .b32 " + ", ".join(f"{r}<16>" for r in ROWS) + ";", ".reg .f32 d<4>, e<4>;"]
     for i, row in enumerate(ROWS):
@@ -93,7 +92,7 @@ _STEP_OPERANDS = tl.constexpr(",".join(["=f"] * 16 + ["f"] * 16 + ["r"] * 64))
 @triton.jit
 def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, y_ptr, R, KW, STEPS, STAGES: tl.constexpr):
     """Program (row tile, K split): y[split, r] = the split's sum over K of e2m1 codes x scales x activations / 64.
-    w int32 words [R, KW]; s the e8m0 scales as int32 words [R, KW / 16]; b `b_layout`'s [STEPS, 8, 4, 16]."""
+    w int32 words [R, KW]; s the e8m0 scales as int32 words [R, KW / 16]; b `b_layout`'s [KW, 4]."""
     BR: tl.constexpr = 64
     NW: tl.constexpr = 16  # words a row a step: four scale groups
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -101,13 +100,15 @@ def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, y_ptr, R, KW, STEPS, STAGES: tl.conste
     per = STEPS // tl.num_programs(1)
     c = tl.arange(0, NW)
     r = tl.arange(0, BR)
-    b_slot = ((r % 8) * (4 * NW) + (r // 16) * NW)[:, None] + c[None, :]  # lane group g = r % 8, row rep i = r // 16
+    # element (row rep i = r // 16, column 4t + j) of lane group g = r % 8: pair j of word 4t + i where g == t
+    b_slot = (r // 16 * 4)[:, None] + (c // 4 * 16 + c % 4)[None, :]
+    b_live = (r % 8)[:, None] == (c // 4)[None, :]
     shift = (c // 4 * 16)[None, :] + tl.zeros((BR, NW), tl.int32)  # lane t: its columns' scale bytes 2t, 2t + 1
     acc = tl.zeros((BR, NW), tl.float32)
     for s in tl.range(split * per, split * per + per, num_stages=STAGES):
         w = tl.load(w_ptr + rows[:, None] * KW + s * NW + c[None, :])
         sw = tl.load(s_ptr + rows * (KW // 16) + s)
-        b = tl.load(b_ptr + s * (8 * 4 * NW) + b_slot)
+        b = tl.load(b_ptr + s * (4 * NW) + b_slot, mask=b_live, other=0)
         acc = tl.inline_asm_elementwise(_STEP_PTX, _STEP_OPERANDS,
                                         [acc, w, sw[:, None] + tl.zeros((BR, NW), tl.int32), shift, b],
                                         dtype=tl.float32, is_pure=True, pack=16)
@@ -115,15 +116,9 @@ def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, y_ptr, R, KW, STEPS, STAGES: tl.conste
 
 
 def b_layout(a: torch.Tensor) -> torch.Tensor:
-    """Activations a [K] (f16 numbers) -> [K / 128, 8 (g), 4 (i), 16 (4t + j)] int32 f16x2: element (g, i, 4t + j)
-    is pair j (`PAIRS`) of word 4t + i of the step where g == t, else zero."""
-    steps = a.numel() // 128
-    v = a.view(steps, 16, 8).to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF  # [step, word, code]
-    pairs = torch.stack([v[:, :, p] | (v[:, :, q] << 16) for p, q in PAIRS], -1)  # [step, word, j]
-    out = torch.zeros(steps, 8, 4, 4, 4, dtype=torch.int32, device=a.device)  # [step, g, i, t, j]
-    for t in range(4):
-        out[:, t, :, t, :] = pairs[:, 4 * t:4 * t + 4, :]
-    return out.view(steps, 8, 4, 16)
+    """Activations a [K] (f16 numbers) -> [K / 8, 4] int32: each word's eight as the f16x2 pairs `PAIRS` names."""
+    order = [k for pair in PAIRS for k in pair]
+    return a.view(-1, 8)[:, order].to(torch.float16).contiguous().view(torch.int32)
 
 
 def gemv_mma(words, scales, b, y, stages: int = 3) -> None:

@@ -78,9 +78,10 @@ def lane_sums(words: np.ndarray, scales: np.ndarray, b: np.ndarray) -> np.ndarra
                                 word = int(words[16 * i + 8 * w + g, 16 * s + 4 * t + j]) & 0xFFFFFFFF
                                 row, col = g + 8 * (n % 2), 2 * t + 8 * (n // 2)
                                 A[row, col:col + 2] = decoded(word)[k]
-                            for n, elem in enumerate(b_elems):  # the lane's tile element: row rep i, word j
-                                k0, i, j = 2 * t + 8 * n, elem // 4, elem % 4
-                                B[k0:k0 + 2, g] = f16_pair(int(b[s, g, i, 4 * t + j]) & 0xFFFFFFFF)
+                            for n, elem in enumerate(b_elems):  # the lane's tile element (row rep i, column j)
+                                k0, i, j = 2 * t + 8 * n, elem // 4, elem % 4  # ... loaded where g == t
+                                pair = f16_pair(int(b[16 * s + 4 * t + i, j]) & 0xFFFFFFFF) if g == t else (0, 0)
+                                B[k0:k0 + 2, g] = pair
                     D += A @ B
                 for g in range(8):
                     for half, i in enumerate(rows):
