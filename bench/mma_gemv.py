@@ -20,11 +20,11 @@ scale group t) of rows g + 8w + 16i, i = 0..3. Each word's codes become four f16
 span the four lanes t, four scale groups; B's column n holds the activations of group n only (zero for the lanes
 t != n), so D[m, n] is row m's sum over group n, and the lanes t < 2 scale their columns 2t, 2t + 1 by their groups'
 e8m0 scales in two FMAs. Activations are given as f16 pairs in that order (`b_layout`), loaded where g == t (zero
-elsewhere: masked loads). The activations here are f16 numbers; bf16 ones outside f16's range would need a power-of-two
-scale a group, which the FMAs could carry. `tests/fast/test_mma_gemv.py` replays the lanes' arithmetic in numpy
-(the mma's fragment layout written out) against the reference; that Triton hands the asm a thread's 16 words in this
-order only a GPU run's error tells. Offline (`--sass`, Triton 3.8): the mma loop 306 instructions a step for 16
-words a thread (19.1 a word), the gather up kernel's 1021 for 32 (31.9).
+elsewhere: masked loads). The activations come as f16 numbers scaled by a power of two a 32-element group (so bf16
+values of any range fit), the exponent undone with the weights' scale in the FMAs. `tests/fast/test_mma_gemv.py`
+replays the lanes' arithmetic in numpy (the mma's fragment layout written out) against the reference; that Triton
+hands the asm a thread's 16 words in this order only a GPU run's error tells. Offline (`--sass`, Triton 3.8): the
+mma loop 328 instructions a step for 16 words a thread (20.5 a word), the gather up kernel's 1021 for 32 (31.9).
 JSON: $OUT/mma_gemv.json if OUT is set, else bench/results/mma_gemv.json; `--sass` prints only.
 """
 
@@ -52,15 +52,16 @@ _DECODE = [
 ]
 PAIRS = ((0, 2), (4, 6), (1, 3), (5, 7))  # the codes of each f16x2 pair a word decodes to, in `_DECODE`'s order
 ROWS = "PQRS"  # a lane's four rows (i = 0..3); mma 0 takes P and Q, mma 1 R and S
-# operand numbers: 16 sums out, 16 sums in, 16 words, 16 scale words, 16 shifts, 16 B pairs (one each a tile element)
-OUT, SUM, WORD, SCALE, SHIFT, B = 0, 16, 32, 48, 64, 80
+# operand numbers: 16 sums out, 16 sums in, 16 words, 16 scale words, 16 shifts, 16 activation exponent words (all
+# one value), 16 B pairs (one each a tile element)
+OUT, SUM, WORD, SCALE, SHIFT, EXP, B = 0, 16, 32, 48, 64, 80, 96
 
 
 def mma_step_ptx() -> str:
     """One K step of a lane (16 tile elements: rows P, Q, R, S x words 0..3): decode, 16 mma, scale, sum. Element
     (row i, word j) of the sums carries row i's running sum at j = 0 (zeros at 1..3); of B, mma (word i, half j // 2)'s
     b0 (j even) or b1 (j odd), as the kernel loads them."""
-    ptx = ["{", ".reg .b32 t, u, l, h, s0, f0, f1;", ".reg .b16 x0, x1, x2, x3;",
+    ptx = ["{", ".reg .b32 t, u, l, h, s0, f0, f1, a0, a1;", ".reg .b16 x0, x1, x2, x3;",
            ".reg .b32 " + ", ".join(f"{r}<16>" for r in ROWS) + ";", ".reg .f32 d<4>, e<4>;"]
     for i, row in enumerate(ROWS):
         for j in range(4):
@@ -75,10 +76,12 @@ def mma_step_ptx() -> str:
             c = "{0f00000000, 0f00000000, 0f00000000, 0f00000000}" if n == 0 else acc
             ptx.append(f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {acc}, {{{', '.join(a)}}}, "
                        f"{{{', '.join(b)}}}, {c};")
+    ptx += [f"shr.b32 s0, ${EXP}, ${SHIFT};", "shl.b32 a0, s0, 23;", "and.b32 a0, a0, 0x7F800000;",
+            "shl.b32 a1, s0, 15;", "and.b32 a1, a1, 0x7F800000;"]  # the activations' factors of columns 2t, 2t + 1
     for i, (d, col) in enumerate((("d", 0), ("d", 2), ("e", 0), ("e", 2))):  # rows P, Q (d) and R, S (e)
         ptx += [f"shr.b32 s0, ${SCALE + 4 * i}, ${SHIFT};",  # scale bytes 2t, 2t + 1 (0 past the word)
                 "shl.b32 f0, s0, 23;", "and.b32 f0, f0, 0x7F800000;", "shl.b32 f1, s0, 15;",
-                "and.b32 f1, f1, 0x7F800000;",
+                "and.b32 f1, f1, 0x7F800000;", "mul.f32 f0, f0, a0;", "mul.f32 f1, f1, a1;",
                 f"fma.rn.f32 ${OUT + 4 * i}, {d}{col}, f0, ${SUM + 4 * i};",
                 f"fma.rn.f32 ${OUT + 4 * i}, {d}{col + 1}, f1, ${OUT + 4 * i};"]
         ptx += [f"mov.f32 ${OUT + 4 * i + j}, 0f00000000;" for j in (1, 2, 3)]
@@ -86,13 +89,14 @@ def mma_step_ptx() -> str:
 
 
 _STEP_PTX = tl.constexpr(mma_step_ptx())
-_STEP_OPERANDS = tl.constexpr(",".join(["=f"] * 16 + ["f"] * 16 + ["r"] * 64))
+_STEP_OPERANDS = tl.constexpr(",".join(["=f"] * 16 + ["f"] * 16 + ["r"] * 80))
 
 
 @triton.jit
-def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, y_ptr, R, KW, STEPS, STAGES: tl.constexpr):
+def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, e_ptr, y_ptr, R, KW, STEPS, STAGES: tl.constexpr):
     """Program (row tile, K split): y[split, r] = the split's sum over K of e2m1 codes x scales x activations / 64.
-    w int32 words [R, KW]; s the e8m0 scales as int32 words [R, KW / 16]; b `b_layout`'s [KW, 4]."""
+    w int32 words [R, KW]; s the e8m0 scales as int32 words [R, KW / 16]; b, e `b_layout`'s pairs [KW, 4] and
+    exponents (as int32 words [KW / 16])."""
     BR: tl.constexpr = 64
     NW: tl.constexpr = 16  # words a row a step: four scale groups
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -109,24 +113,34 @@ def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, y_ptr, R, KW, STEPS, STAGES: tl.conste
         w = tl.load(w_ptr + rows[:, None] * KW + s * NW + c[None, :])
         sw = tl.load(s_ptr + rows * (KW // 16) + s)
         b = tl.load(b_ptr + s * (4 * NW) + b_slot, mask=b_live, other=0)
+        ea = tl.load(e_ptr + s) + tl.zeros((BR, NW), tl.int32)
         acc = tl.inline_asm_elementwise(_STEP_PTX, _STEP_OPERANDS,
-                                        [acc, w, sw[:, None] + tl.zeros((BR, NW), tl.int32), shift, b],
+                                        [acc, w, sw[:, None] + tl.zeros((BR, NW), tl.int32), shift, ea, b],
                                         dtype=tl.float32, is_pure=True, pack=16)
     tl.store(y_ptr + split * R + rows, tl.sum(acc, axis=1))
 
 
-def b_layout(a: torch.Tensor) -> torch.Tensor:
-    """Activations a [K] (f16 numbers) -> [K / 8, 4] int32: each word's eight as the f16x2 pairs `PAIRS` names."""
+def b_layout(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations a [K] (bf16 numbers) -> (pairs [K / 8, 4] int32, exponents [K / 32] uint8): each 32-element
+    group scaled by a power of two that puts its largest magnitude in [2^14, 2^15) (f16 then holds every bf16 value
+    down to 2^-17 of it exactly), each word's eight as the f16x2 pairs `PAIRS` names; the exponent byte is 127 plus
+    the power of two that undoes the scaling."""
+    groups = a.float().view(-1, 32)
+    top = torch.frexp(groups.abs().amax(1))[1] - 1  # floor(log2(max)); 0 for an all-zero group
+    shift = torch.where(groups.abs().amax(1) > 0, 14 - top, torch.zeros_like(top))
+    scaled = (groups * torch.pow(2.0, shift.float())[:, None]).view(-1, 8)
     order = [k for pair in PAIRS for k in pair]
-    return a.view(-1, 8)[:, order].to(torch.float16).contiguous().view(torch.int32)
+    pairs = scaled[:, order].to(torch.float16).contiguous().view(torch.int32)
+    return pairs, (127 - shift).to(torch.uint8)
 
 
 def gemv_mma(words, scales, b, y, stages: int = 3) -> None:
     """y [splits, R] = each K split's sum of words' codes x scales x activations / 64: words int32 [R, K / 8],
     scales uint8 e8m0 [R, K / 32], b = b_layout(activations)."""
     R, KW = words.shape
-    _gemv_mma_kernel[(R // 64, y.shape[0])](words, scales.view(torch.int32), b, y, R, KW, KW // 16, STAGES=stages,
-                                            num_warps=2)
+    pairs, exps = b
+    _gemv_mma_kernel[(R // 64, y.shape[0])](words, scales.view(torch.int32), pairs, exps.view(torch.int32), y, R, KW,
+                                            KW // 16, STAGES=stages, num_warps=2)
 
 
 def sass_counts() -> list[dict]:
@@ -164,7 +178,9 @@ def check_and_time(split_stages: list[tuple[int, int]], sets: int = 4) -> dict:
                  for _ in range(sets)]
         scales = [torch.randint(118, 136, (R_, K // 32), dtype=torch.uint8, device=dev, generator=gen)
                   for _ in range(sets)]
-        a = torch.randn(K, device=dev, generator=gen).half().float()
+        # bf16 activations over 2^-12 .. 2^12: f16 could not hold them without the groups' scaling
+        a = (torch.randn(K, device=dev, generator=gen) * torch.exp2(torch.randint(-12, 13, (K,), device=dev,
+                                                                                 generator=gen))).bfloat16().float()
         codes = torch.stack([(words[0] >> (4 * j)) & 15 for j in range(8)], -1).reshape(R_, K)
         scale = torch.pow(2.0, scales[0].double() - 127).repeat_interleave(32, 1)
         ref = (E2M1_VALUES.to(dev).double()[codes.long()] * scale) @ a.double()

@@ -57,10 +57,11 @@ def f16_pair(bits: int) -> tuple[float, float]:
     return float(halves[0]), float(halves[1])
 
 
-def lane_sums(words: np.ndarray, scales: np.ndarray, b: np.ndarray) -> np.ndarray:
+def lane_sums(words: np.ndarray, scales: np.ndarray, pairs: np.ndarray, exps: np.ndarray) -> np.ndarray:
     """y [64] of one program: every lane (g, t) of both warps holds words 4t..4t+3 of rows 16i + 8w + g; each mma
     gathers A and B from the 32 lanes by the fragment layout (a0: row g, k 2t, 2t+1; a1: row g + 8; a2 / a3: k + 8;
-    b0: k 2t, 2t+1, column g; b1: k + 8), and the lanes t < 2 scale columns 2t, 2t+1 by those groups' scales."""
+    b0: k 2t, 2t+1, column g; b1: k + 8), and the lanes t < 2 scale columns 2t, 2t+1 by those groups' weight and
+    activation scales."""
     y = np.zeros(64)
     mmas = mma_operands()
     for w in range(2):
@@ -80,14 +81,15 @@ def lane_sums(words: np.ndarray, scales: np.ndarray, b: np.ndarray) -> np.ndarra
                                 A[row, col:col + 2] = decoded(word)[k]
                             for n, elem in enumerate(b_elems):  # the lane's tile element (row rep i, column j)
                                 k0, i, j = 2 * t + 8 * n, elem // 4, elem % 4  # ... loaded where g == t
-                                pair = f16_pair(int(b[16 * s + 4 * t + i, j]) & 0xFFFFFFFF) if g == t else (0, 0)
+                                pair = f16_pair(int(pairs[16 * s + 4 * t + i, j]) & 0xFFFFFFFF) if g == t else (0, 0)
                                 B[k0:k0 + 2, g] = pair
                     D += A @ B
                 for g in range(8):
                     for half, i in enumerate(rows):
                         row = 16 * i + 8 * w + g
                         for n in range(4):  # columns 0..3 sit in lanes t = 0, 1 (2t, 2t + 1)
-                            y[row] += D[g + 8 * half, n] * 2.0 ** (int(scales[row, 4 * s + n]) - 127)
+                            factor = 2.0 ** (int(scales[row, 4 * s + n]) + int(exps[4 * s + n]) - 254)
+                            y[row] += D[g + 8 * half, n] * factor
     return y * 64
 
 
@@ -97,8 +99,12 @@ def test_lanes_replay_the_reference(seed):
     K = 256
     words = rng.integers(-2**31, 2**31 - 1, (64, K // 8)).astype(np.int32)
     scales = rng.integers(118, 136, (64, K // 32)).astype(np.uint8)
-    a = torch.from_numpy(rng.standard_normal(K)).half().float()
+    # bf16 numbers 2^-8 .. 2^9 (exact in f16 once a group is scaled), one group all zero
+    a = torch.from_numpy(rng.uniform(1, 2, K) * rng.choice([-1, 1], K) * np.exp2(rng.integers(-8, 9, K)))
+    a = a.bfloat16().double()
+    a[32:64] = 0
     codes = np.stack([(words.astype(np.int64) >> 4 * j) & 15 for j in range(8)], -1).reshape(64, K)
     ref = (E2M1[codes] * np.exp2(scales.astype(np.float64) - 127).repeat(32, 1)) @ a.double().numpy()
-    got = lane_sums(words, scales, G.b_layout(a).numpy())
+    pairs, exps = G.b_layout(a)
+    got = lane_sums(words, scales, pairs.numpy(), exps.numpy())
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
