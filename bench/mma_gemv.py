@@ -25,6 +25,13 @@ values of any range fit), the exponent undone with the weights' scale in the FMA
 replays the lanes' arithmetic in numpy (the mma's fragment layout written out) against the reference; that Triton
 hands the asm a thread's 16 words in this order only a GPU run's error tells. Offline (`--sass`, Triton 3.8): the
 mma loop 328 instructions a step for 16 words a thread (20.5 a word), the gather up kernel's 1021 for 32 (31.9).
+Measured (session 58, H100, `dev/mma-gemv-873265f-h100-s58.json`): right (2-3e-7 of the largest |y| against float64)
+but slower: the up size 74.4 us at best (3 stages; 2 stages 86.2, K split in 2 / 4: 78.6 / 80.9) against the CUDA-
+core loop's 40.7 (72% of the copy rate), the down size 39.7 (split 2) against 23.1. Splitting K (twice the programs)
+did not help, so neither bytes in flight nor occupancy hold it; each program's 40 steps take ~1.9 us each, far above
+the step's issue time (~330 instructions a warp) and its mma chains (two chains of 8). Not found yet; the next run:
+the mma lines swapped for integer ops on the same registers, and four chains of four in place of two of eight (two
+variants of `mma_step_ptx`).
 JSON: $OUT/mma_gemv.json if OUT is set, else bench/results/mma_gemv.json; `--sass` prints only.
 """
 
@@ -34,11 +41,13 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-import triton
-import triton.language as tl
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (bench/ and the repository root on sys.path: `dsv4` importable uninstalled)
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
-from dsv4.fast.kernels.moe_experts import _up_sums, activation_planes
+from dsv4.fast.kernels.moe_experts import _up_sums, activation_planes  # noqa: E402
 
 # one int32 word of eight codes (low nibble first) -> f16x2 pairs {r0..r3}: (c0, c2), (c4, c6), (c1, c3), (c5, c7),
 # through e4m3 bytes as `moe_experts._WORD_DOT_PTX` makes them (value e2m1 / 64)
@@ -146,7 +155,6 @@ def gemv_mma(words, scales, b, y, stages: int = 3) -> None:
 def sass_counts() -> list[dict]:
     """The mma loop's and the gather up kernel's batch-1 loop in sm_90 SASS (Triton's own ptxas; no GPU):
     instructions a step and a word."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import registers as R
     from sass_loops import kernel_row
 
@@ -165,8 +173,6 @@ def check_and_time(split_stages: list[tuple[int, int]], sets: int = 4) -> dict:
     """Both GEMVs at V4.1's up (7 slots x w1 and w3 rows of 2304, K 5120: 88 MB) and down (7 x 5120 rows, K 2304:
     44 MB) sizes: the largest error against a float64 reference (relative to the largest |y|), and the time of one
     call, over `sets` weight sets in turn (more bytes than the L2 holds, as the step's layers are)."""
-    import common
-
     from dsv4.quant import E2M1_VALUES
 
     dev = torch.device("cuda")
@@ -237,8 +243,6 @@ def main(argv=None) -> None:
               f"{row['instructions_a_word']:.1f} a word")
     if args.sass:
         return
-    import common
-
     result = check_and_time([(1, 2), (1, 3), (1, 4), (2, 3), (4, 3)])
     result["sass"] = counts
     print(common.write_result("mma_gemv", False, result))
