@@ -26,12 +26,12 @@ replays the lanes' arithmetic in numpy (the mma's fragment layout written out) a
 hands the asm a thread's 16 words in this order only a GPU run's error tells. Offline (`--sass`, Triton 3.8): the
 mma loop 328 instructions a step for 16 words a thread (20.5 a word), the gather up kernel's 1021 for 32 (31.9).
 Measured (session 58, H100, `dev/mma-gemv-873265f-h100-s58.json`): right (2-3e-7 of the largest |y| against float64)
-but slower: the up size 74.4 us at best (3 stages; 2 stages 86.2, K split in 2 / 4: 78.6 / 80.9) against the CUDA-
-core loop's 40.7 (72% of the copy rate), the down size 39.7 (split 2) against 23.1. Splitting K (twice the programs)
-did not help, so neither bytes in flight nor occupancy hold it; each program's 40 steps take ~1.9 us each, far above
-the step's issue time (~330 instructions a warp) and its mma chains (two chains of 8). Not found yet; the next run:
-the mma lines swapped for integer ops on the same registers, and four chains of four in place of two of eight (two
-variants of `mma_step_ptx`).
+but slower: the up size 74.4 us at best (3 stages; 2 stages 86.2, K split in 2 / 4: 78.6 / 80.9) against the
+CUDA-core loop's 40.7 (72% of the copy rate), the down size 39.7 (split 2) against 23.1. Splitting K (twice the
+programs) did not help, so neither bytes in flight nor occupancy hold it; each program's 40 steps take ~1.9 us each,
+far above the step's issue time (~330 instructions a warp) and its mma chains (two chains of 8). Not found yet; the
+next run: the mma lines swapped for integer ops on the same registers, and four chains of four in place of two of
+eight (two variants of `mma_step_ptx`).
 JSON: $OUT/mma_gemv.json if OUT is set, else bench/results/mma_gemv.json; `--sass` prints only.
 """
 
