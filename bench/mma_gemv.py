@@ -131,9 +131,9 @@ def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, e_ptr, y_ptr, R, KW, STEPS, STAGES: tl
 
 def b_layout(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations a [K] (bf16 numbers) -> (pairs [K / 8, 4] int32, exponents [K / 32] uint8): each 32-element
-    group scaled by a power of two that puts its largest magnitude in [2^14, 2^15) (f16 then holds every bf16 value
-    down to 2^-17 of it exactly), each word's eight as the f16x2 pairs `PAIRS` names; the exponent byte is 127 plus
-    the power of two that undoes the scaling."""
+    group scaled by a power of two that puts its largest magnitude in [2^14, 2^15) (f16, subnormals included, then
+    holds every bf16 value from 2^-31 of it up exactly), each word's eight as the f16x2 pairs `PAIRS` names; the
+    exponent byte is 127 plus the power of two that undoes the scaling."""
     groups = a.float().view(-1, 32)
     top = torch.frexp(groups.abs().amax(1))[1] - 1  # floor(log2(max)); 0 for an all-zero group
     shift = torch.where(groups.abs().amax(1) > 0, 14 - top, torch.zeros_like(top))
