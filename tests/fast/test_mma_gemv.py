@@ -37,6 +37,11 @@ def mma_operands() -> list[tuple[list[str], list[int], str]]:
     return out
 
 
+def f16_pair(bits: int) -> tuple[float, float]:
+    halves = np.array([bits & 0xFFFF, bits >> 16 & 0xFFFF], dtype=np.uint16).view(np.float16)
+    return float(halves[0]), float(halves[1])
+
+
 @functools.cache
 def decoded(word: int) -> list[tuple[float, float]]:
     """A word's four f16x2 registers by `_DECODE` itself, in the PTX emulator."""
@@ -50,11 +55,6 @@ def test_decode_gives_the_pairs_in_pairs_order():
     for word in rng.integers(0, 2**32, 200).tolist():
         want = [(E2M1[word >> 4 * p & 15] / 64, E2M1[word >> 4 * q & 15] / 64) for p, q in G.PAIRS]
         assert decoded(word) == want
-
-
-def f16_pair(bits: int) -> tuple[float, float]:
-    halves = np.array([bits & 0xFFFF, bits >> 16 & 0xFFFF], dtype=np.uint16).view(np.float16)
-    return float(halves[0]), float(halves[1])
 
 
 def lane_sums(words: np.ndarray, scales: np.ndarray, pairs: np.ndarray, exps: np.ndarray) -> np.ndarray:
