@@ -17,27 +17,30 @@ How: a program of 2 warps takes 64 rows; Triton lays a [64, 16] int32 tile of wo
 (`sizePerThread [1, 4]`, `threadsPerWarp [8, 4]`), so lane (g, t) holds words 4t .. 4t + 3 of a step (its 32-element
 scale group t) of rows g + 8w + 16i, i = 0..3. Each word's codes become four f16x2 pairs (values e2m1 / 64, exact):
 (c0, c2), (c4, c6), (c1, c3), (c5, c7). One mma takes half a word of two rows from every lane, so its 16 K positions
-span the four lanes t, four scale groups; B's column n holds the activations of group n only (zero for the lanes
-t != n), so D[m, n] is row m's sum over group n, and the lanes t < 2 scale their columns 2t, 2t + 1 by their groups'
+span the four lanes t, four scale groups; B's column n holds the activations of group n only (zero for the lanes t
+!= n), so D[m, n] is row m's sum over group n, and the lanes t < 2 scale their columns 2t, 2t + 1 by their groups'
 e8m0 scales in two FMAs. Activations are given as f16 pairs in that order (`b_layout`), loaded where g == t (zero
 elsewhere: masked loads). The activations come as f16 numbers scaled by a power of two a 32-element group (so bf16
 values of any range fit), the exponent undone with the weights' scale in the FMAs. `tests/fast/test_mma_gemv.py`
 replays the lanes' arithmetic in numpy (the mma's fragment layout written out) against the reference; that Triton
 hands the asm a thread's 16 words in this order only a GPU run's error tells. Offline (`--sass`, Triton 3.8): the
-mma loop 328 instructions a step for 16 words a thread (20.5 a word), the gather up kernel's 1021 for 32 (31.9).
+mma loop 327 instructions a step for 16 words a thread (20.4 a word; 337 with two chains), the gather up kernel's
+1021 for 32 (31.9).
 Measured (session 58, H100, `dev/mma-gemv-873265f-h100-s58.json`): right (2-3e-7 of the largest |y| against float64)
 but slower: the up size 74.4 us at best (3 stages; 2 stages 86.2, K split in 2 / 4: 78.6 / 80.9) against the
 CUDA-core loop's 40.7 (72% of the copy rate), the down size 39.7 (split 2) against 23.1. Splitting K (twice the
 programs) did not help, so neither bytes in flight nor occupancy hold it; each program's 40 steps take ~1.9 us each,
-far above the step's issue time (~330 instructions a warp) and its mma chains (two chains of 8). Not found yet; the
-next run: the mma lines swapped for integer ops on the same registers, and four chains of four in place of two of
-eight (two variants of `mma_step_ptx`).
+far above the step's issue time (~330 instructions a warp) and its mma chains (two chains of 8). Not found yet. The
+table since times `chains` 2 too (each row pair's 8 mma dealt between two accumulators: in the SASS ptxas runs the
+step's chains one after the other, 16 dependent mma a step); what it does not try is the mma swapped for integer ops
+on the same registers, which would tell the tensor pipe from the rest.
 JSON: $OUT/mma_gemv.json if OUT is set, else bench/results/mma_gemv.json; `--sass` prints only.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -66,25 +69,29 @@ ROWS = "PQRS"  # a lane's four rows (i = 0..3); mma 0 takes P and Q, mma 1 R and
 OUT, SUM, WORD, SCALE, SHIFT, EXP, B = 0, 16, 32, 48, 64, 80, 96
 
 
-def mma_step_ptx() -> str:
+@functools.cache
+def mma_step_ptx(chains: int = 1) -> str:
     """One K step of a lane (16 tile elements: rows P, Q, R, S x words 0..3): decode, 16 mma, scale, sum. Element
     (row i, word j) of the sums carries row i's running sum at j = 0 (zeros at 1..3); of B, mma (word i, half j // 2)'s
-    b0 (j even) or b1 (j odd), as the kernel loads them."""
+    b0 (j even) or b1 (j odd), as the kernel loads them. `chains`: accumulators a row pair, its 8 mma dealt among
+    them in turn and their sums added before the scales (1: one chain of 8 dependent mma; ptxas runs the two row
+    pairs' chains one after the other)."""
     ptx = ["{", ".reg .b32 t, u, l, h, s0, f0, f1, a0, a1;", ".reg .b16 x0, x1, x2, x3;",
-           ".reg .b32 " + ", ".join(f"{r}<16>" for r in ROWS) + ";", ".reg .f32 d<4>, e<4>;"]
+           ".reg .b32 " + ", ".join(f"{r}<16>" for r in ROWS) + ";", f".reg .f32 d<{4 * chains}>, e<{4 * chains}>;"]
     for i, row in enumerate(ROWS):
         for j in range(4):
             ptx += [s.format(w=f"${WORD + 4 * i + j}", r0=f"{row}{4 * j}", r1=f"{row}{4 * j + 1}",
                              r2=f"{row}{4 * j + 2}", r3=f"{row}{4 * j + 3}") for s in _DECODE]
     for top, low, d in (("P", "Q", "d"), ("R", "S", "e")):
-        acc = f"{{{d}0, {d}1, {d}2, {d}3}}"
         for n, (j, half) in enumerate((j, half) for j in range(4) for half in range(2)):
             a = [f"{top}{4 * j + 2 * half}", f"{low}{4 * j + 2 * half}", f"{top}{4 * j + 2 * half + 1}",
                  f"{low}{4 * j + 2 * half + 1}"]
             b = [f"${B + 4 * j + 2 * half}", f"${B + 4 * j + 2 * half + 1}"]
-            c = "{0f00000000, 0f00000000, 0f00000000, 0f00000000}" if n == 0 else acc
+            acc = "{" + ", ".join(f"{d}{4 * (n % chains) + q}" for q in range(4)) + "}"
+            c = "{0f00000000, 0f00000000, 0f00000000, 0f00000000}" if n < chains else acc
             ptx.append(f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {acc}, {{{', '.join(a)}}}, "
                        f"{{{', '.join(b)}}}, {c};")
+        ptx += [f"add.f32 {d}{q}, {d}{q}, {d}{4 * k + q};" for k in range(1, chains) for q in range(4)]
     ptx += [f"shr.b32 s0, ${EXP}, ${SHIFT};", "shl.b32 a0, s0, 23;", "and.b32 a0, a0, 0x7F800000;",
             "shl.b32 a1, s0, 15;", "and.b32 a1, a1, 0x7F800000;"]  # the activations' factors of columns 2t, 2t + 1
     for i, (d, col) in enumerate((("d", 0), ("d", 2), ("e", 0), ("e", 2))):  # rows P, Q (d) and R, S (e)
@@ -97,15 +104,15 @@ def mma_step_ptx() -> str:
     return "\n".join(ptx + ["}"])
 
 
-_STEP_PTX = tl.constexpr(mma_step_ptx())
 _STEP_OPERANDS = tl.constexpr(",".join(["=f"] * 16 + ["f"] * 16 + ["r"] * 80))
 
 
 @triton.jit
-def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, e_ptr, y_ptr, R, KW, STEPS, STAGES: tl.constexpr):
+def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, e_ptr, y_ptr, R, KW, STEPS, STAGES: tl.constexpr,
+                     STEP_PTX: tl.constexpr):
     """Program (row tile, K split): y[split, r] = the split's sum over K of e2m1 codes x scales x activations / 64.
     w int32 words [R, KW]; s the e8m0 scales as int32 words [R, KW / 16]; b, e `b_layout`'s pairs [KW, 4] and
-    exponents (as int32 words [KW / 16])."""
+    exponents (as int32 words [KW / 16]); STEP_PTX `mma_step_ptx`'s."""
     BR: tl.constexpr = 64
     NW: tl.constexpr = 16  # words a row a step: four scale groups
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -123,7 +130,7 @@ def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, e_ptr, y_ptr, R, KW, STEPS, STAGES: tl
         sw = tl.load(s_ptr + rows * (KW // 16) + s)
         b = tl.load(b_ptr + s * (4 * NW) + b_slot, mask=b_live, other=0)
         ea = tl.load(e_ptr + s) + tl.zeros((BR, NW), tl.int32)
-        acc = tl.inline_asm_elementwise(_STEP_PTX, _STEP_OPERANDS,
+        acc = tl.inline_asm_elementwise(STEP_PTX, _STEP_OPERANDS,
                                         [acc, w, sw[:, None] + tl.zeros((BR, NW), tl.int32), shift, ea, b],
                                         dtype=tl.float32, is_pure=True, pack=16)
     tl.store(y_ptr + split * R + rows, tl.sum(acc, axis=1))
@@ -143,13 +150,13 @@ def b_layout(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs, (127 - shift).to(torch.uint8)
 
 
-def gemv_mma(words, scales, b, y, stages: int = 3) -> None:
+def gemv_mma(words, scales, b, y, stages: int = 3, chains: int = 1) -> None:
     """y [splits, R] = each K split's sum of words' codes x scales x activations / 64: words int32 [R, K / 8],
     scales uint8 e8m0 [R, K / 32], b = b_layout(activations)."""
     R, KW = words.shape
     pairs, exps = b
     _gemv_mma_kernel[(R // 64, y.shape[0])](words, scales.view(torch.int32), pairs, exps.view(torch.int32), y, R, KW,
-                                            KW // 16, STAGES=stages, num_warps=2)
+                                            KW // 16, STAGES=stages, STEP_PTX=mma_step_ptx(chains), num_warps=2)
 
 
 def sass_counts() -> list[dict]:
@@ -158,21 +165,24 @@ def sass_counts() -> list[dict]:
     import registers as R
     from sass_loops import kernel_row
 
-    mma = R.Kernel("mma GEMV", _gemv_mma_kernel, {"w_ptr": "*i32", "s_ptr": "*i32", "b_ptr": "*i32"},
-                   {"STAGES": 3}, 2, 3)
+    mma = [R.Kernel(f"mma GEMV, {c} chain(s) a row pair", _gemv_mma_kernel,
+                    {"w_ptr": "*i32", "s_ptr": "*i32", "b_ptr": "*i32", "e_ptr": "*i32"},
+                    {"STAGES": 3, "STEP_PTX": mma_step_ptx(c)}, 2, 3) for c in (1, 2)]
     up = next(k for k in R.moe_kernels() if k.name == "moe gather up")
     rows = []
-    for k, words in ((mma, 64 * 16 // 64), (up, 2 * up.constexprs["BI"] * up.constexprs["BK"] // 8 // 64)):
+    up_words = 2 * up.constexprs["BI"] * up.constexprs["BK"] // 8 // 64  # g and u rows x words a step / threads
+    for k, words in [(k, 64 * 16 // 64) for k in mma] + [(up, up_words)]:
         step = kernel_row(k, None)["loops"][0]["instructions"]  # the K loop (the up kernel's routed experts')
         rows.append({"kernel": k.name, "instructions_a_step": step, "words_a_thread": words,
                      "instructions_a_word": step / words})
     return rows
 
 
-def check_and_time(split_stages: list[tuple[int, int]], sets: int = 4) -> dict:
+def check_and_time(configs: list[tuple[int, int, int]], sets: int = 4) -> dict:
     """Both GEMVs at V4.1's up (7 slots x w1 and w3 rows of 2304, K 5120: 88 MB) and down (7 x 5120 rows, K 2304:
     44 MB) sizes: the largest error against a float64 reference (relative to the largest |y|), and the time of one
-    call, over `sets` weight sets in turn (more bytes than the L2 holds, as the step's layers are)."""
+    call, over `sets` weight sets in turn (more bytes than the L2 holds, as the step's layers are). configs: the
+    mma kernel's (K splits, stages, chains)."""
     from dsv4.quant import E2M1_VALUES
 
     dev = torch.device("cuda")
@@ -194,12 +204,12 @@ def check_and_time(split_stages: list[tuple[int, int]], sets: int = 4) -> dict:
         nbytes = words[0].numel() * 4 + scales[0].numel()
         b, planes = b_layout(a), activation_planes(a[None])
         cases = {}
-        for split, stages in split_stages:
+        for split, stages, chains in configs:
             if (K // 128) % split == 0:
                 y = torch.empty(split, R_, device=dev)
-                cases[f"mma split {split} stages {stages}"] = (
-                    [lambda n=n, y=y, st=stages: gemv_mma(words[n], scales[n], b, y, st) for n in range(sets)],
-                    lambda y=y: y.sum(0) * 64)
+                cases[f"mma split {split} stages {stages} chains {chains}"] = (
+                    [lambda n=n, y=y, st=stages, ch=chains: gemv_mma(words[n], scales[n], b, y, st, ch)
+                     for n in range(sets)], lambda y=y: y.sum(0) * 64)
         y = torch.empty(R_, device=dev)
         cases["CUDA cores (_up_sums, BK 256)"] = (
             [lambda n=n, y=y: gemv_cores(words[n], scales[n], planes, y) for n in range(sets)], lambda y=y: y)
@@ -210,7 +220,7 @@ def check_and_time(split_stages: list[tuple[int, int]], sets: int = 4) -> dict:
             row = {"shape": shape, "rows": R_, "K": K, "kernel": name, "us": us, "bytes": nbytes,
                    "of_copy_rate": nbytes / (us * 1e-6) / bw, "max_rel_err": err}
             result["rows"].append(row)
-            print(f"{shape:4s} {name:32s} {us:7.1f} us  {100 * row['of_copy_rate']:5.1f}% of the copy rate  "
+            print(f"{shape:4s} {name:34s} {us:7.1f} us  {100 * row['of_copy_rate']:5.1f}% of the copy rate  "
                   f"error {err:.1e}")
     return result
 
@@ -243,7 +253,7 @@ def main(argv=None) -> None:
               f"{row['instructions_a_word']:.1f} a word")
     if args.sass:
         return
-    result = check_and_time([(1, 2), (1, 3), (1, 4), (2, 3), (4, 3)])
+    result = check_and_time([(1, 3, 1), (2, 3, 1), (1, 2, 1), (1, 3, 2), (2, 3, 2), (1, 4, 2)])
     result["sass"] = counts
     print(common.write_result("mma_gemv", False, result))
 

@@ -1,7 +1,7 @@
 """bench/mma_gemv.py's tensor-core GEMV without a GPU: its word decode in the PTX emulator, and its PTX step's mma
-operands replayed for every lane of a warp with m16n8k16's fragment layout written out, on `b_layout`'s activations,
-against a float64 reference. A wrong B slot, pair order or operand in the PTX text moves a product into the wrong
-group's column or K position and fails these."""
+and accumulator adds replayed for every lane of a warp with m16n8k16's fragment layout written out, on `b_layout`'s
+activations, against a float64 reference. A wrong B slot, pair order, operand or accumulator in the PTX text moves a
+product into the wrong group's column or K position, or drops it, and fails these."""
 
 from __future__ import annotations
 
@@ -26,14 +26,25 @@ from dsv4.quant import E2M1_VALUES
 E2M1 = E2M1_VALUES.double().numpy()
 
 
-def mma_operands() -> list[tuple[list[str], list[int], str]]:
-    """Each mma of the step: its A registers (named row letter + index), its B tile elements, its accumulator."""
-    out = []
-    for line in G.mma_step_ptx().splitlines():
+def step_program(chains: int) -> list[tuple]:
+    """The step's mma and add lines in order, on accumulator chains (row pair letter, index): ("mma", A registers
+    (row letter + index), B tile elements, D's chain, C's chain or None for zeros) and ("add", into, from), the
+    latter once a chain pair though the PTX adds four registers each."""
+    chain = lambda reg: (reg[0], int(reg[1:]) // 4)
+    out, adds = [], []
+    for line in G.mma_step_ptx(chains).splitlines():
         if line.startswith("mma."):
-            d, a, b, _ = re.findall(r"\{([^}]*)\}", line)
-            out.append(([x.strip() for x in a.split(",")], [int(x.strip()[1:]) - G.B for x in b.split(",")],
-                        d.split(",")[0].strip()[0]))
+            d, a, b, c = (x.replace(" ", "").split(",") for x in re.findall(r"\{([^}]*)\}", line))
+            out.append(("mma", a, [int(x[1:]) - G.B for x in b], chain(d[0]),
+                        None if c[0].startswith("0f") else chain(c[0])))
+        elif line.startswith("add.f32"):
+            dst, first, src = line.rstrip(";").replace(",", "").split()[1:]
+            assert dst == first
+            adds.append((dst, src))
+    for dst, src in adds:  # a chain added into another: all four registers, once
+        if int(dst[1:]) == 0:
+            assert [(f"{dst[0]}{q}", f"{src[0]}{int(src[1:]) + q}") in adds for q in range(4)] == [True] * 4
+            out.append(("add", chain(dst), chain(src)))
     return out
 
 
@@ -57,33 +68,36 @@ def test_decode_gives_the_pairs_in_pairs_order():
         assert decoded(word) == want
 
 
-def lane_sums(words: np.ndarray, scales: np.ndarray, pairs: np.ndarray, exps: np.ndarray) -> np.ndarray:
+def lane_sums(words: np.ndarray, scales: np.ndarray, pairs: np.ndarray, exps: np.ndarray, chains: int) -> np.ndarray:
     """y [64] of one program: every lane (g, t) of both warps holds words 4t..4t+3 of rows 16i + 8w + g; each mma
     gathers A and B from the 32 lanes by the fragment layout (a0: row g, k 2t, 2t+1; a1: row g + 8; a2 / a3: k + 8;
     b0: k 2t, 2t+1, column g; b1: k + 8), and the lanes t < 2 scale columns 2t, 2t+1 by those groups' weight and
     activation scales."""
     y = np.zeros(64)
-    mmas = mma_operands()
+    program = step_program(chains)
     for w in range(2):
         for s in range(words.shape[1] // 16):
-            for acc_name, rows in (("d", (0, 1)), ("e", (2, 3))):
-                D = np.zeros((16, 8))
-                for a_regs, b_elems, acc in mmas:
-                    if acc != acc_name:
-                        continue
-                    A, B = np.zeros((16, 16)), np.zeros((16, 8))
-                    for g in range(8):
-                        for t in range(4):
-                            for n, reg in enumerate(a_regs):
-                                i, j, k = G.ROWS.index(reg[0]), int(reg[1:]) // 4, int(reg[1:]) % 4
-                                word = int(words[16 * i + 8 * w + g, 16 * s + 4 * t + j]) & 0xFFFFFFFF
-                                row, col = g + 8 * (n % 2), 2 * t + 8 * (n // 2)
-                                A[row, col:col + 2] = decoded(word)[k]
-                            for n, elem in enumerate(b_elems):  # the lane's tile element (row rep i, column j)
-                                k0, i, j = 2 * t + 8 * n, elem // 4, elem % 4  # ... loaded where g == t
-                                pair = f16_pair(int(pairs[16 * s + 4 * t + i, j]) & 0xFFFFFFFF) if g == t else (0, 0)
-                                B[k0:k0 + 2, g] = pair
-                    D += A @ B
+            acc = {}
+            for op in program:
+                if op[0] == "add":
+                    acc[op[1]] = acc[op[1]] + acc[op[2]]
+                    continue
+                _, a_regs, b_elems, d, c = op
+                A, B = np.zeros((16, 16)), np.zeros((16, 8))
+                for g in range(8):
+                    for t in range(4):
+                        for n, reg in enumerate(a_regs):
+                            i, j, k = G.ROWS.index(reg[0]), int(reg[1:]) // 4, int(reg[1:]) % 4
+                            word = int(words[16 * i + 8 * w + g, 16 * s + 4 * t + j]) & 0xFFFFFFFF
+                            row, col = g + 8 * (n % 2), 2 * t + 8 * (n // 2)
+                            A[row, col:col + 2] = decoded(word)[k]
+                        for n, elem in enumerate(b_elems):  # the lane's tile element (row rep i, column j)
+                            k0, i, j = 2 * t + 8 * n, elem // 4, elem % 4  # ... loaded where g == t
+                            pair = f16_pair(int(pairs[16 * s + 4 * t + i, j]) & 0xFFFFFFFF) if g == t else (0, 0)
+                            B[k0:k0 + 2, g] = pair
+                acc[d] = (0 if c is None else acc[c]) + A @ B
+            for letter, rows in (("d", (0, 1)), ("e", (2, 3))):
+                D = acc[(letter, 0)]
                 for g in range(8):
                     for half, i in enumerate(rows):
                         row = 16 * i + 8 * w + g
@@ -93,8 +107,8 @@ def lane_sums(words: np.ndarray, scales: np.ndarray, pairs: np.ndarray, exps: np
     return y * 64
 
 
-@pytest.mark.parametrize("seed", range(2))
-def test_lanes_replay_the_reference(seed):
+@pytest.mark.parametrize("seed, chains", [(0, 1), (1, 1), (0, 2)])
+def test_lanes_replay_the_reference(seed, chains):
     rng = np.random.default_rng(seed)
     K = 256
     words = rng.integers(-2**31, 2**31 - 1, (64, K // 8)).astype(np.int32)
@@ -106,5 +120,5 @@ def test_lanes_replay_the_reference(seed):
     codes = np.stack([(words.astype(np.int64) >> 4 * j) & 15 for j in range(8)], -1).reshape(64, K)
     ref = (E2M1[codes] * np.exp2(scales.astype(np.float64) - 127).repeat(32, 1)) @ a.double().numpy()
     pairs, exps = G.b_layout(a)
-    got = lane_sums(words, scales, pairs.numpy(), exps.numpy())
+    got = lane_sums(words, scales, pairs.numpy(), exps.numpy(), chains)
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
