@@ -142,8 +142,9 @@ def b_layout(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     holds every bf16 value from 2^-31 of it up exactly), each word's eight as the f16x2 pairs `PAIRS` names; the
     exponent byte is 127 plus the power of two that undoes the scaling."""
     groups = a.float().view(-1, 32)
-    top = torch.frexp(groups.abs().amax(1))[1] - 1  # floor(log2(max)); 0 for an all-zero group
-    shift = torch.where(groups.abs().amax(1) > 0, 14 - top, torch.zeros_like(top))
+    largest = groups.abs().amax(1)
+    top = torch.frexp(largest)[1] - 1  # floor(log2(largest)); 0 for an all-zero group
+    shift = torch.where(largest > 0, 14 - top, torch.zeros_like(top))
     scaled = (groups * torch.pow(2.0, shift.float())[:, None]).view(-1, 8)
     order = [k for pair in PAIRS for k in pair]
     pairs = scaled[:, order].to(torch.float16).contiguous().view(torch.int32)
@@ -183,7 +184,7 @@ def check_and_time(configs: list[tuple[int, int, int]], sets: int = 4) -> dict:
     44 MB) sizes: the largest error against a float64 reference (relative to the largest |y|), and the time of one
     call, over `sets` weight sets in turn (more bytes than the L2 holds, as the step's layers are). configs: the
     mma kernel's (K splits, stages, chains)."""
-    from dsv4.quant import E2M1_VALUES
+    from dsv4.quant import dequantize_mxfp4
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -197,10 +198,9 @@ def check_and_time(configs: list[tuple[int, int, int]], sets: int = 4) -> dict:
         # bf16 activations over 2^-12 .. 2^12: f16 could not hold them without the groups' scaling
         a = (torch.randn(K, device=dev, generator=gen) * torch.exp2(torch.randint(-12, 13, (K,), device=dev,
                                                                                  generator=gen))).bfloat16().float()
-        codes = torch.stack([(words[0] >> (4 * j)) & 15 for j in range(8)], -1).reshape(R_, K)
-        scale = torch.pow(2.0, scales[0].double() - 127).repeat_interleave(32, 1)
-        ref = (E2M1_VALUES.to(dev).double()[codes.long()] * scale) @ a.double()
-        del codes, scale
+        w = dequantize_mxfp4(words[0].view(torch.uint8), scales[0].view(torch.float8_e8m0fnu))  # exact in fp32
+        ref = w.double() @ a.double()
+        del w
         nbytes = words[0].numel() * 4 + scales[0].numel()
         b, planes = b_layout(a), activation_planes(a[None])
         cases = {}

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from ptx_emulator import run
 
 from bench import mma_gemv as G
-from dsv4.quant import E2M1_VALUES
+from dsv4.quant import E2M1_VALUES, dequantize_mxfp4
 
 E2M1 = E2M1_VALUES.double().numpy()
 
@@ -117,8 +117,8 @@ def test_lanes_replay_the_reference(seed, chains):
     a = torch.from_numpy(rng.uniform(1, 2, K) * rng.choice([-1, 1], K) * np.exp2(rng.integers(-8, 9, K)))
     a = a.bfloat16().double()
     a[32:64] = 0
-    codes = np.stack([(words.astype(np.int64) >> 4 * j) & 15 for j in range(8)], -1).reshape(64, K)
-    ref = (E2M1[codes] * np.exp2(scales.astype(np.float64) - 127).repeat(32, 1)) @ a.double().numpy()
+    w = dequantize_mxfp4(torch.from_numpy(words).view(torch.uint8), torch.from_numpy(scales).view(torch.float8_e8m0fnu))
+    ref = w.double().numpy() @ a.double().numpy()
     pairs, exps = G.b_layout(a)
     got = lane_sums(words, scales, pairs.numpy(), exps.numpy(), chains)
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
