@@ -34,6 +34,10 @@ far above the step's issue time (~330 instructions a warp) and its mma chains (t
 table since times `chains` 2 too (each row pair's 8 mma dealt between two accumulators: in the SASS ptxas runs the
 step's chains one after the other, 16 dependent mma a step); what it does not try is the mma swapped for integer ops
 on the same registers, which would tell the tensor pipe from the rest.
+Session 59 adds the row's bytes a step as a suspect: one tile is 16 words, 64 bytes of a row, half its 128-byte line,
+the next half a step later, where the CUDA-core loop at BK 256 reads whole lines. `halves` 2 reads both tiles of a
+line in one step (twice the registers: 96, no spills), and the CUDA-core loop at BK 128 reads half lines: if the half
+lines hold the mma loop back, the first speeds up and the second slows down.
 JSON: $OUT/mma_gemv.json if OUT is set, else bench/results/mma_gemv.json; `--sass` prints only.
 """
 
@@ -109,12 +113,14 @@ _STEP_OPERANDS = tl.constexpr(",".join(["=f"] * 16 + ["f"] * 16 + ["r"] * 80))
 
 @triton.jit
 def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, e_ptr, y_ptr, R, KW, STEPS, STAGES: tl.constexpr,
-                     STEP_PTX: tl.constexpr):
+                     STEP_PTX: tl.constexpr, HALVES: tl.constexpr):
     """Program (row tile, K split): y[split, r] = the split's sum over K of e2m1 codes x scales x activations / 64.
     w int32 words [R, KW]; s the e8m0 scales as int32 words [R, KW / 16]; b, e `b_layout`'s pairs [KW, 4] and
-    exponents (as int32 words [KW / 16]); STEP_PTX `mma_step_ptx`'s."""
+    exponents (as int32 words [KW / 16]); STEP_PTX `mma_step_ptx`'s. A step reads HALVES tiles of 16 words a row
+    (64 bytes; 2: a row's whole 128-byte line at once, as the CUDA-core loop at BK 256 does) and runs the PTX on
+    each."""
     BR: tl.constexpr = 64
-    NW: tl.constexpr = 16  # words a row a step: four scale groups
+    NW: tl.constexpr = 16  # words a row a tile: four scale groups
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     split = tl.program_id(1)
     per = STEPS // tl.num_programs(1)
@@ -126,13 +132,15 @@ def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, e_ptr, y_ptr, R, KW, STEPS, STAGES: tl
     shift = (c // 4 * 16)[None, :] + tl.zeros((BR, NW), tl.int32)  # lane t: its columns' scale bytes 2t, 2t + 1
     acc = tl.zeros((BR, NW), tl.float32)
     for s in tl.range(split * per, split * per + per, num_stages=STAGES):
-        w = tl.load(w_ptr + rows[:, None] * KW + s * NW + c[None, :])
-        sw = tl.load(s_ptr + rows * (KW // 16) + s)
-        b = tl.load(b_ptr + s * (4 * NW) + b_slot, mask=b_live, other=0)
-        ea = tl.load(e_ptr + s) + tl.zeros((BR, NW), tl.int32)
-        acc = tl.inline_asm_elementwise(STEP_PTX, _STEP_OPERANDS,
-                                        [acc, w, sw[:, None] + tl.zeros((BR, NW), tl.int32), shift, ea, b],
-                                        dtype=tl.float32, is_pure=True, pack=16)
+        for h in tl.static_range(HALVES):
+            q = s * HALVES + h  # the tile's 16 words
+            w = tl.load(w_ptr + rows[:, None] * KW + q * NW + c[None, :])
+            sw = tl.load(s_ptr + rows * (KW // 16) + q)
+            b = tl.load(b_ptr + q * (4 * NW) + b_slot, mask=b_live, other=0)
+            ea = tl.load(e_ptr + q) + tl.zeros((BR, NW), tl.int32)
+            acc = tl.inline_asm_elementwise(STEP_PTX, _STEP_OPERANDS,
+                                            [acc, w, sw[:, None] + tl.zeros((BR, NW), tl.int32), shift, ea, b],
+                                            dtype=tl.float32, is_pure=True, pack=16)
     tl.store(y_ptr + split * R + rows, tl.sum(acc, axis=1))
 
 
@@ -151,13 +159,14 @@ def b_layout(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs, (127 - shift).to(torch.uint8)
 
 
-def gemv_mma(words, scales, b, y, stages: int = 3, chains: int = 1) -> None:
+def gemv_mma(words, scales, b, y, stages: int = 3, chains: int = 1, halves: int = 1) -> None:
     """y [splits, R] = each K split's sum of words' codes x scales x activations / 64: words int32 [R, K / 8],
-    scales uint8 e8m0 [R, K / 32], b = b_layout(activations)."""
+    scales uint8 e8m0 [R, K / 32], b = b_layout(activations); `halves` tiles of 16 words a row a step."""
     R, KW = words.shape
     pairs, exps = b
     _gemv_mma_kernel[(R // 64, y.shape[0])](words, scales.view(torch.int32), pairs, exps.view(torch.int32), y, R, KW,
-                                            KW // 16, STAGES=stages, STEP_PTX=mma_step_ptx(chains), num_warps=2)
+                                            KW // (16 * halves), STAGES=stages, STEP_PTX=mma_step_ptx(chains),
+                                            HALVES=halves, num_warps=2)
 
 
 def sass_counts() -> list[dict]:
@@ -168,7 +177,7 @@ def sass_counts() -> list[dict]:
 
     mma = [R.Kernel(f"mma GEMV, {c} chain(s) a row pair", _gemv_mma_kernel,
                     {"w_ptr": "*i32", "s_ptr": "*i32", "b_ptr": "*i32", "e_ptr": "*i32"},
-                    {"STAGES": 3, "STEP_PTX": mma_step_ptx(c)}, 2, 3) for c in (1, 2)]
+                    {"STAGES": 3, "STEP_PTX": mma_step_ptx(c), "HALVES": 1}, 2, 3) for c in (1, 2)]
     up = next(k for k in R.moe_kernels() if k.name == "moe gather up")
     rows = []
     up_words = 2 * up.constexprs["BI"] * up.constexprs["BK"] // 8 // 64  # g and u rows x words a step / threads
@@ -179,11 +188,11 @@ def sass_counts() -> list[dict]:
     return rows
 
 
-def check_and_time(configs: list[tuple[int, int, int]], sets: int = 4) -> dict:
+def check_and_time(configs: list[tuple[int, int, int, int]], sets: int = 4) -> dict:
     """Both GEMVs at V4.1's up (7 slots x w1 and w3 rows of 2304, K 5120: 88 MB) and down (7 x 5120 rows, K 2304:
     44 MB) sizes: the largest error against a float64 reference (relative to the largest |y|), and the time of one
     call, over `sets` weight sets in turn (more bytes than the L2 holds, as the step's layers are). configs: the
-    mma kernel's (K splits, stages, chains)."""
+    mma kernel's (K splits, stages, chains, halves)."""
     from dsv4.quant import dequantize_mxfp4
 
     dev = torch.device("cuda")
@@ -204,15 +213,17 @@ def check_and_time(configs: list[tuple[int, int, int]], sets: int = 4) -> dict:
         nbytes = words[0].numel() * 4 + scales[0].numel()
         b, planes = b_layout(a), activation_planes(a[None])
         cases = {}
-        for split, stages, chains in configs:
-            if (K // 128) % split == 0:
+        for split, stages, chains, halves in configs:
+            if (K // (128 * halves)) % split == 0:
                 y = torch.empty(split, R_, device=dev)
-                cases[f"mma split {split} stages {stages} chains {chains}"] = (
-                    [lambda n=n, y=y, st=stages, ch=chains: gemv_mma(words[n], scales[n], b, y, st, ch)
+                cases[f"mma split {split} stages {stages} chains {chains} halves {halves}"] = (
+                    [lambda n=n, y=y, st=stages, ch=chains, ha=halves: gemv_mma(words[n], scales[n], b, y, st, ch, ha)
                      for n in range(sets)], lambda y=y: y.sum(0) * 64)
-        y = torch.empty(R_, device=dev)
-        cases["CUDA cores (_up_sums, BK 256)"] = (
-            [lambda n=n, y=y: gemv_cores(words[n], scales[n], planes, y) for n in range(sets)], lambda y=y: y)
+        for bk in (256, 128):  # 128: a row's 64 bytes a step, as the mma loop's one tile
+            y = torch.empty(R_, device=dev)
+            cases[f"CUDA cores (_up_sums, BK {bk})"] = (
+                [lambda n=n, y=y, bk=bk: gemv_cores(words[n], scales[n], planes, y, bk) for n in range(sets)],
+                lambda y=y: y)
         for name, (calls, total) in cases.items():
             calls[0]()
             err = ((total().double() - ref).abs().max() / ref.abs().max()).item()
@@ -236,11 +247,11 @@ def _gemv_cores_kernel(w_ptr, s_ptr, xp_ptr, y_ptr, R2, D, BK: tl.constexpr, STA
     tl.store(y_ptr + R2 + i, u, mask=imask)
 
 
-def gemv_cores(words, scales, planes, y) -> None:
-    """y [R] = the same sums by the CUDA-core loop, at the batch-1 gather's 2 warps and two stages (BK 256 divides
-    both K)."""
+def gemv_cores(words, scales, planes, y, bk: int = 256) -> None:
+    """y [R] = the same sums by the CUDA-core loop, at the batch-1 gather's 2 warps and two stages (BK 256, the
+    gather's, divides both K)."""
     R, KW = words.shape
-    _gemv_cores_kernel[(R // 32,)](words, scales, planes, y, R // 2, KW * 8, BK=256, STAGES=2, num_warps=2)
+    _gemv_cores_kernel[(R // 32,)](words, scales, planes, y, R // 2, KW * 8, BK=bk, STAGES=2, num_warps=2)
 
 
 def main(argv=None) -> None:
@@ -253,7 +264,7 @@ def main(argv=None) -> None:
               f"{row['instructions_a_word']:.1f} a word")
     if args.sass:
         return
-    result = check_and_time([(1, 3, 1), (2, 3, 1), (1, 2, 1), (1, 3, 2), (2, 3, 2), (1, 4, 2)])
+    result = check_and_time([(1, 3, 1, 1), (1, 3, 1, 2), (1, 2, 1, 2), (1, 4, 1, 2), (1, 3, 2, 2), (2, 3, 1, 2)])
     result["sass"] = counts
     print(common.write_result("mma_gemv", False, result))
 
