@@ -37,7 +37,9 @@ on the same registers, which would tell the tensor pipe from the rest.
 Session 59 adds the row's bytes a step as a suspect: one tile is 16 words, 64 bytes of a row, half its 128-byte line,
 the next half a step later, where the CUDA-core loop at BK 256 reads whole lines. `halves` 2 reads both tiles of a
 line in one step (twice the registers: 96, no spills), and the CUDA-core loop at BK 128 reads half lines: if the half
-lines hold the mma loop back, the first speeds up and the second slows down.
+lines hold the mma loop back, the first speeds up and the second slows down. The `alu` rows swap each mma for
+CUDA-core ops on its registers (offline: 375 instructions a step against 327, registers alike): if they run fast, the
+tensor pipe holds the loop.
 JSON: $OUT/mma_gemv.json if OUT is set, else bench/results/mma_gemv.json; `--sass` prints only.
 """
 
@@ -74,13 +76,14 @@ OUT, SUM, WORD, SCALE, SHIFT, EXP, B = 0, 16, 32, 48, 64, 80, 96
 
 
 @functools.cache
-def mma_step_ptx(chains: int = 1) -> str:
+def mma_step_ptx(chains: int = 1, alu: bool = False) -> str:
     """One K step of a lane (16 tile elements: rows P, Q, R, S x words 0..3): decode, 16 mma, scale, sum. Element
     (row i, word j) of the sums carries row i's running sum at j = 0 (zeros at 1..3); of B, mma (word i, half j // 2)'s
     b0 (j even) or b1 (j odd), as the kernel loads them. `chains`: accumulators a row pair, its 8 mma dealt among
     them in turn and their sums added before the scales (1: one chain of 8 dependent mma; ptxas runs the two row
-    pairs' chains one after the other)."""
-    ptx = ["{", ".reg .b32 t, u, l, h, s0, f0, f1, a0, a1;", ".reg .b16 x0, x1, x2, x3;",
+    pairs' chains one after the other). `alu`: each mma swapped for integer and fp32 ops on the CUDA cores that read
+    its A and B registers and write its accumulators (wrong sums, for timing only: the tensor pipe's share)."""
+    ptx = ["{", ".reg .b32 t, u, l, h, s0, f0, f1, a0, a1, k;", ".reg .b16 x0, x1, x2, x3;",
            ".reg .b32 " + ", ".join(f"{r}<16>" for r in ROWS) + ";", f".reg .f32 d<{4 * chains}>, e<{4 * chains}>;"]
     for i, row in enumerate(ROWS):
         for j in range(4):
@@ -93,8 +96,12 @@ def mma_step_ptx(chains: int = 1) -> str:
             b = [f"${B + 4 * j + 2 * half}", f"${B + 4 * j + 2 * half + 1}"]
             acc = "{" + ", ".join(f"{d}{4 * (n % chains) + q}" for q in range(4)) + "}"
             c = "{0f00000000, 0f00000000, 0f00000000, 0f00000000}" if n < chains else acc
-            ptx.append(f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {acc}, {{{', '.join(a)}}}, "
-                       f"{{{', '.join(b)}}}, {c};")
+            if alu:
+                ptx += [f"xor.b32 k, {a[0] if q == 0 else 'k'}, {x};" for q, x in enumerate(a[1:] + b)]
+                ptx += [f"add.f32 {x}, {y}, k;" for x, y in zip(acc[1:-1].split(", "), c[1:-1].split(", "))]
+            else:
+                ptx.append(f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {acc}, {{{', '.join(a)}}}, "
+                           f"{{{', '.join(b)}}}, {c};")
         ptx += [f"add.f32 {d}{q}, {d}{q}, {d}{4 * k + q};" for k in range(1, chains) for q in range(4)]
     ptx += [f"shr.b32 s0, ${EXP}, ${SHIFT};", "shl.b32 a0, s0, 23;", "and.b32 a0, a0, 0x7F800000;",
             "shl.b32 a1, s0, 15;", "and.b32 a1, a1, 0x7F800000;"]  # the activations' factors of columns 2t, 2t + 1
@@ -159,13 +166,13 @@ def b_layout(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs, (127 - shift).to(torch.uint8)
 
 
-def gemv_mma(words, scales, b, y, stages: int = 3, chains: int = 1, halves: int = 1) -> None:
+def gemv_mma(words, scales, b, y, stages: int = 3, chains: int = 1, halves: int = 1, alu: bool = False) -> None:
     """y [splits, R] = each K split's sum of words' codes x scales x activations / 64: words int32 [R, K / 8],
     scales uint8 e8m0 [R, K / 32], b = b_layout(activations); `halves` tiles of 16 words a row a step."""
     R, KW = words.shape
     pairs, exps = b
     _gemv_mma_kernel[(R // 64, y.shape[0])](words, scales.view(torch.int32), pairs, exps.view(torch.int32), y, R, KW,
-                                            KW // (16 * halves), STAGES=stages, STEP_PTX=mma_step_ptx(chains),
+                                            KW // (16 * halves), STAGES=stages, STEP_PTX=mma_step_ptx(chains, alu),
                                             HALVES=halves, num_warps=2)
 
 
@@ -188,11 +195,11 @@ def sass_counts() -> list[dict]:
     return rows
 
 
-def check_and_time(configs: list[tuple[int, int, int, int]], sets: int = 4) -> dict:
+def check_and_time(configs: list[tuple[int, int, int, int, bool]], sets: int = 4) -> dict:
     """Both GEMVs at V4.1's up (7 slots x w1 and w3 rows of 2304, K 5120: 88 MB) and down (7 x 5120 rows, K 2304:
     44 MB) sizes: the largest error against a float64 reference (relative to the largest |y|), and the time of one
     call, over `sets` weight sets in turn (more bytes than the L2 holds, as the step's layers are). configs: the
-    mma kernel's (K splits, stages, chains, halves)."""
+    mma kernel's (K splits, stages, chains, halves, alu); an alu row's error is meaningless."""
     from dsv4.quant import dequantize_mxfp4
 
     dev = torch.device("cuda")
@@ -213,12 +220,12 @@ def check_and_time(configs: list[tuple[int, int, int, int]], sets: int = 4) -> d
         nbytes = words[0].numel() * 4 + scales[0].numel()
         b, planes = b_layout(a), activation_planes(a[None])
         cases = {}
-        for split, stages, chains, halves in configs:
+        for split, stages, chains, halves, alu in configs:
             if (K // (128 * halves)) % split == 0:
                 y = torch.empty(split, R_, device=dev)
-                cases[f"mma split {split} stages {stages} chains {chains} halves {halves}"] = (
-                    [lambda n=n, y=y, st=stages, ch=chains, ha=halves: gemv_mma(words[n], scales[n], b, y, st, ch, ha)
-                     for n in range(sets)], lambda y=y: y.sum(0) * 64)
+                name = f"{'alu' if alu else 'mma'} split {split} stages {stages} chains {chains} halves {halves}"
+                cases[name] = ([functools.partial(gemv_mma, words[n], scales[n], b, y, stages, chains, halves, alu)
+                                for n in range(sets)], lambda y=y: y.sum(0) * 64)
         for bk in (256, 128):  # 128: a row's 64 bytes a step, as the mma loop's one tile
             y = torch.empty(R_, device=dev)
             cases[f"CUDA cores (_up_sums, BK {bk})"] = (
@@ -264,7 +271,8 @@ def main(argv=None) -> None:
               f"{row['instructions_a_word']:.1f} a word")
     if args.sass:
         return
-    result = check_and_time([(1, 3, 1, 1), (1, 3, 1, 2), (1, 2, 1, 2), (1, 4, 1, 2), (1, 3, 2, 2), (2, 3, 1, 2)])
+    result = check_and_time([(1, 3, 1, 1, False), (1, 3, 1, 2, False), (1, 2, 1, 2, False), (1, 4, 1, 2, False),
+                             (1, 3, 2, 2, False), (2, 3, 1, 2, False), (1, 3, 1, 1, True), (1, 3, 1, 2, True)])
     result["sass"] = counts
     print(common.write_result("mma_gemv", False, result))
 
