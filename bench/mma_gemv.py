@@ -120,12 +120,14 @@ _STEP_OPERANDS = tl.constexpr(",".join(["=f"] * 16 + ["f"] * 16 + ["r"] * 80))
 
 @triton.jit
 def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, e_ptr, y_ptr, R, KW, STEPS, STAGES: tl.constexpr,
-                     STEP_PTX: tl.constexpr, HALVES: tl.constexpr):
+                     STEP_PTX: tl.constexpr, HALVES: tl.constexpr, B_MASK: tl.constexpr = True,
+                     SCALES_ONCE: tl.constexpr = False):
     """Program (row tile, K split): y[split, r] = the split's sum over K of e2m1 codes x scales x activations / 64.
     w int32 words [R, KW]; s the e8m0 scales as int32 words [R, KW / 16]; b, e `b_layout`'s pairs [KW, 4] and
     exponents (as int32 words [KW / 16]); STEP_PTX `mma_step_ptx`'s. A step reads HALVES tiles of 16 words a row
     (64 bytes; 2: a row's whole 128-byte line at once, as the CUDA-core loop at BK 256 does) and runs the PTX on
-    each."""
+    each. Two probes of the loads' share: B_MASK False loads all of b's tile (wrong sums: timing only); SCALES_ONCE
+    (HALVES 2) reads a row's two scale words of a step in one 8-byte load."""
     BR: tl.constexpr = 64
     NW: tl.constexpr = 16  # words a row a tile: four scale groups
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -142,8 +144,13 @@ def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, e_ptr, y_ptr, R, KW, STEPS, STAGES: tl
         for h in tl.static_range(HALVES):
             q = s * HALVES + h  # the tile's 16 words
             w = tl.load(w_ptr + rows[:, None] * KW + q * NW + c[None, :])
-            sw = tl.load(s_ptr + rows * (KW // 16) + q)
-            b = tl.load(b_ptr + q * (4 * NW) + b_slot, mask=b_live, other=0)
+            if SCALES_ONCE:
+                if h == 0:
+                    both = tl.load(s_ptr.to(tl.pointer_type(tl.int64)) + rows * (KW // 32) + s)
+                sw = (both >> (32 * h)).to(tl.int32)
+            else:
+                sw = tl.load(s_ptr + rows * (KW // 16) + q)
+            b = tl.load(b_ptr + q * (4 * NW) + b_slot, mask=b_live if B_MASK else None, other=0 if B_MASK else None)
             ea = tl.load(e_ptr + q) + tl.zeros((BR, NW), tl.int32)
             acc = tl.inline_asm_elementwise(STEP_PTX, _STEP_OPERANDS,
                                             [acc, w, sw[:, None] + tl.zeros((BR, NW), tl.int32), shift, ea, b],
@@ -166,14 +173,16 @@ def b_layout(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs, (127 - shift).to(torch.uint8)
 
 
-def gemv_mma(words, scales, b, y, stages: int = 3, chains: int = 1, halves: int = 1, alu: bool = False) -> None:
+def gemv_mma(words, scales, b, y, stages: int = 3, chains: int = 1, halves: int = 1, alu: bool = False,
+             b_mask: bool = True, scales_once: bool = False) -> None:
     """y [splits, R] = each K split's sum of words' codes x scales x activations / 64: words int32 [R, K / 8],
-    scales uint8 e8m0 [R, K / 32], b = b_layout(activations); `halves` tiles of 16 words a row a step."""
+    scales uint8 e8m0 [R, K / 32], b = b_layout(activations); `halves` tiles of 16 words a row a step; `alu`,
+    `b_mask`, `scales_once` as `mma_step_ptx` and the kernel name them."""
     R, KW = words.shape
     pairs, exps = b
     _gemv_mma_kernel[(R // 64, y.shape[0])](words, scales.view(torch.int32), pairs, exps.view(torch.int32), y, R, KW,
                                             KW // (16 * halves), STAGES=stages, STEP_PTX=mma_step_ptx(chains, alu),
-                                            HALVES=halves, num_warps=2)
+                                            HALVES=halves, B_MASK=b_mask, SCALES_ONCE=scales_once, num_warps=2)
 
 
 def sass_counts() -> list[dict]:
@@ -195,11 +204,12 @@ def sass_counts() -> list[dict]:
     return rows
 
 
-def check_and_time(configs: list[tuple[int, int, int, int, bool]], sets: int = 4) -> dict:
+def check_and_time(configs: list[dict], sets: int = 4) -> dict:
     """Both GEMVs at V4.1's up (7 slots x w1 and w3 rows of 2304, K 5120: 88 MB) and down (7 x 5120 rows, K 2304:
     44 MB) sizes: the largest error against a float64 reference (relative to the largest |y|), and the time of one
     call, over `sets` weight sets in turn (more bytes than the L2 holds, as the step's layers are). configs: the
-    mma kernel's (K splits, stages, chains, halves, alu); an alu row's error is meaningless."""
+    mma kernel's `gemv_mma` keywords and `split` (K splits, 1 if absent); an alu or unmasked-b row's error is
+    meaningless."""
     from dsv4.quant import dequantize_mxfp4
 
     dev = torch.device("cuda")
@@ -220,12 +230,14 @@ def check_and_time(configs: list[tuple[int, int, int, int, bool]], sets: int = 4
         nbytes = words[0].numel() * 4 + scales[0].numel()
         b, planes = b_layout(a), activation_planes(a[None])
         cases = {}
-        for split, stages, chains, halves, alu in configs:
-            if (K // (128 * halves)) % split == 0:
+        for config in configs:
+            kw = {k: v for k, v in config.items() if k != "split"}
+            split = config.get("split", 1)
+            if (K // (128 * kw.get("halves", 1))) % split == 0:
                 y = torch.empty(split, R_, device=dev)
-                name = f"{'alu' if alu else 'mma'} split {split} stages {stages} chains {chains} halves {halves}"
-                cases[name] = ([functools.partial(gemv_mma, words[n], scales[n], b, y, stages, chains, halves, alu)
-                                for n in range(sets)], lambda y=y: y.sum(0) * 64)
+                name = "mma " + " ".join(f"{k} {v:d}" for k, v in config.items())
+                cases[name] = ([functools.partial(gemv_mma, words[n], scales[n], b, y, **kw) for n in range(sets)],
+                               lambda y=y: y.sum(0) * 64)
         for bk in (256, 128):  # 128: a row's 64 bytes a step, as the mma loop's one tile
             y = torch.empty(R_, device=dev)
             cases[f"CUDA cores (_up_sums, BK {bk})"] = (
@@ -271,8 +283,10 @@ def main(argv=None) -> None:
               f"{row['instructions_a_word']:.1f} a word")
     if args.sass:
         return
-    result = check_and_time([(1, 3, 1, 1, False), (1, 3, 1, 2, False), (1, 2, 1, 2, False), (1, 4, 1, 2, False),
-                             (1, 3, 2, 2, False), (2, 3, 1, 2, False), (1, 3, 1, 1, True), (1, 3, 1, 2, True)])
+    lean = {"halves": 2, "scales_once": True}
+    result = check_and_time([{"halves": 1}, {"halves": 2}, {"halves": 2, "chains": 2}, {"halves": 2, "split": 2},
+                             lean, {**lean, "stages": 4}, {"halves": 2, "b_mask": False}, {**lean, "b_mask": False},
+                             {**lean, "alu": True}, {**lean, "alu": True, "b_mask": False}])
     result["sass"] = counts
     print(common.write_result("mma_gemv", False, result))
 
