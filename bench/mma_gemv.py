@@ -34,12 +34,14 @@ far above the step's issue time (~330 instructions a warp) and its mma chains (t
 table since times `chains` 2 too (each row pair's 8 mma dealt between two accumulators: in the SASS ptxas runs the
 step's chains one after the other, 16 dependent mma a step); what it does not try is the mma swapped for integer ops
 on the same registers, which would tell the tensor pipe from the rest.
-Session 59 adds the row's bytes a step as a suspect: one tile is 16 words, 64 bytes of a row, half its 128-byte line,
-the next half a step later, where the CUDA-core loop at BK 256 reads whole lines. `halves` 2 reads both tiles of a
-line in one step (twice the registers: 96, no spills), and the CUDA-core loop at BK 128 reads half lines: if the half
-lines hold the mma loop back, the first speeds up and the second slows down. The `alu` rows swap each mma for
-CUDA-core ops on its registers (offline: 375 instructions a step against 327, registers alike): if they run fast, the
-tensor pipe holds the loop.
+Session 59 (H100, `dev/mma-gemv-573ee1c-h100-s59.json`): half lines cost, but they are not the main cause. One
+tile is 16 words, 64 bytes of a row, half its 128-byte line; `halves` 2 reads both tiles of a line in one step (96
+registers, no spills): up 84.0 -> 74.9 us (chains 2: 69.9, K split 2: 69.5), down 46.6 -> 40.5; the CUDA-core loop
+at BK 128 (half lines) 40.3 -> 55.2 up, 22.8 -> 27.8 down. The `alu` rows, each mma swapped for CUDA-core ops on its
+registers (offline 375 instructions a step against 327; wrong sums, timing only), run about as slowly (up 64.7 us,
+down 40.6 at halves 2): the tensor pipe does not hold the loop; its loads do, or the 64-row tile. Not yet run: the
+loads' probes (`b_mask` False loads b's whole tile, `scales_once` a step's two scale words in one load), which the
+table now times.
 JSON: $OUT/mma_gemv.json if OUT is set, else bench/results/mma_gemv.json; `--sass` prints only.
 """
 
