@@ -34,14 +34,14 @@ far above the step's issue time (~330 instructions a warp) and its mma chains (t
 table since times `chains` 2 too (each row pair's 8 mma dealt between two accumulators: in the SASS ptxas runs the
 step's chains one after the other, 16 dependent mma a step); what it does not try is the mma swapped for integer ops
 on the same registers, which would tell the tensor pipe from the rest.
-Session 59 (H100, `dev/mma-gemv-573ee1c-h100-s59.json`): half lines cost, but they are not the main cause. One
-tile is 16 words, 64 bytes of a row, half its 128-byte line; `halves` 2 reads both tiles of a line in one step (96
+Session 59 (H100, `dev/mma-gemv-573ee1c-h100-s59.json`): half lines cost, but they are not the main cause. One tile
+is 16 words, 64 bytes of a row, half its 128-byte line; `halves` 2 reads both tiles of a line in one step (96
 registers, no spills): up 84.0 -> 74.9 us (chains 2: 69.9, K split 2: 69.5), down 46.6 -> 40.5; the CUDA-core loop
 at BK 128 (half lines) 40.3 -> 55.2 up, 22.8 -> 27.8 down. The `alu` rows, each mma swapped for CUDA-core ops on its
-registers (offline 375 instructions a step against 327; wrong sums, timing only), run about as slowly (up 64.7 us,
-down 40.6 at halves 2): the tensor pipe does not hold the loop; its loads do, or the 64-row tile. Not yet run: the
-loads' probes (`b_mask` False loads b's whole tile, `scales_once` a step's two scale words in one load), which the
-table now times.
+registers (offline 375 instructions a step against 327; wrong sums, timing only), run nearly as slowly (up 64.7 us
+against 74.9, down 40.6 against 40.5 at halves 2): the tensor pipe does not hold the loop; its loads do, or the
+64-row tile. Not yet run: the loads' probes (`b_mask` False loads b's whole tile, `scales_once` a step's two scale
+words in one load), which the table now times.
 JSON: $OUT/mma_gemv.json if OUT is set, else bench/results/mma_gemv.json; `--sass` prints only.
 """
 
@@ -269,8 +269,8 @@ def _gemv_cores_kernel(w_ptr, s_ptr, xp_ptr, y_ptr, R2, D, BK: tl.constexpr, STA
 
 
 def gemv_cores(words, scales, planes, y, bk: int = 256) -> None:
-    """y [R] = the same sums by the CUDA-core loop, at the batch-1 gather's 2 warps and two stages (BK 256, the
-    gather's, divides both K)."""
+    """y [R] = the same sums by the CUDA-core loop, at the batch-1 gather's 2 warps and two stages (BK 256 divides
+    both K; the gather's own at one row is 512)."""
     R, KW = words.shape
     _gemv_cores_kernel[(R // 32,)](words, scales, planes, y, R // 2, KW * 8, BK=bk, STAGES=2, num_warps=2)
 
