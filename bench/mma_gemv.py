@@ -41,7 +41,8 @@ at BK 128 (half lines) 40.3 -> 55.2 up, 22.8 -> 27.8 down. The `alu` rows, each 
 registers (offline 375 instructions a step against 327; wrong sums, timing only), run nearly as slowly (up 64.7 us
 against 74.9, down 40.6 against 40.5 at halves 2): the tensor pipe does not hold the loop; its loads do, or the
 64-row tile. Not yet run: the loads' probes (`b_mask` False loads b's whole tile, `scales_once` a step's two scale
-words in one load), which the table now times.
+words in one load), which the table now times, and `tiled` weights (a program's tile of each step in one run of
+memory, as a load-time repacking would store them: 8 rows' 64 bytes a warp's load otherwise).
 JSON: $OUT/mma_gemv.json if OUT is set, else bench/results/mma_gemv.json; `--sass` prints only.
 """
 
@@ -123,13 +124,14 @@ _STEP_OPERANDS = tl.constexpr(",".join(["=f"] * 16 + ["f"] * 16 + ["r"] * 80))
 @triton.jit
 def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, e_ptr, y_ptr, R, KW, STEPS, STAGES: tl.constexpr,
                      STEP_PTX: tl.constexpr, HALVES: tl.constexpr, B_MASK: tl.constexpr = True,
-                     SCALES_ONCE: tl.constexpr = False):
+                     SCALES_ONCE: tl.constexpr = False, TILED: tl.constexpr = False):
     """Program (row tile, K split): y[split, r] = the split's sum over K of e2m1 codes x scales x activations / 64.
     w int32 words [R, KW]; s the e8m0 scales as int32 words [R, KW / 16]; b, e `b_layout`'s pairs [KW, 4] and
     exponents (as int32 words [KW / 16]); STEP_PTX `mma_step_ptx`'s. A step reads HALVES tiles of 16 words a row
     (64 bytes; 2: a row's whole 128-byte line at once, as the CUDA-core loop at BK 256 does) and runs the PTX on
     each. Two probes of the loads' share: B_MASK False loads all of b's tile (wrong sums: timing only); SCALES_ONCE
-    (HALVES 2) reads a row's two scale words of a step in one 8-byte load."""
+    (HALVES 2) reads a row's two scale words of a step in one 8-byte load. TILED: w laid out as [R / 64, KW / 16,
+    64, 16] (`tiled`), a tile's 4 KB in one run: a warp's load takes 512 contiguous bytes, not 8 rows' 64."""
     BR: tl.constexpr = 64
     NW: tl.constexpr = 16  # words a row a tile: four scale groups
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -145,7 +147,10 @@ def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, e_ptr, y_ptr, R, KW, STEPS, STAGES: tl
     for s in tl.range(split * per, split * per + per, num_stages=STAGES):
         for h in tl.static_range(HALVES):
             q = s * HALVES + h  # the tile's 16 words
-            w = tl.load(w_ptr + rows[:, None] * KW + q * NW + c[None, :])
+            if TILED:
+                w = tl.load(w_ptr + ((tl.program_id(0) * (KW // NW) + q) * BR + r[:, None]) * NW + c[None, :])
+            else:
+                w = tl.load(w_ptr + rows[:, None] * KW + q * NW + c[None, :])
             if SCALES_ONCE:
                 if h == 0:
                     both = tl.load(s_ptr.to(tl.pointer_type(tl.int64)) + rows * (KW // 32) + s)
@@ -176,15 +181,23 @@ def b_layout(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gemv_mma(words, scales, b, y, stages: int = 3, chains: int = 1, halves: int = 1, alu: bool = False,
-             b_mask: bool = True, scales_once: bool = False) -> None:
+             b_mask: bool = True, scales_once: bool = False, tiled: bool = False) -> None:
     """y [splits, R] = each K split's sum of words' codes x scales x activations / 64: words int32 [R, K / 8],
     scales uint8 e8m0 [R, K / 32], b = b_layout(activations); `halves` tiles of 16 words a row a step; `alu`,
-    `b_mask`, `scales_once` as `mma_step_ptx` and the kernel name them."""
-    R, KW = words.shape
+    `b_mask`, `scales_once` as `mma_step_ptx` and the kernel name them; `tiled`: words given as `tiled(words)`."""
+    R, KW = scales.shape[0], scales.shape[1] * 4
     pairs, exps = b
     _gemv_mma_kernel[(R // 64, y.shape[0])](words, scales.view(torch.int32), pairs, exps.view(torch.int32), y, R, KW,
                                             KW // (16 * halves), STAGES=stages, STEP_PTX=mma_step_ptx(chains, alu),
-                                            HALVES=halves, B_MASK=b_mask, SCALES_ONCE=scales_once, num_warps=2)
+                                            HALVES=halves, B_MASK=b_mask, SCALES_ONCE=scales_once,
+                                            TILED=tiled, num_warps=2)
+
+
+def tiled(words: torch.Tensor) -> torch.Tensor:
+    """Words [R, KW] as the kernel's tiles in reading order, [R / 64, KW / 16, 64, 16]: a program's step in one
+    run of memory (as a load-time repacking of the experts' weights would lay them out)."""
+    R, KW = words.shape
+    return words.view(R // 64, 64, KW // 16, 16).transpose(1, 2).contiguous()
 
 
 def sass_counts() -> list[dict]:
@@ -232,13 +245,15 @@ def check_and_time(configs: list[dict], sets: int = 4) -> dict:
         nbytes = words[0].numel() * 4 + scales[0].numel()
         b, planes = b_layout(a), activation_planes(a[None])
         cases = {}
+        tiled_words = [tiled(w) for w in words] if any(c.get("tiled") for c in configs) else None
         for config in configs:
             kw = {k: v for k, v in config.items() if k != "split"}
             split = config.get("split", 1)
             if (K // (128 * kw.get("halves", 1))) % split == 0:
                 y = torch.empty(split, R_, device=dev)
                 name = "mma " + " ".join(f"{k} {v:d}" for k, v in config.items())
-                cases[name] = ([functools.partial(gemv_mma, words[n], scales[n], b, y, **kw) for n in range(sets)],
+                given = tiled_words if kw.get("tiled") else words
+                cases[name] = ([functools.partial(gemv_mma, given[n], scales[n], b, y, **kw) for n in range(sets)],
                                lambda y=y: y.sum(0) * 64)
         for bk in (256, 128):  # 128: a row's 64 bytes a step, as the mma loop's one tile
             y = torch.empty(R_, device=dev)
@@ -288,7 +303,9 @@ def main(argv=None) -> None:
     lean = {"halves": 2, "scales_once": True}
     result = check_and_time([{"halves": 1}, {"halves": 2}, {"halves": 2, "chains": 2}, {"halves": 2, "split": 2},
                              lean, {**lean, "stages": 4}, {"halves": 2, "b_mask": False}, {**lean, "b_mask": False},
-                             {**lean, "alu": True}, {**lean, "alu": True, "b_mask": False}])
+                             {**lean, "alu": True}, {**lean, "alu": True, "b_mask": False},
+                             {"halves": 1, "tiled": True}, {**lean, "tiled": True},
+                             {**lean, "tiled": True, "chains": 2}, {**lean, "tiled": True, "alu": True}])
     result["sass"] = counts
     print(common.write_result("mma_gemv", False, result))
 
