@@ -42,7 +42,8 @@ registers (offline 375 instructions a step against 327; wrong sums, timing only)
 against 74.9, down 40.6 against 40.5 at halves 2): the tensor pipe does not hold the loop; its loads do, or the
 64-row tile. Not yet run: the loads' probes (`b_mask` False loads b's whole tile, `scales_once` a step's two scale
 words in one load), which the table now times, and `tiled` weights (a program's tile of each step in one run of
-memory, as a load-time repacking would store them: 8 rows' 64 bytes a warp's load otherwise).
+memory, as a load-time repacking would store them: 8 rows' 64 bytes a warp's load otherwise), and `rows` 32 (one
+warp a program; its lanes hold the same rows a thread, so the PTX is unchanged; the layout checked offline).
 JSON: $OUT/mma_gemv.json if OUT is set, else bench/results/mma_gemv.json; `--sass` prints only.
 """
 
@@ -124,23 +125,23 @@ _STEP_OPERANDS = tl.constexpr(",".join(["=f"] * 16 + ["f"] * 16 + ["r"] * 80))
 @triton.jit
 def _gemv_mma_kernel(w_ptr, s_ptr, b_ptr, e_ptr, y_ptr, R, KW, STEPS, STAGES: tl.constexpr,
                      STEP_PTX: tl.constexpr, HALVES: tl.constexpr, B_MASK: tl.constexpr = True,
-                     SCALES_ONCE: tl.constexpr = False, TILED: tl.constexpr = False):
+                     SCALES_ONCE: tl.constexpr = False, TILED: tl.constexpr = False, BR: tl.constexpr = 64):
     """Program (row tile, K split): y[split, r] = the split's sum over K of e2m1 codes x scales x activations / 64.
     w int32 words [R, KW]; s the e8m0 scales as int32 words [R, KW / 16]; b, e `b_layout`'s pairs [KW, 4] and
     exponents (as int32 words [KW / 16]); STEP_PTX `mma_step_ptx`'s. A step reads HALVES tiles of 16 words a row
     (64 bytes; 2: a row's whole 128-byte line at once, as the CUDA-core loop at BK 256 does) and runs the PTX on
     each. Two probes of the loads' share: B_MASK False loads all of b's tile (wrong sums: timing only); SCALES_ONCE
-    (HALVES 2) reads a row's two scale words of a step in one 8-byte load. TILED: w laid out as [R / 64, KW / 16,
-    64, 16] (`tiled`), a tile's 4 KB in one run: a warp's load takes 512 contiguous bytes, not 8 rows' 64."""
-    BR: tl.constexpr = 64
+    (HALVES 2) reads a row's two scale words of a step in one 8-byte load. TILED: w laid out as [R / BR, KW / 16,
+    BR, 16] (`tiled`), a tile in one run: a warp's load takes 512 contiguous bytes, not 8 rows' 64. BR: rows a
+    program, 32 a warp (BR 32: one warp, lane (g, t)'s rows g + 8i, the same four a thread)."""
     NW: tl.constexpr = 16  # words a row a tile: four scale groups
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     split = tl.program_id(1)
     per = STEPS // tl.num_programs(1)
     c = tl.arange(0, NW)
     r = tl.arange(0, BR)
-    # element (row rep i = r // 16, column 4t + j) of lane group g = r % 8: pair j of word 4t + i where g == t
-    b_slot = (r // 16 * 4)[:, None] + (c // 4 * 16 + c % 4)[None, :]
+    # element (row rep i = r // (BR / 4), column 4t + j) of lane group g = r % 8: pair j of word 4t + i where g == t
+    b_slot = (r // (BR // 4) * 4)[:, None] + (c // 4 * 16 + c % 4)[None, :]
     b_live = (r % 8)[:, None] == (c // 4)[None, :]
     shift = (c // 4 * 16)[None, :] + tl.zeros((BR, NW), tl.int32)  # lane t: its columns' scale bytes 2t, 2t + 1
     acc = tl.zeros((BR, NW), tl.float32)
@@ -181,23 +182,24 @@ def b_layout(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gemv_mma(words, scales, b, y, stages: int = 3, chains: int = 1, halves: int = 1, alu: bool = False,
-             b_mask: bool = True, scales_once: bool = False, tiled: bool = False) -> None:
+             b_mask: bool = True, scales_once: bool = False, tiled: bool = False, rows: int = 64) -> None:
     """y [splits, R] = each K split's sum of words' codes x scales x activations / 64: words int32 [R, K / 8],
     scales uint8 e8m0 [R, K / 32], b = b_layout(activations); `halves` tiles of 16 words a row a step; `alu`,
-    `b_mask`, `scales_once` as `mma_step_ptx` and the kernel name them; `tiled`: words given as `tiled(words)`."""
+    `b_mask`, `scales_once` as `mma_step_ptx` and the kernel name them; `tiled`: words given as
+    `tiled(words, rows)`; `rows` a program (64 or 32)."""
     R, KW = scales.shape[0], scales.shape[1] * 4
     pairs, exps = b
-    _gemv_mma_kernel[(R // 64, y.shape[0])](words, scales.view(torch.int32), pairs, exps.view(torch.int32), y, R, KW,
+    _gemv_mma_kernel[(R // rows, y.shape[0])](words, scales.view(torch.int32), pairs, exps.view(torch.int32), y, R, KW,
                                             KW // (16 * halves), STAGES=stages, STEP_PTX=mma_step_ptx(chains, alu),
                                             HALVES=halves, B_MASK=b_mask, SCALES_ONCE=scales_once,
-                                            TILED=tiled, num_warps=2)
+                                            TILED=tiled, BR=rows, num_warps=rows // 32)
 
 
-def tiled(words: torch.Tensor) -> torch.Tensor:
-    """Words [R, KW] as the kernel's tiles in reading order, [R / 64, KW / 16, 64, 16]: a program's step in one
+def tiled(words: torch.Tensor, rows: int = 64) -> torch.Tensor:
+    """Words [R, KW] as the kernel's tiles in reading order, [R / rows, KW / 16, rows, 16]: a program's step in one
     run of memory (as a load-time repacking of the experts' weights would lay them out)."""
     R, KW = words.shape
-    return words.view(R // 64, 64, KW // 16, 16).transpose(1, 2).contiguous()
+    return words.view(R // rows, rows, KW // 16, 16).transpose(1, 2).contiguous()
 
 
 def sass_counts() -> list[dict]:
@@ -245,14 +247,14 @@ def check_and_time(configs: list[dict], sets: int = 4) -> dict:
         nbytes = words[0].numel() * 4 + scales[0].numel()
         b, planes = b_layout(a), activation_planes(a[None])
         cases = {}
-        tiled_words = [tiled(w) for w in words] if any(c.get("tiled") for c in configs) else None
+        tiled_words = {n: [tiled(w, n) for w in words] for n in {c.get("rows", 64) for c in configs if c.get("tiled")}}
         for config in configs:
             kw = {k: v for k, v in config.items() if k != "split"}
             split = config.get("split", 1)
             if (K // (128 * kw.get("halves", 1))) % split == 0:
                 y = torch.empty(split, R_, device=dev)
                 name = "mma " + " ".join(f"{k} {v:d}" for k, v in config.items())
-                given = tiled_words if kw.get("tiled") else words
+                given = tiled_words[kw.get("rows", 64)] if kw.get("tiled") else words
                 cases[name] = ([functools.partial(gemv_mma, given[n], scales[n], b, y, **kw) for n in range(sets)],
                                lambda y=y: y.sum(0) * 64)
         for bk in (256, 128):  # 128: a row's 64 bytes a step, as the mma loop's one tile
@@ -305,7 +307,8 @@ def main(argv=None) -> None:
                              lean, {**lean, "stages": 4}, {"halves": 2, "b_mask": False}, {**lean, "b_mask": False},
                              {**lean, "alu": True}, {**lean, "alu": True, "b_mask": False},
                              {"halves": 1, "tiled": True}, {**lean, "tiled": True},
-                             {**lean, "tiled": True, "chains": 2}, {**lean, "tiled": True, "alu": True}])
+                             {**lean, "tiled": True, "chains": 2}, {**lean, "tiled": True, "alu": True},
+                             {**lean, "rows": 32}, {**lean, "rows": 32, "tiled": True}])
     result["sass"] = counts
     print(common.write_result("mma_gemv", False, result))
 
