@@ -187,6 +187,8 @@ def gemv_mma(words, scales, b, y, stages: int = 3, chains: int = 1, halves: int 
     scales uint8 e8m0 [R, K / 32], b = b_layout(activations); `halves` tiles of 16 words a row a step; `alu`,
     `b_mask`, `scales_once` as `mma_step_ptx` and the kernel name them; `tiled`: words given as
     `tiled(words, rows)`; `rows` a program (64 or 32)."""
+    if scales_once and halves != 2:
+        raise ValueError("gemv_mma: scales_once reads a step's two scale words, so it needs halves 2")
     R, KW = scales.shape[0], scales.shape[1] * 4
     pairs, exps = b
     _gemv_mma_kernel[(R // rows, y.shape[0])](words, scales.view(torch.int32), pairs, exps.view(torch.int32), y, R, KW,
