@@ -264,6 +264,7 @@ def check_and_time(configs: list[dict], sets: int = 4) -> dict:
             cases[f"CUDA cores (_up_sums, BK {bk})"] = (
                 [lambda n=n, y=y, bk=bk: gemv_cores(words[n], scales[n], planes, y, bk) for n in range(sets)],
                 lambda y=y: y)
+        width = max(map(len, cases))  # a column as wide as the longest config name
         for name, (calls, total) in cases.items():
             calls[0]()
             err = ((total().double() - ref).abs().max() / ref.abs().max()).item()
@@ -271,7 +272,7 @@ def check_and_time(configs: list[dict], sets: int = 4) -> dict:
             row = {"shape": shape, "rows": R_, "K": K, "kernel": name, "us": us, "bytes": nbytes,
                    "of_copy_rate": nbytes / (us * 1e-6) / bw, "max_rel_err": err}
             result["rows"].append(row)
-            print(f"{shape:4s} {name:34s} {us:7.1f} us  {100 * row['of_copy_rate']:5.1f}% of the copy rate  "
+            print(f"{shape:4s} {name:{width}s} {us:7.1f} us  {100 * row['of_copy_rate']:5.1f}% of the copy rate  "
                   f"error {err:.1e}")
     return result
 
