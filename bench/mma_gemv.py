@@ -212,7 +212,8 @@ def sass_counts() -> list[dict]:
 
     mma = [R.Kernel(f"mma GEMV, {c} chain(s) a row pair", _gemv_mma_kernel,
                     {"w_ptr": "*i32", "s_ptr": "*i32", "b_ptr": "*i32", "e_ptr": "*i32"},
-                    {"STAGES": 3, "STEP_PTX": mma_step_ptx(c), "HALVES": 1}, 2, 3) for c in (1, 2)]
+                    {"STAGES": 3, "STEP_PTX": mma_step_ptx(c), "HALVES": 1, "B_MASK": True,
+                     "SCALES_ONCE": False, "TILED": False, "BR": 64}, 2, 3) for c in (1, 2)]
     up = next(k for k in R.moe_kernels() if k.name == "moe gather up")
     rows = []
     up_words = 2 * up.constexprs["BI"] * up.constexprs["BK"] // 8 // 64  # g and u rows x words a step / threads
