@@ -60,7 +60,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from dsv4.fast.kernels.moe_experts import _up_sums, activation_planes  # noqa: E402
+from dsv4.fast.kernels.moe_experts import _WORD_DOT_UNIT, _gemv_words, _up_sums, activation_planes  # noqa: E402
 
 # one int32 word of eight codes (low nibble first) -> f16x2 pairs {r0..r3}: (c0, c2), (c4, c6), (c1, c3), (c5, c7),
 # through e4m3 bytes as `moe_experts._WORD_DOT_PTX` makes them (value e2m1 / 64)
@@ -224,7 +224,7 @@ def sass_counts() -> list[dict]:
     return rows
 
 
-def check_and_time(configs: list[dict], sets: int = 4) -> dict:
+def check_and_time(configs: list[dict], cores: list[tuple[int, int]], sets: int = 4) -> dict:
     """Both GEMVs at V4.1's up (7 slots x w1 and w3 rows of 2304, K 5120: 88 MB) and down (7 x 5120 rows, K 2304:
     44 MB) sizes: the largest error against a float64 reference (relative to the largest |y|), and the time of one
     call, over `sets` weight sets in turn (more bytes than the L2 holds, as the step's layers are). configs: the
@@ -260,11 +260,13 @@ def check_and_time(configs: list[dict], sets: int = 4) -> dict:
                 given = tiled_words[kw.get("rows", 64)] if kw.get("tiled") else words
                 cases[name] = ([functools.partial(gemv_mma, given[n], scales[n], b, y, **kw) for n in range(sets)],
                                lambda y=y: y.sum(0) * 64)
-        for bk in (256, 128):  # 128: a row's 64 bytes a step, as the mma loop's one tile
-            y = torch.empty(R_, device=dev)
-            cases[f"CUDA cores (_up_sums, BK {bk})"] = (
-                [lambda n=n, y=y, bk=bk: gemv_cores(words[n], scales[n], planes, y, bk) for n in range(sets)],
-                lambda y=y: y)
+        # 128: a row's 64 bytes a step, as the mma loop's one tile; 512 the gather's own at one row
+        for bk, ahead in cores:
+            if K % bk == 0:
+                y = torch.empty(R_, device=dev)
+                cases[f"CUDA cores (_up_sums, BK {bk}" + (f", L2 {ahead} ahead)" if ahead else ")")] = (
+                    [lambda n=n, y=y, bk=bk, a=ahead: gemv_cores(words[n], scales[n], planes, y, bk, a)
+                     for n in range(sets)], lambda y=y: y)
         width = max(map(len, cases))  # a column as wide as the longest config name
         for name, (calls, total) in cases.items():
             calls[0]()
@@ -279,26 +281,61 @@ def check_and_time(configs: list[dict], sets: int = 4) -> dict:
 
 
 @triton.jit
-def _gemv_cores_kernel(w_ptr, s_ptr, xp_ptr, y_ptr, R2, D, BK: tl.constexpr, STAGES: tl.constexpr):
-    """The gather up kernel's routed loop (`_up_sums`, 16 + 16 rows) on rows i and R2 + i."""
+def _ask_l2(lines):
+    """Ask the L2 for the 128-byte lines at the pointers `lines` (a hint: nothing waits for them)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _up_sums_ahead(w_ptr, s_ptr, rows_g, rows_u, imask, D, planes, BK: tl.constexpr, STAGES: tl.constexpr,
+                   AHEAD: tl.constexpr):
+    """`_up_sums` (EVEN_K, MXFP4) that, each step, asks the L2 for its rows' bytes AHEAD steps on (their lines,
+    clamped to the last step): the bytes in flight grow past the async copies' STAGES without shared memory."""
+    part_g = tl.zeros((rows_g.shape[0], BK // 32), dtype=tl.float32)
+    part_u = tl.zeros((rows_g.shape[0], BK // 32), dtype=tl.float32)
+    for k0 in tl.range(0, D, BK, num_stages=STAGES):
+        ahead = tl.minimum(k0 + AHEAD * BK, D - BK) // 8  # word column
+        for line in tl.static_range(BK // 256):  # a row's step spans BK / 2 bytes: BK / 256 lines
+            _ask_l2(w_ptr + rows_g * (D // 8) + ahead + 32 * line)
+            _ask_l2(w_ptr + rows_u * (D // 8) + ahead + 32 * line)
+        part_g = _gemv_words(part_g, w_ptr, s_ptr, rows_g, imask, D // 8, D // 32, planes, k0, BK // 8, False,
+                             True, False)
+        part_u = _gemv_words(part_u, w_ptr, s_ptr, rows_u, imask, D // 8, D // 32, planes, k0, BK // 8, False,
+                             True, False)
+    return tl.sum(part_g, axis=1) * _WORD_DOT_UNIT, tl.sum(part_u, axis=1) * _WORD_DOT_UNIT
+
+
+@triton.jit
+def _gemv_cores_kernel(w_ptr, s_ptr, xp_ptr, y_ptr, R2, D, BK: tl.constexpr, STAGES: tl.constexpr,
+                       AHEAD: tl.constexpr = 0):
+    """The gather up kernel's routed loop (`_up_sums`, 16 + 16 rows) on rows i and R2 + i; AHEAD > 0: the loop
+    that asks the L2 for its rows AHEAD steps on (`_up_sums_ahead`)."""
     i = tl.program_id(0) * 16 + tl.arange(0, 16)
     imask = i < R2
-    g, u = _up_sums(w_ptr, s_ptr, i.to(tl.int64), i.to(tl.int64) + R2, imask, D, xp_ptr, BK, STAGES, False, True,
-                    False)
+    if AHEAD > 0:
+        g, u = _up_sums_ahead(w_ptr, s_ptr, i.to(tl.int64), i.to(tl.int64) + R2, imask, D, xp_ptr, BK, STAGES,
+                              AHEAD)
+    else:
+        g, u = _up_sums(w_ptr, s_ptr, i.to(tl.int64), i.to(tl.int64) + R2, imask, D, xp_ptr, BK, STAGES, False,
+                        True, False)
     tl.store(y_ptr + i, g, mask=imask)
     tl.store(y_ptr + R2 + i, u, mask=imask)
 
 
-def gemv_cores(words, scales, planes, y, bk: int = 256) -> None:
-    """y [R] = the same sums by the CUDA-core loop, at the batch-1 gather's 2 warps and two stages (BK 256 divides
-    both K; the gather's own at one row is 512)."""
+def gemv_cores(words, scales, planes, y, bk: int = 256, ahead: int = 0) -> None:
+    """y [R] = the same sums by the CUDA-core loop, at the batch-1 gather's 2 warps and two stages (the gather's
+    own K step at one row is 512; 256 and 128 divide both K too). ahead: steps the rows are asked of the L2 ahead
+    (0: not asked)."""
     R, KW = words.shape
-    _gemv_cores_kernel[(R // 32,)](words, scales, planes, y, R // 2, KW * 8, BK=bk, STAGES=2, num_warps=2)
+    _gemv_cores_kernel[(R // 32,)](words, scales, planes, y, R // 2, KW * 8, BK=bk, STAGES=2, AHEAD=ahead,
+                                   num_warps=2)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sass", action="store_true", help="offline: the loops' SASS instruction counts only")
+    p.add_argument("--probes", action="store_true", help="the mma loop's every probe (sessions 58-60), not its best")
     args = p.parse_args(argv)
     counts = sass_counts()
     for row in counts:
@@ -307,12 +344,14 @@ def main(argv=None) -> None:
     if args.sass:
         return
     lean = {"halves": 2, "scales_once": True}
-    result = check_and_time([{"halves": 1}, {"halves": 2}, {"halves": 2, "chains": 2}, {"halves": 2, "split": 2},
-                             lean, {**lean, "stages": 4}, {"halves": 2, "b_mask": False}, {**lean, "b_mask": False},
-                             {**lean, "alu": True}, {**lean, "alu": True, "b_mask": False},
-                             {"halves": 1, "tiled": True}, {**lean, "tiled": True},
-                             {**lean, "tiled": True, "chains": 2}, {**lean, "tiled": True, "alu": True},
-                             {**lean, "rows": 32}, {**lean, "rows": 32, "tiled": True}])
+    probes = [{"halves": 1}, {"halves": 2}, {"halves": 2, "chains": 2}, {"halves": 2, "split": 2}, lean,
+              {**lean, "stages": 4}, {"halves": 2, "b_mask": False}, {**lean, "b_mask": False}, {**lean, "alu": True},
+              {**lean, "alu": True, "b_mask": False}, {"halves": 1, "tiled": True}, {**lean, "tiled": True},
+              {**lean, "tiled": True, "chains": 2}, {**lean, "tiled": True, "alu": True}, {**lean, "rows": 32},
+              {**lean, "rows": 32, "tiled": True}]
+    mma = probes if args.probes else [{"halves": 2}, {**lean, "rows": 32, "tiled": True}]
+    cores = [(512, 0), (512, 1), (512, 2), (512, 4), (256, 0), (256, 2), (256, 4), (128, 0)]
+    result = check_and_time(mma, cores)
     result["sass"] = counts
     print(common.write_result("mma_gemv", False, result))
 
