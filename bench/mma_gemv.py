@@ -60,7 +60,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from dsv4.fast.kernels.moe_experts import _WORD_DOT_UNIT, _gemv_words, _up_sums, activation_planes  # noqa: E402
+from dsv4.fast.kernels.moe_experts import (  # noqa: E402
+    _WORD_DOT_UNIT, _activation_plane, _code_dot, _gemv_words, _group_exponents, _up_sums, activation_planes)
 
 # one int32 word of eight codes (low nibble first) -> f16x2 pairs {r0..r3}: (c0, c2), (c4, c6), (c1, c3), (c5, c7),
 # through e4m3 bytes as `moe_experts._WORD_DOT_PTX` makes them (value e2m1 / 64)
@@ -197,11 +198,11 @@ def gemv_mma(words, scales, b, y, stages: int = 3, chains: int = 1, halves: int 
                                             TILED=tiled, BR=rows, num_warps=rows // 32)
 
 
-def tiled(words: torch.Tensor, rows: int = 64) -> torch.Tensor:
-    """Words [R, KW] as the kernel's tiles in reading order, [R / rows, KW / 16, rows, 16]: a program's step in one
-    run of memory (as a load-time repacking of the experts' weights would lay them out)."""
+def tiled(words: torch.Tensor, rows: int = 64, width: int = 16) -> torch.Tensor:
+    """Words (or scale bytes) [R, KW] as a kernel's tiles in reading order, [R / rows, KW / width, rows, width]: a
+    program's step in one run of memory (as a load-time repacking of the experts' weights would lay them out)."""
     R, KW = words.shape
-    return words.view(R // rows, rows, KW // 16, 16).transpose(1, 2).contiguous()
+    return words.view(R // rows, rows, KW // width, width).transpose(1, 2).contiguous()
 
 
 def sass_counts() -> list[dict]:
@@ -267,6 +268,13 @@ def check_and_time(configs: list[dict], cores: list[tuple[int, int]], sets: int 
                 cases[f"CUDA cores (_up_sums, BK {bk}" + (f", L2 {ahead} ahead)" if ahead else ")")] = (
                     [lambda n=n, y=y, bk=bk, a=ahead: gemv_cores(words[n], scales[n], planes, y, bk, a)
                      for n in range(sets)], lambda y=y: y)
+        for bk in (512, 256):  # the tiled form of the same loop
+            if K % bk == 0:
+                y = torch.empty(R_, device=dev)
+                tw = [(tiled(w, 16, bk // 8), tiled(s, 16, bk // 32)) for w, s in zip(words, scales)]
+                cases[f"CUDA cores (tiled, BK {bk})"] = (
+                    [lambda n=n, y=y, bk=bk, tw=tw: gemv_cores(*tw[n], planes, y, bk, tiled_kw=K // 8)
+                     for n in range(sets)], lambda y=y: y)
         width = max(map(len, cases))  # a column as wide as the longest config name
         for name, (calls, total) in cases.items():
             calls[0]()
@@ -307,13 +315,44 @@ def _up_sums_ahead(w_ptr, s_ptr, rows_g, rows_u, imask, D, planes, BK: tl.conste
 
 
 @triton.jit
+def _tiled_words(acc, w_ptr, s_ptr, rows64, k0, KW, planes, NW: tl.constexpr, INTERP: tl.constexpr):
+    """`_gemv_words` (EVEN, MXFP4) on tiled words and scales (`tiled`, 16 rows, NW words and NW / 4 scale bytes a
+    row a step): a 16-row tile's step is one run of 64 NW bytes (and its scales one of 4 NW), not 16 runs of 4 NW
+    bytes a row apart."""
+    R: tl.constexpr = rows64.shape[0]
+    step = k0 // (8 * NW)
+    tile, r = rows64 // 16, rows64 % 16
+    first = tl.multiple_of(tile * (16 * KW) + step * (16 * NW) + r * NW, 16)  # the row's first word of the step
+    w = tl.load(w_ptr + first[:, None] + tl.arange(0, NW)[None, :])  # [R, NW] int32
+    c = k0 // 8 + tl.arange(0, NW)
+    p = _code_dot(w, _activation_plane(planes, 0, KW, c, R, True), _activation_plane(planes, 1, KW, c, R, True),
+                  _activation_plane(planes, 2, KW, c, R, True), _activation_plane(planes, 3, KW, c, R, True),
+                  _activation_plane(planes, 4, KW, c, R, True), _activation_plane(planes, 5, KW, c, R, True),
+                  _activation_plane(planes, 6, KW, c, R, True), _activation_plane(planes, 7, KW, c, R, True), False,
+                  INTERP)
+    part = tl.sum(tl.reshape(p, (R, NW // 4, 4)), axis=2)  # [R, NW/4]
+    scale_word = (tile * (16 * KW // 4) + step * (16 * NW // 4) + r * (NW // 4)) // 4  # the row's first scale word
+    e = _group_exponents(s_ptr, scale_word, r >= 0, 4, 0, NW // 4, True)
+    return acc + part * (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _gemv_cores_kernel(w_ptr, s_ptr, xp_ptr, y_ptr, R2, D, BK: tl.constexpr, STAGES: tl.constexpr,
-                       AHEAD: tl.constexpr = 0):
+                       AHEAD: tl.constexpr = 0, TILED: tl.constexpr = False, INTERP: tl.constexpr = False):
     """The gather up kernel's routed loop (`_up_sums`, 16 + 16 rows) on rows i and R2 + i; AHEAD > 0: the loop
-    that asks the L2 for its rows AHEAD steps on (`_up_sums_ahead`)."""
+    that asks the L2 for its rows AHEAD steps on (`_up_sums_ahead`); TILED: on tiled words and scales
+    (`_tiled_words`; INTERP: its word products as the interpreter runs them)."""
     i = tl.program_id(0) * 16 + tl.arange(0, 16)
     imask = i < R2
-    if AHEAD > 0:
+    if TILED:
+        rows_g, rows_u = i.to(tl.int64), i.to(tl.int64) + R2
+        part_g = tl.zeros((16, BK // 32), dtype=tl.float32)
+        part_u = tl.zeros((16, BK // 32), dtype=tl.float32)
+        for k0 in tl.range(0, D, BK, num_stages=STAGES):
+            part_g = _tiled_words(part_g, w_ptr, s_ptr, rows_g, k0, D // 8, xp_ptr, BK // 8, INTERP)
+            part_u = _tiled_words(part_u, w_ptr, s_ptr, rows_u, k0, D // 8, xp_ptr, BK // 8, INTERP)
+        g, u = tl.sum(part_g, axis=1) * _WORD_DOT_UNIT, tl.sum(part_u, axis=1) * _WORD_DOT_UNIT
+    elif AHEAD > 0:
         g, u = _up_sums_ahead(w_ptr, s_ptr, i.to(tl.int64), i.to(tl.int64) + R2, imask, D, xp_ptr, BK, STAGES,
                               AHEAD)
     else:
@@ -323,13 +362,14 @@ def _gemv_cores_kernel(w_ptr, s_ptr, xp_ptr, y_ptr, R2, D, BK: tl.constexpr, STA
     tl.store(y_ptr + R2 + i, u, mask=imask)
 
 
-def gemv_cores(words, scales, planes, y, bk: int = 256, ahead: int = 0) -> None:
+def gemv_cores(words, scales, planes, y, bk: int = 256, ahead: int = 0, tiled_kw: int = 0) -> None:
     """y [R] = the same sums by the CUDA-core loop, at the batch-1 gather's 2 warps and two stages (the gather's
     own K step at one row is 512; 256 and 128 divide both K too). ahead: steps the rows are asked of the L2 ahead
-    (0: not asked)."""
-    R, KW = words.shape
+    (0: not asked). tiled_kw: words and scales given tiled (`tiled`, 16 rows, bk / 8 words), rows of tiled_kw
+    words."""
+    R, KW = (words.shape[0] * words.shape[2], tiled_kw) if tiled_kw else words.shape
     _gemv_cores_kernel[(R // 32,)](words, scales, planes, y, R // 2, KW * 8, BK=bk, STAGES=2, AHEAD=ahead,
-                                   num_warps=2)
+                                   TILED=bool(tiled_kw), INTERP=not words.is_cuda, num_warps=2)
 
 
 def main(argv=None) -> None:
