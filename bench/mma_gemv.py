@@ -40,10 +40,13 @@ registers, no spills): up 84.0 -> 74.9 us (chains 2: 69.9, K split 2: 69.5), dow
 at BK 128 (half lines) 40.3 -> 55.2 up, 22.8 -> 27.8 down. The `alu` rows, each mma swapped for CUDA-core ops on its
 registers (offline 375 instructions a step against 327; wrong sums, timing only), run nearly as slowly (up 64.7 us
 against 74.9, down 40.6 against 40.5 at halves 2): the tensor pipe does not hold the loop; its loads do, or the
-64-row tile. Not yet run: the loads' probes (`b_mask` False loads b's whole tile, `scales_once` a step's two scale
-words in one load), which the table now times, and `tiled` weights (a program's tile of each step in one run of
-memory, as a load-time repacking would store them: 8 rows' 64 bytes a warp's load otherwise), and `rows` 32 (one
-warp a program; its lanes hold the same rows a thread, so the PTX is unchanged; the layout checked offline).
+64-row tile. Session 60 (H100, `dev/mma-gemv-f00b22f-h100-s60.json`; `--probes` times that table again): a step's
+scale words in one load 74.8 -> 64.5 us, the weights tiled 56.8, a 32-row program on tiled weights 55.7 (down 32.5);
+b's tile unmasked 327 us; `alu` again about as fast as the mma. The CUDA-core loop: 40.4 us at BK 256, 35.9-37.2 at
+the gather's own BK 512. So the mma form stays 1.38x slower and is dropped for the gather. The default table now
+times two of its forms (`halves` 2 and its best) beside the CUDA-core loop's variants: the rows asked of the L2 1-4
+steps ahead (slower: 39.1-51.6 us at BK 512) and tiled words and scales (`_tiled_words`: 35.5 at BK 512, 1-2%;
+`dev/mma-gemv-cores-{ahead-51d3055,tiled-49c888b}-h100-s60.json`).
 JSON: $OUT/mma_gemv.json if OUT is set, else bench/results/mma_gemv.json; `--sass` prints only.
 """
 

@@ -3,9 +3,9 @@ launches at V4.1 widths, each on weights cold in the L2 (as the step's 40 layers
 and down kernels (`dsv4::moe_gather_slots`, six routed experts and the shared one's FP8 rows), the FP8 GEMVs of
 wq_b + the indexer's wq_b and of wo_b at one row, and the gate GEMM with its routing.
 
-    ncu --clock-control none --kernel-name regex:'_gather|_fp8_gemv|_gate_gemm' --launch-skip 8 --launch-count 4 \\
+    ncu --clock-control none --kernel-name regex:'_gather|_fp8_gemv|_gate_gemm' --launch-skip 10 --launch-count 10 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
-        --section SchedulerStats python bench/ncu_decode.py       # GPU: ncu reads the counters
+        --section SchedulerStats python bench/ncu_decode.py --rounds 2   # GPU: ncu reads the counters
     python bench/ncu_decode.py                                   # GPU: the launches alone (a run to check)
 
 What it answers: the share of cycles a scheduler issues, the warps eligible a cycle, and what the others wait on
@@ -13,8 +13,12 @@ What it answers: the share of cycles a scheduler issues, the warps eligible a cy
 math pipe throttle; barrier; not selected) at the occupancy the registers allow. A kernel held by its issue slots
 issues most cycles; one held by its loads' latency waits on the long scoreboard with few warps eligible.
 Each kernel runs --rounds times on --sets weight sets in turn (more bytes than the L2 holds); skip the first
-round's launches (warm-up: Triton's compiles) with ncu's --launch-skip (4 launches a round). Prints nothing but a
-line a round; ncu writes the report.
+round's launches (warm-up: Triton's compiles) with ncu's --launch-skip (5 launches a weight set). Prints nothing
+but a line a round; ncu writes the report.
+Measured (session 60, H100, `dev/ncu-decode-{sections,raw}-a7b0da2-h100-s60.txt`; BENCHMARKS "Session 60"): the
+gather loops issue in 58-62% of cycles at 8-10 programs an SM, their warps waiting on their copies (long scoreboard,
+half of the stall); the down kernel's grid 1.70 waves (SMs active 85% of the launch); the FP8 GEMVs' SMs active 82%,
+wo_b at 2.4 warps a scheduler; the gate's routing alone on one SM for half of its launch.
 """
 
 from __future__ import annotations

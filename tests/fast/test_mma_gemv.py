@@ -122,3 +122,21 @@ def test_lanes_replay_the_reference(seed, chains):
     pairs, exps = G.b_layout(a)
     got = lane_sums(words, scales, pairs.numpy(), exps.numpy(), chains)
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("bk", [512, 256])
+def test_cuda_core_loop_on_tiled_weights(bk):
+    """The CUDA-core loop on tiled words and scales (`_tiled_words`, what `tiled` lays out at 16 rows and bk / 8
+    words a step) under the interpreter, against the float64 reference: a tile's rows, steps or scale words read
+    from the wrong place of the tiled layout move products to the wrong row or scale them by another group's
+    power of two."""
+    R, K = 64, 2 * bk
+    g = torch.Generator().manual_seed(bk)
+    words = torch.randint(-2**31, 2**31 - 1, (R, K // 8), dtype=torch.int32, generator=g)
+    scales = torch.randint(118, 136, (R, K // 32), dtype=torch.uint8, generator=g)
+    a = torch.randn(K, generator=g).bfloat16().float()
+    ref = dequantize_mxfp4(words.view(torch.uint8), scales.view(torch.float8_e8m0fnu)).double() @ a.double()
+    y = torch.empty(R)
+    G.gemv_cores(G.tiled(words, 16, bk // 8), G.tiled(scales, 16, bk // 32), G.activation_planes(a[None]), y, bk,
+                 tiled_kw=K // 8)
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
