@@ -144,10 +144,6 @@ GATHER_SWEEP += [{"BI": 16, "BD": 16, "BK": 256, "gather_stages": 4}, {"BI": 16,
 # the one-token default since session 42 is 512-wide K steps in both kernels; at 512 the down loop waits on 4 of its
 # loads a step (sm_90 SASS, Triton 3.6 and 3.8), at 256 on none: 512 up with 256 down, and 512 three stages deep
 GATHER_SWEEP += [{"BI": 16, "BD": 16, "BK": 512, "BKD": 256}, {"BI": 16, "BD": 16, "BK": 512, "gather_stages": 3}]
-# the down kernel in fewer, longer programs (DSUB tiles each, session 60): at one token its 2240 programs are 1.70
-# waves at 10 an SM; two tiles of 256-wide steps (96 registers) make 1120, under a wave; four, 560
-GATHER_SWEEP += [{"BI": 16, "BD": 16, "BK": 512, "BKD": 256, "DSUB": 2}, {"BI": 16, "BD": 16, "BK": 512, "BKD": 256,
-                                                                          "DSUB": 4}]
 # gather_tc: 4 warps ran 1.7x slower than 2 at 8 tokens (session 30); the spills 2 warps seemed to have then were an
 # open-int compile's: as launched (V4.1 widths) 2 / 4 warps take 150 / 138 registers, none spilled
 GATHER_TC_SWEEP = [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w}

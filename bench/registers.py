@@ -235,7 +235,7 @@ def moe_kernels() -> list[Kernel]:
                           {"ids_ptr": "*i64", "w2_ptr": "*i32", "s2_ptr": "*u8", "sh2_ptr": "*bf16",
                            "shq2_ptr": "*i64", "she2_ptr": "*u8"},
                           {"BD": c["BD"], "BK": bk_down, "EVEN_K": (I - tail) % bk_down == 0, "TAIL": tail,
-                           "SUB": c["DSUB"], **common},
+                           **common},
                           c["gather_warps"]))
     return out
 

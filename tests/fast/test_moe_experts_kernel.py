@@ -261,27 +261,6 @@ def test_gather_down_kernel_takes_its_own_k_step(bk, bkd, monkeypatch):
     check_close(out, M.moe_slots_twin(x, *args, 1.0, sh13, sh2), torch.float32)
 
 
-@pytest.mark.parametrize("D, sub, fp8", [(256, 2, False), (192, 2, False), (256, 4, False), (192, 2, True)])
-def test_gather_down_kernel_in_tiles_a_program(D, sub, fp8):
-    """A config's DSUB gives each down program that many tiles of BD rows, one after another: every row's slot
-    outputs match the twin's, also where D leaves a program's last tiles past the rows (192 = 3 tiles of 64 for two
-    programs of two; 256 in one program of four), and with the shared expert's FP8 rows (fp8), as at one token."""
-    E, k, I, N, block = 4, 2, 128, 1 if fp8 else 2, (32, 32)
-    w13, s13, w2, s2, sh13, sh2 = rand_experts(E, D, I, 23)
-    (q13, e13), (q2, e2) = quantize_fp8(sh13, block), quantize_fp8(sh2, block)
-    sh13, sh2 = dequantize_fp8(q13, e13, block), dequantize_fp8(q2, e2, block)
-    stored = (*M.fp8_rows(q13, e13, block), *M.fp8_rows(q2, e2, block)) if fp8 else None
-    g = torch.Generator().manual_seed(D + sub)
-    x = torch.randn(N, D, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
-    weights = torch.rand(N, k, generator=g) + 0.1
-    args = (ids, weights, w13, s13.view(torch.uint8), w2, s2.view(torch.uint8))
-    cfg = {**M._cfg(x, N, "gather"), "DSUB": sub}
-    assert cfg["BD"] * sub >= 128  # the tiles of a program, not one program a tile
-    out = M._gather(x, M.activation_planes(x), *args, sh13, sh2, 1.0, True, cfg, stored)
-    check_close(out, M.moe_slots_twin(x, *args, 1.0, sh13, sh2), torch.float32)
-
-
 def test_clamp_active_and_paths_agree():
     """Large activations: the clamp changes the result (against limit 0), and gather == grouped == gather_tc ==
     twin."""

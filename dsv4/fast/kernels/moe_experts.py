@@ -515,21 +515,31 @@ def _down_sum(w_ptr, s_ptr, rows, dmask, I, planes, BK: tl.constexpr, STAGES: tl
 
 
 @triton.jit
-def _down_tile(hp_ptr, ids_ptr, w2_ptr, s2_ptr, sh2_ptr, shq2_ptr, she2_ptr, out_ptr, t, slot, d, D, I, S, K, E,
-               BK: tl.constexpr, STAGES: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr,
-               SHARED: tl.constexpr, SH_FP8: tl.constexpr, EVEN_K: tl.constexpr, TAIL: tl.constexpr):
-    """out[t, slot, d] = round(h[t, slot] . w2[e, d]) for one tile of rows d [BD] (`_gather_down_kernel`)."""
+def _gather_down_kernel(
+    hp_ptr, ids_ptr, w2_ptr, s2_ptr, sh2_ptr, shq2_ptr, she2_ptr, out_ptr,
+    D, I, S, K, E,
+    BD: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr,
+    SHARED: tl.constexpr, SH_FP8: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr, TAIL: tl.constexpr,
+):
+    """Program (t, d tile, slot): out[t, slot, d] = round(h[t, slot] . w2[e, d]) (the caller sums the slots);
+    h as the up kernel's planes, w2 as int32 words; SH_FP8 as in the up kernel (shq2, she2); TAIL as `_down_sum`'s.
+    Its successor (the slots' reader: the FFN site's fused post, `settled`) starts as its last programs do."""
+    wait_for_predecessor(PDL)
+    start_successor(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    slot = tl.program_id(2)
     dmask = d < D
     d64 = d.to(tl.int64)
     e = _slot_expert(ids_ptr, t, slot, K, E)
     planes = hp_ptr + (t * S + slot) * I
-    acc = tl.zeros((d.shape[0],), dtype=tl.float32)
+    acc = tl.zeros((BD,), dtype=tl.float32)
     if e < E:
         acc = _down_sum(w2_ptr, s2_ptr, e * D + d64, dmask, I, planes, BK, STAGES, INTERP, EVEN_K, False, TAIL)
     elif SHARED and SH_FP8:
         acc = _down_sum(shq2_ptr, she2_ptr, d64, dmask, I, planes, BK, STAGES, INTERP, EVEN_K, True, TAIL)
     elif SHARED:
-        sh_part = tl.zeros((d.shape[0], BK // 8), dtype=tl.float32)
+        sh_part = tl.zeros((BD, BK // 8), dtype=tl.float32)
         for k0 in tl.range(0, I, BK, num_stages=STAGES):
             kk = k0 + tl.arange(0, BK)
             km = kk < I
@@ -539,35 +549,6 @@ def _down_tile(hp_ptr, ids_ptr, w2_ptr, s2_ptr, sh2_ptr, shq2_ptr, she2_ptr, out
             sh_part += _sum_eights(w * hv[None, :])
         acc = tl.sum(sh_part, axis=1)
     tl.store(out_ptr + (t * S + slot) * D + d, _round(acc, IS_BF16, INTERP), mask=dmask)
-
-
-@triton.jit
-def _gather_down_kernel(
-    hp_ptr, ids_ptr, w2_ptr, s2_ptr, sh2_ptr, shq2_ptr, she2_ptr, out_ptr,
-    D, I, S, K, E,
-    BD: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, IS_BF16: tl.constexpr, INTERP: tl.constexpr,
-    SHARED: tl.constexpr, SH_FP8: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr, TAIL: tl.constexpr,
-    SUB: tl.constexpr,
-):
-    """Program (t, d tiles, slot): out[t, slot, d] = round(h[t, slot] . w2[e, d]) (the caller sums the slots) for
-    SUB tiles of BD rows, one after another (`_down_tile`). SUB > 1 makes fewer, longer programs: at one token a
-    tile a program left the grid 1.70 waves deep at 10 programs an SM, the SMs idle 15% of the launch (session 60,
-    Nsight Compute, H100). The tiles run in a loop, not unrolled (unrolled, two tiles of 512-wide steps took 168
-    registers; as a loop, two tiles of 256-wide steps take SUB 1's 96 at 512). h as the up kernel's planes, w2 as
-    int32 words; SH_FP8 as in the up kernel (shq2, she2); TAIL as `_down_sum`'s. Its successor (the slots' reader:
-    the FFN site's fused post, `settled`) starts as its last programs do."""
-    wait_for_predecessor(PDL)
-    start_successor(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.program_id(2)
-    tile = (hp_ptr, ids_ptr, w2_ptr, s2_ptr, sh2_ptr, shq2_ptr, she2_ptr, out_ptr, t, slot)
-    if SUB == 1:
-        _down_tile(*tile, tl.program_id(1) * BD + tl.arange(0, BD), D, I, S, K, E, BK, STAGES, IS_BF16, INTERP,
-                   SHARED, SH_FP8, EVEN_K, TAIL)
-    else:
-        for j in range(SUB):  # a loop, not unrolled
-            _down_tile(*tile, (tl.program_id(1) * SUB + j) * BD + tl.arange(0, BD), D, I, S, K, E, BK, STAGES,
-                       IS_BF16, INTERP, SHARED, SH_FP8, EVEN_K, TAIL)
 
 
 @triton.jit
@@ -819,8 +800,8 @@ def _block_k(K: int, most: int, cuda: bool) -> int:
 
 def _cfg(x, N, path):
     if not x.is_cuda:  # the interpreter pays per program: large tiles
-        return {"BI": 64, "BK": 64, "BD": 64, "DSUB": 1, "BM": 16, "BN": 64, "BKG": 64, "gather_warps": 4,
-                "gather_stages": 1, "warps": 4, "stages": 1}
+        return {"BI": 64, "BK": 64, "BD": 64, "BM": 16, "BN": 64, "BKG": 64, "gather_warps": 4, "gather_stages": 1,
+                "warps": 4, "stages": 1}
     if path == "gather_tc":  # BM: the MMA's smallest N side; 32 rows in 2 warps (mma.sync) beat the 64-row
         # warpgroup tiles at every N measured (N = 4: 332 us against 365-428)
         return {"BM": 16, "BN": 32, "BKG": 128, "warps": 2, "stages": 3}
@@ -837,9 +818,8 @@ def _cfg(x, N, path):
     # two, so each activation tile it loads serves twice the MMAs (H100, session 51, V4.1 widths: 22.75 -> 20.33 ms
     # at 8192 tokens, 8.86 -> 8.18 at 2048; 32 columns 30.7 / 10.7)
     BI, BD, BK, warps = (16, 16 if N <= 2 else 32, 512 if N == 1 else 256, 2 if N <= 2 else 4)
-    # DSUB: the down kernel's tiles a program (`_gather_down_kernel`)
-    return {"BI": BI, "BK": BK, "BD": BD, "DSUB": 1, "BM": None, "BN": 64, "BND": 128, "BKG": 64,
-            "gather_warps": warps, "gather_stages": 2, "warps": 4, "stages": 3}
+    return {"BI": BI, "BK": BK, "BD": BD, "BM": None, "BN": 64, "BND": 128, "BKG": 64, "gather_warps": warps,
+            "gather_stages": 2, "warps": 4, "stages": 3}
 
 
 def _operands(x, w13, s13, w2, s2, shared13, shared2):
@@ -901,9 +881,9 @@ def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, 
         x, planes, ids_r, wts_r, w13.view(torch.int32), s13, sh13, words(q13), e13, hp, D, I, S, ids.shape[1], E,
         limit, BI=c["BI"], BK=c["BK"], EVEN_K=_all_even_k(D, c["BK"], s13, e13), **kw)
     out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
-    _gather_down_kernel[(N, triton.cdiv(D, c["DSUB"] * c["BD"]), S)](
+    _gather_down_kernel[(N, triton.cdiv(D, c["BD"]), S)](
         hp, ids_r, w2.view(torch.int32), s2, sh2, words(q2), e2, out, D, I, S, ids.shape[1], E, BD=c["BD"],
-        BK=bk_down, EVEN_K=_all_even_k(I - tail, bk_down, s2, e2), TAIL=tail, SUB=c["DSUB"], **kw)
+        BK=bk_down, EVEN_K=_all_even_k(I - tail, bk_down, s2, e2), TAIL=tail, **kw)
     return out
 
 
