@@ -335,7 +335,7 @@ def _tiled_words(acc, w_ptr, s_ptr, rows64, k0, KW, planes, NW: tl.constexpr, IN
                   INTERP)
     part = tl.sum(tl.reshape(p, (R, NW // 4, 4)), axis=2)  # [R, NW/4]
     scale_word = (tile * (16 * KW // 4) + step * (16 * NW // 4) + r * (NW // 4)) // 4  # the row's first scale word
-    e = _group_exponents(s_ptr, scale_word, r >= 0, 4, 0, NW // 4, True)
+    e = _group_exponents(s_ptr, scale_word, r >= 0, 4, 0, NW // 4, True)  # the words from scale_word on, every row
     return acc + part * (e << 23).to(tl.float32, bitcast=True)
 
 
