@@ -144,9 +144,6 @@ GATHER_SWEEP += [{"BI": 16, "BD": 16, "BK": 256, "gather_stages": 4}, {"BI": 16,
 # the one-token default since session 42 is 512-wide K steps in both kernels; at 512 the down loop waits on 4 of its
 # loads a step (sm_90 SASS, Triton 3.6 and 3.8), at 256 on none: 512 up with 256 down, and 512 three stages deep
 GATHER_SWEEP += [{"BI": 16, "BD": 16, "BK": 512, "BKD": 256}, {"BI": 16, "BD": 16, "BK": 512, "gather_stages": 3}]
-# the down kernel alone a stage deeper (`down_stages`, session 60): Nsight Compute found its warps waiting on their
-# copies half the time at 10 programs an SM; 3 stages take 108 registers (9 an SM) and 21 KB of shared memory
-GATHER_SWEEP += [{"BI": 16, "BD": 16, "BK": 512, "down_stages": 3}]
 # gather_tc: 4 warps ran 1.7x slower than 2 at 8 tokens (session 30); the spills 2 warps seemed to have then were an
 # open-int compile's: as launched (V4.1 widths) 2 / 4 warps take 150 / 138 registers, none spilled
 GATHER_TC_SWEEP = [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w}
@@ -160,7 +157,7 @@ GROUPED_SWEEP = [{"BM": BM, "BN": BN, "BKG": BKG, "warps": w}
 # each activation tile it loads serves twice the MMAs; the entries above take it) against the up kernel's and less
 GROUPED_SWEEP += [{"BM": 64, "BN": 64, "BND": 64, "BKG": 64, "warps": 4}, {"BM": 64, "BN": 64, "BND": 32, "BKG": 64,
                                                                             "warps": 4}]
-KEY_NAMES = {"BKG": "BK", "warps": "w", "gather_stages": "st", "gather_warps": "w", "down_stages": "dst"}
+KEY_NAMES = {"BKG": "BK", "warps": "w", "gather_stages": "st", "gather_warps": "w"}
 
 
 def tile_sweep(W, sets, path: str, configs: list[dict], reps: int, device: str) -> dict[str, float]:

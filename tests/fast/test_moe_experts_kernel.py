@@ -244,7 +244,7 @@ def test_gather_whole_k_steps(K, offset, bk):
 def test_gather_down_kernel_takes_its_own_k_step(bk, bkd, monkeypatch):
     """A config's BKD sets the down kernel's K step apart from the up kernel's BK (what `bench/moe_experts.py`
     sweeps at one token: 512 up, 256 down): each kernel tests its own step for the EVEN path, and the slots match
-    the twin's, the down kernel here at its own pipeline depth too (down_stages)."""
+    the twin's."""
     E, k, D, I, N = 4, 2, 256, 256, 1
     w13, s13, w2, s2, sh13, sh2 = rand_experts(E, D, I, 17)
     g = torch.Generator().manual_seed(17)
@@ -256,7 +256,7 @@ def test_gather_down_kernel_takes_its_own_k_step(bk, bkd, monkeypatch):
     even_k = M._even_k
     monkeypatch.setattr(M, "_even_k", lambda K, BK, scales: steps.append(BK) or even_k(K, BK, scales))
     out = M._gather(x, M.activation_planes(x), *args, sh13, sh2, 1.0, True,
-                    {**M._cfg(x, N, "gather"), "BK": bk, "BKD": bkd, "down_stages": 3})
+                    {**M._cfg(x, N, "gather"), "BK": bk, "BKD": bkd})
     assert steps == [bk, bk, bkd, bkd]  # up: the routed and the shared scales, then down's
     check_close(out, M.moe_slots_twin(x, *args, 1.0, sh13, sh2), torch.float32)
 

@@ -817,8 +817,6 @@ def _cfg(x, N, path):
     # The grouped down kernel's output tile, BND, twice the up kernel's: it holds one accumulator to the up kernel's
     # two, so each activation tile it loads serves twice the MMAs (H100, session 51, V4.1 widths: 22.75 -> 20.33 ms
     # at 8192 tokens, 8.86 -> 8.18 at 2048; 32 columns 30.7 / 10.7)
-    # (a config may also set BKD and down_stages: the down kernel's K step and pipeline depth, else BK's and
-    # gather_stages)
     BI, BD, BK, warps = (16, 16 if N <= 2 else 32, 512 if N == 1 else 256, 2 if N <= 2 else 4)
     return {"BI": BI, "BK": BK, "BD": BD, "BM": None, "BN": 64, "BND": 128, "BKG": 64, "gather_warps": warps,
             "gather_stages": 2, "warps": 4, "stages": 3}
@@ -885,8 +883,7 @@ def _gather(x, planes, ids, weights, w13, s13, w2, s2, sh13, sh2, limit: float, 
     out = torch.empty(N, S, D, dtype=torch.float32, device=x.device)
     _gather_down_kernel[(N, triton.cdiv(D, c["BD"]), S)](
         hp, ids_r, w2.view(torch.int32), s2, sh2, words(q2), e2, out, D, I, S, ids.shape[1], E, BD=c["BD"],
-        BK=bk_down, EVEN_K=_all_even_k(I - tail, bk_down, s2, e2), TAIL=tail,
-        **{**kw, "STAGES": c.get("down_stages") or c["gather_stages"]})
+        BK=bk_down, EVEN_K=_all_even_k(I - tail, bk_down, s2, e2), TAIL=tail, **kw)
     return out
 
 
