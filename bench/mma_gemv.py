@@ -64,7 +64,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from dsv4.fast.kernels.moe_experts import (  # noqa: E402
-    _WORD_DOT_UNIT, _activation_plane, _code_dot, _gemv_words, _group_exponents, _up_sums, activation_planes)
+    _WORD_DOT_UNIT, _gemv_words, _group_dots, _group_exponents, _up_sums, activation_planes)
 
 # one int32 word of eight codes (low nibble first) -> f16x2 pairs {r0..r3}: (c0, c2), (c4, c6), (c1, c3), (c5, c7),
 # through e4m3 bytes as `moe_experts._WORD_DOT_PTX` makes them (value e2m1 / 64)
@@ -299,21 +299,27 @@ def _ask_l2(lines):
 
 
 @triton.jit
-def _up_sums_ahead(w_ptr, s_ptr, rows_g, rows_u, imask, D, planes, BK: tl.constexpr, STAGES: tl.constexpr,
-                   AHEAD: tl.constexpr):
-    """`_up_sums` (EVEN_K, MXFP4) that, each step, asks the L2 for its rows' bytes AHEAD steps on (their lines,
-    clamped to the last step): the bytes in flight grow past the async copies' STAGES without shared memory."""
+def _up_sums_probe(w_ptr, s_ptr, rows_g, rows_u, imask, D, planes, BK: tl.constexpr, STAGES: tl.constexpr,
+                   AHEAD: tl.constexpr, TILED: tl.constexpr, INTERP: tl.constexpr):
+    """`_up_sums` (EVEN_K, MXFP4) in one of two probe forms. AHEAD > 0: each step asks the L2 for its rows' bytes
+    AHEAD steps on (their lines, clamped to the last step), so the bytes in flight grow past the async copies'
+    STAGES without shared memory. TILED: words and scales tiled (`_tiled_words`)."""
     part_g = tl.zeros((rows_g.shape[0], BK // 32), dtype=tl.float32)
     part_u = tl.zeros((rows_g.shape[0], BK // 32), dtype=tl.float32)
     for k0 in tl.range(0, D, BK, num_stages=STAGES):
-        ahead = tl.minimum(k0 + AHEAD * BK, D - BK) // 8  # word column
-        for line in tl.static_range(BK // 256):  # a row's step spans BK / 2 bytes: BK / 256 lines
-            _ask_l2(w_ptr + rows_g * (D // 8) + ahead + 32 * line)
-            _ask_l2(w_ptr + rows_u * (D // 8) + ahead + 32 * line)
-        part_g = _gemv_words(part_g, w_ptr, s_ptr, rows_g, imask, D // 8, D // 32, planes, k0, BK // 8, False,
-                             True, False)
-        part_u = _gemv_words(part_u, w_ptr, s_ptr, rows_u, imask, D // 8, D // 32, planes, k0, BK // 8, False,
-                             True, False)
+        if AHEAD > 0:
+            ahead = tl.minimum(k0 + AHEAD * BK, D - BK) // 8  # word column
+            for line in tl.static_range(BK // 256):  # a row's step spans BK / 2 bytes: BK / 256 lines
+                _ask_l2(w_ptr + rows_g * (D // 8) + ahead + 32 * line)
+                _ask_l2(w_ptr + rows_u * (D // 8) + ahead + 32 * line)
+        if TILED:
+            part_g = _tiled_words(part_g, w_ptr, s_ptr, rows_g, k0, D // 8, planes, BK // 8, INTERP)
+            part_u = _tiled_words(part_u, w_ptr, s_ptr, rows_u, k0, D // 8, planes, BK // 8, INTERP)
+        else:
+            part_g = _gemv_words(part_g, w_ptr, s_ptr, rows_g, imask, D // 8, D // 32, planes, k0, BK // 8, INTERP,
+                                 True, False)
+            part_u = _gemv_words(part_u, w_ptr, s_ptr, rows_u, imask, D // 8, D // 32, planes, k0, BK // 8, INTERP,
+                                 True, False)
     return tl.sum(part_g, axis=1) * _WORD_DOT_UNIT, tl.sum(part_u, axis=1) * _WORD_DOT_UNIT
 
 
@@ -322,18 +328,11 @@ def _tiled_words(acc, w_ptr, s_ptr, rows64, k0, KW, planes, NW: tl.constexpr, IN
     """`_gemv_words` (EVEN, MXFP4) on tiled words and scales (`tiled`, 16 rows, NW words and NW / 4 scale bytes a
     row a step): a 16-row tile's step is one run of 64 NW bytes (and its scales one of 4 NW), not 16 runs of 4 NW
     bytes a row apart."""
-    R: tl.constexpr = rows64.shape[0]
     step = k0 // (8 * NW)
     tile, r = rows64 // 16, rows64 % 16
     first = tl.multiple_of(tile * (16 * KW) + step * (16 * NW) + r * NW, 16)  # the row's first word of the step
     w = tl.load(w_ptr + first[:, None] + tl.arange(0, NW)[None, :])  # [R, NW] int32
-    c = k0 // 8 + tl.arange(0, NW)
-    p = _code_dot(w, _activation_plane(planes, 0, KW, c, R, True), _activation_plane(planes, 1, KW, c, R, True),
-                  _activation_plane(planes, 2, KW, c, R, True), _activation_plane(planes, 3, KW, c, R, True),
-                  _activation_plane(planes, 4, KW, c, R, True), _activation_plane(planes, 5, KW, c, R, True),
-                  _activation_plane(planes, 6, KW, c, R, True), _activation_plane(planes, 7, KW, c, R, True), False,
-                  INTERP)
-    part = tl.sum(tl.reshape(p, (R, NW // 4, 4)), axis=2)  # [R, NW/4]
+    part = _group_dots(w, planes, KW, k0 // 8 + tl.arange(0, NW), True, False, INTERP)
     scale_word = (tile * (16 * KW // 4) + step * (16 * NW // 4) + r * (NW // 4)) // 4  # the row's first scale word
     e = _group_exponents(s_ptr, scale_word, r >= 0, 4, 0, NW // 4, True)  # the words from scale_word on, every row
     return acc + part * (e << 23).to(tl.float32, bitcast=True)
@@ -342,22 +341,13 @@ def _tiled_words(acc, w_ptr, s_ptr, rows64, k0, KW, planes, NW: tl.constexpr, IN
 @triton.jit
 def _gemv_cores_kernel(w_ptr, s_ptr, xp_ptr, y_ptr, R2, D, BK: tl.constexpr, STAGES: tl.constexpr,
                        AHEAD: tl.constexpr = 0, TILED: tl.constexpr = False, INTERP: tl.constexpr = False):
-    """The gather up kernel's routed loop (`_up_sums`, 16 + 16 rows) on rows i and R2 + i; AHEAD > 0: the loop
-    that asks the L2 for its rows AHEAD steps on (`_up_sums_ahead`); TILED: on tiled words and scales
-    (`_tiled_words`; INTERP: its word products as the interpreter runs them)."""
+    """The gather up kernel's routed loop (`_up_sums`, 16 + 16 rows) on rows i and R2 + i, or with AHEAD > 0 or
+    TILED its probe forms (`_up_sums_probe`; INTERP: their word products as the interpreter runs them)."""
     i = tl.program_id(0) * 16 + tl.arange(0, 16)
     imask = i < R2
-    if TILED:
-        rows_g, rows_u = i.to(tl.int64), i.to(tl.int64) + R2
-        part_g = tl.zeros((16, BK // 32), dtype=tl.float32)
-        part_u = tl.zeros((16, BK // 32), dtype=tl.float32)
-        for k0 in tl.range(0, D, BK, num_stages=STAGES):
-            part_g = _tiled_words(part_g, w_ptr, s_ptr, rows_g, k0, D // 8, xp_ptr, BK // 8, INTERP)
-            part_u = _tiled_words(part_u, w_ptr, s_ptr, rows_u, k0, D // 8, xp_ptr, BK // 8, INTERP)
-        g, u = tl.sum(part_g, axis=1) * _WORD_DOT_UNIT, tl.sum(part_u, axis=1) * _WORD_DOT_UNIT
-    elif AHEAD > 0:
-        g, u = _up_sums_ahead(w_ptr, s_ptr, i.to(tl.int64), i.to(tl.int64) + R2, imask, D, xp_ptr, BK, STAGES,
-                              AHEAD)
+    if AHEAD > 0 or TILED:
+        g, u = _up_sums_probe(w_ptr, s_ptr, i.to(tl.int64), i.to(tl.int64) + R2, imask, D, xp_ptr, BK, STAGES, AHEAD,
+                              TILED, INTERP)
     else:
         g, u = _up_sums(w_ptr, s_ptr, i.to(tl.int64), i.to(tl.int64) + R2, imask, D, xp_ptr, BK, STAGES, False,
                         True, False)

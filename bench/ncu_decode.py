@@ -72,6 +72,7 @@ def main() -> None:
     ids = [torch.randperm(E, generator=g, device=dev)[:TOPK][None] for _ in range(args.sets)]
     wts = torch.full((1, TOPK), 0.25, device=dev)
     gemvs = {name: [fp8_weight(n, k, g, dev) for _ in range(args.sets)] for name, (n, k) in GEMVS.items()}
+    gemv_x = {name: torch.randn(1, k, generator=g, device=dev).bfloat16() for name, (_, k) in GEMVS.items()}
     gate = [torch.randn(E, D, generator=g, device=dev).bfloat16() for _ in range(args.sets)]
     bias = torch.zeros(E, device=dev)
     for r in range(args.rounds):
@@ -79,8 +80,8 @@ def main() -> None:
             w = experts[s]
             M.moe_gather_slots(x, planes, ids[s], wts, w["w13"], w["s13"], w["w2"], w["s2"], w["sh13"], w["sh2"],
                                LIMIT, *w["sh13_rows"], *w["sh2_rows"])
-            for name, (n, k) in GEMVS.items():
-                fp8_gemv(torch.randn(1, k, device=dev).bfloat16(), *gemvs[name][s], *BLOCK, torch.bfloat16, 1)
+            for name in GEMVS:
+                fp8_gemv(gemv_x[name], *gemvs[name][s], *BLOCK, torch.bfloat16, 1)
             gate_route(x, gate[s], bias, None, TOPK, 1.0, 1.5, True, "sqrtsoftplus")
         if dev.type == "cuda":
             torch.cuda.synchronize()

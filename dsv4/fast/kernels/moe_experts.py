@@ -382,7 +382,6 @@ def _gemv_words(acc, w_ptr, s_ptr, rows64, rmask, row_words, row_scales, planes,
     (K % 128 == 0), said to the compiler: it knew K // 8 only as even, so it copied 8 bytes at a time and split
     each scale group's four words over two threads (a shuffle a group); told, 16-byte copies and a group a thread
     (sm_90 SASS, Triton 3.6: the batch-1 up loop 623 -> 553 instructions)."""
-    R: tl.constexpr = rows64.shape[0]
     c = k0 // 8 + tl.arange(0, NW)  # word columns
     if EVEN:
         row0 = tl.multiple_of(rows64 * row_words, 16)
@@ -390,15 +389,23 @@ def _gemv_words(acc, w_ptr, s_ptr, rows64, rmask, row_words, row_scales, planes,
     else:
         w = tl.load(w_ptr + rows64[:, None] * row_words + c[None, :], mask=rmask[:, None] & (c < row_words)[None, :],
                     other=0)
-    n = row_words
+    part = _group_dots(w, planes, row_words, c, EVEN, FP8, INTERP)
+    e = _group_exponents(s_ptr, rows64, rmask, row_scales, k0, NW // 4, EVEN)
+    return acc + part * (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_dots(w, planes, n, c, EVEN: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr):
+    """Words w [R, NW] (`_gemv_words`' codes) . the activations of their word columns c ([NW], planes of n columns),
+    summed per 32-element scale group (four words), unscaled: [R, NW/4]."""
+    R: tl.constexpr = w.shape[0]
+    NW: tl.constexpr = w.shape[1]
     p = _code_dot(w, _activation_plane(planes, 0, n, c, R, EVEN), _activation_plane(planes, 1, n, c, R, EVEN),
                   _activation_plane(planes, 2, n, c, R, EVEN), _activation_plane(planes, 3, n, c, R, EVEN),
                   _activation_plane(planes, 4, n, c, R, EVEN), _activation_plane(planes, 5, n, c, R, EVEN),
                   _activation_plane(planes, 6, n, c, R, EVEN), _activation_plane(planes, 7, n, c, R, EVEN), FP8,
                   INTERP)
-    part = tl.sum(tl.reshape(p, (R, NW // 4, 4)), axis=2)  # [R, NW/4]: a scale group is four words
-    e = _group_exponents(s_ptr, rows64, rmask, row_scales, k0, NW // 4, EVEN)
-    return acc + part * (e << 23).to(tl.float32, bitcast=True)
+    return tl.sum(tl.reshape(p, (R, NW // 4, 4)), axis=2)
 
 
 @triton.jit
