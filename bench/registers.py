@@ -304,7 +304,11 @@ def attention_kernels() -> list[Kernel]:
                   {"q_ptr": "*bf16", "o_ptr": "*bf16", "wd_ptr": "*fp8e4nv", "ws_ptr": "*u8", "widx_ptr": "*i32",
                    "gd_ptr": "*u8", "gs_ptr": "*fp8e4nv", "gidx_ptr": "*i32", "qk_scale": "fp32"},
                   {"WIN_FMT": attention.FP8, "GLOB_FMT": attention.FP4, "D": DH, "R": ROPE, "BLOCK_H": cfg.block_h,
-                   "BLOCK_N": cfg.block_n, "SPLIT": True, "INTERP": False, "PDL": True}, cfg.num_warps, cfg.num_stages)
+                   "BLOCK_N": cfg.block_n, "SPLIT": True, "INTERP": False, "PDL": True, "SETTLED": False},
+                  cfg.num_warps, cfg.num_stages)
+    # a layer that neither compresses nor indexes (V4.1's readers): a global tile loaded before the PDL wait
+    settled = Kernel("sparse_attn_fp4 (settled)", attention._attn_kernel, attn.types,
+                     {**attn.constexprs, "SETTLED": True}, cfg.num_warps, cfg.num_stages)
     # a prefill chunk's rows: 64 heads a program, no split; a lone row over a long list: 64-row tiles
     chunk = attention.Config().resolve(8192, H, WINDOW, INDEX_TOPK)
     prefill = Kernel("sparse_attn_fp4 (prefill)", attention._attn_kernel, attn.types,
@@ -321,7 +325,7 @@ def attention_kernels() -> list[Kernel]:
     combine = Kernel("sparse_attn combine", attention._combine_kernel, {"o_ptr": "*bf16"},
                      {"D": DH, "R": ROPE, "BLOCK_H": c["BLOCK_H"], "BLOCK_D": c["BLOCK_D"], "BLOCK_S": c["BLOCK_S"],
                       "INTERP": False, "PDL": True}, c["num_warps"])
-    return [attn, prefill, long_list, combine]
+    return [attn, settled, prefill, long_list, combine]
 
 
 def topk_kernels() -> list[Kernel]:
@@ -361,10 +365,10 @@ def window_write_kernels() -> list[Kernel]:
     types = {"kv_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "slot_ptr": "*i64",
              "row_ptr": "*i64", "eps": "fp32"}
     constexprs = {"D": DH, "R": ROPE, "BLOCK": 32, "BF16": True, "FMT": quant.FORMAT_CODES["fp8"], "ROUNDED": False,
-                  "HADAMARD": False, "LOG_D": DH.bit_length() - 1, "INTERP": False, "PDL": True}
+                  "HADAMARD": False, "LOG_D": DH.bit_length() - 1, "INTERP": False, "PDL": True, "START": False}
     key = {"D": INDEX_DH, "LOG_D": INDEX_DH.bit_length() - 1, "FMT": quant.FORMAT_CODES["mxfp4"]}
     return without_fp_fusion([
-            Kernel("window write", window_write._window_write_kernel, types, constexprs, 2),
+            Kernel("window write", window_write._window_write_kernel, types, {**constexprs, "START": True}, 2),
             Kernel("window write nvfp4 entry", window_write._window_write_kernel, types,
                    {**constexprs, "BLOCK": 16, "FMT": quant.FORMAT_CODES["nvfp4"]}, 2),
             Kernel("window write mxfp4 index key", window_write._window_write_kernel, types, {**constexprs, **key}, 2),
@@ -434,6 +438,7 @@ LAUNCH_INTS = {
     # one query row: a tile a split (plan_splits on the H200); an 8K prefill chunk: one split of its 20 tiles; a lone
     # row over 2^18 entries in 64-row tiles: 4098 tiles in 132 splits
     "sparse_attn_fp4": {"kw": WINDOW, "kg": INDEX_TOPK, "H": H, "tiles_per_split": 1},
+    "sparse_attn_fp4 (settled)": {"kw": WINDOW, "kg": INDEX_TOPK, "H": H, "tiles_per_split": 1},
     "sparse_attn_fp4 (prefill)": {"kw": WINDOW, "kg": INDEX_TOPK, "H": H, "tiles_per_split": 20},
     "sparse_attn_fp4 (long list)": {"kw": WINDOW, "kg": 1 << 18, "H": H, "tiles_per_split": 32},
     **{f"fp8_gemv {name}": {"M": 1, "N": N, "K": K, "KW": K // 4, "KS": K // 32, "block_n": 32,

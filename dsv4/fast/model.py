@@ -490,7 +490,9 @@ class FastAttention(Attention):
         else:  # V4's per-head norm, then the rotation: one kernel where the compiled step took three
             on_qr = self.on_qr(on_x["wq_a"], self.q_norm)
             q = query_heads(on_qr["wq_b"], cos, sin, self.n_heads, self.eps, True)
-        self._write_kv_rows(on_x["wkv"], self.kv_norm, cos, sin, slots, rows.ring, view.window)  # the window row
+        # the attention's global entries and index lists from earlier layers: it starts beside the window row's write
+        settled = not self.role.owns_indexer and not (self.role.owns_compressor and compress)
+        self._write_kv_rows(on_x["wkv"], self.kv_norm, cos, sin, slots, rows.ring, view.window, settled)
         win_idx = rows.attended
         win_data, win_scale = view.window.flat()
         store = view.store
@@ -507,20 +509,22 @@ class FastAttention(Attention):
         scale = self.head_dim**-0.5
         if store.fmt == "nvfp4":
             o = sparse_attn_fp4(q, win_data, win_scale, win_idx, glob_data, glob_scale, glob_idx,
-                                self.attn_sink, scale, cos, sin)
+                                self.attn_sink, scale, cos, sin, settled=settled)
         else:
-            o = sparse_attn_bf16(q, win_data, win_idx, glob_data, glob_idx, self.attn_sink, scale, cos, sin)
+            o = sparse_attn_bf16(q, win_data, win_idx, glob_data, glob_idx, self.attn_sink, scale, cos, sin,
+                                 settled=settled)
         return self._output_decode(o.to(x.dtype)), picks, pool
 
-    def _write_kv_rows(self, kv, norm: RMSNorm, cos, sin, slots, places, rows: Rows) -> None:
+    def _write_kv_rows(self, kv, norm: RMSNorm, cos, sin, slots, places, rows: Rows,
+                       start_successor: bool = False) -> None:
         """Window rows or compressed entries kv [B, Dh] (wkv's output, a compressor's pooled latent) normed by
         `norm`, rotated at cos, sin [B, R/2] and stored at (slots, places) of `rows`. V4.1's rounding is a packed
         store's own encoding (the window's FP8, the entries' NVFP4): the three in one kernel (`dsv4::window_write`);
         V4's (an FP8 round trip of the unrotated channels, `_window_quant`) into its dense stores likewise
-        (`dsv4::window_write_rounded`)."""
+        (`dsv4::window_write_rounded`). start_successor: V4.1's kernel starts the next launch early."""
         if self.is_v41 and rows.scale is not None:
             window_write(kv, norm.weight, norm.eps, cos, sin, rows.data, rows.scale, slots, places, rows.block,
-                         rows.fmt)
+                         rows.fmt, start_successor=start_successor)
         elif self._rounds_v4_rows(rows):
             window_write_rounded(kv, norm.weight, norm.eps, cos, sin, rows.data, slots, places, V4_WINDOW_FP8_BLOCK)
         else:

@@ -57,13 +57,15 @@ def on_device(kv: KV) -> KV:
     return KV(kv.fmt, kv.data.to(DEVICE), None if kv.scale is None else kv.scale.to(DEVICE))
 
 
-def call_op(fmt: str, q, win: KV, win_idx, glob: KV, glob_idx, sink, scale, cos, sin, split_size=0):
+def call_op(fmt: str, q, win: KV, win_idx, glob: KV, glob_idx, sink, scale, cos, sin, split_size=0, settled=False):
     """The custom op of a format (window FP8 for fp4/fp8, bf16 for bf16)."""
     if fmt == "fp4":
-        return sparse_attn_fp4(q, win.data, win.scale, win_idx, glob.data, glob.scale, glob_idx, sink, scale, cos, sin, split_size)
+        return sparse_attn_fp4(q, win.data, win.scale, win_idx, glob.data, glob.scale, glob_idx, sink, scale, cos, sin,
+                               split_size, settled)
     if fmt == "fp8":
-        return sparse_attn_fp8(q, win.data, win.scale, win_idx, glob.data, glob.scale, glob_idx, sink, scale, cos, sin, split_size)
-    return sparse_attn_bf16(q, win.data, win_idx, glob.data, glob_idx, sink, scale, cos, sin, split_size)
+        return sparse_attn_fp8(q, win.data, win.scale, win_idx, glob.data, glob.scale, glob_idx, sink, scale, cos, sin,
+                               split_size, settled)
+    return sparse_attn_bf16(q, win.data, win_idx, glob.data, glob_idx, sink, scale, cos, sin, split_size, settled)
 
 
 def index_lists(gen, S: int, n: int, k: int, p_skip: float, all_skip_rows: torch.Tensor) -> torch.Tensor:
@@ -129,6 +131,21 @@ def test_matches_twin(fmt, case):
     args = make_case(fmt=fmt, **case)
     o = call_op(fmt, *args, split_size=split_size)
     assert_close_to_twin(o, sparse_attn_reference(*args))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@settings(max_examples=10, deadline=None)
+@given(case=cases())
+@example(case=dict(S=1, H=8, D=128, R=32, W=40, G=90, kw=24, kg=64, p_skip=0.3, glob_all_skip=False, seed=1, split_size=16))
+@example(case=dict(S=2, H=3, D=64, R=16, W=5, G=9, kw=5, kg=9, p_skip=0.0, glob_all_skip=False, seed=4, split_size=48))
+def test_settled_changes_nothing(fmt, case):
+    """settled (a split's first global tile loaded before the PDL wait) gives the same bits: splits of window tiles
+    only, of global tiles only (the early tile, then the rest) and of both (the early tile after the window's)."""
+    case = dict(case)
+    split_size = case.pop("split_size")
+    args = make_case(fmt=fmt, **case)
+    assert torch.equal(call_op(fmt, *args, split_size=split_size, settled=True),
+                       call_op(fmt, *args, split_size=split_size))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -17,15 +17,19 @@ exact for all three:
 - BF16: plain rows [*, D] (1024 B per row)
 
 Ops (all return o [S, H, D] bf16; fp32 when the twin serves fp32 queries, i.e. off the GPU without the interpreter):
-- `dsv4::sparse_attn_fp4(q, win_q8, win_scale, win_idx, glob_packed, glob_scale, glob_idx, sink, softmax_scale, cos, sin, split_size=0)`
-- `dsv4::sparse_attn_fp8(q, win_q8, win_scale, win_idx, glob_q8, glob_scale, glob_idx, sink, softmax_scale, cos, sin, split_size=0)`
-- `dsv4::sparse_attn_bf16(q, win_kv, win_idx, glob_kv, glob_idx, sink, softmax_scale, cos, sin, split_size=0)`
+- `dsv4::sparse_attn_fp4(q, win_q8, win_scale, win_idx, glob_packed, glob_scale, glob_idx, sink, softmax_scale, cos, sin, split_size=0, settled=False)`
+- `dsv4::sparse_attn_fp8(q, win_q8, win_scale, win_idx, glob_q8, glob_scale, glob_idx, sink, softmax_scale, cos, sin, split_size=0, settled=False)`
+- `dsv4::sparse_attn_bf16(q, win_kv, win_idx, glob_kv, glob_idx, sink, softmax_scale, cos, sin, split_size=0, settled=False)`
 
 Work split: programs over (query row, split of the index list, head block). The index list of a row is the
 window's tiles then the global tiles; when rows x head blocks would not fill the GPU (decode), the list is cut
 into splits that each write a partial (running max, sum, fp32 accumulator) and a combine kernel merges them
 (split_size forces the entries per split; 0 picks it from the shapes). With one split (prefill) the main
 kernel writes the output itself.
+
+settled (the decode step's layers that neither compress nor index: their global entries and index lists come from
+earlier layers, and the window row's write ahead starts the attention early): a program whose split begins past
+the window loads its first global tile before its PDL wait, beside the write.
 """
 
 from __future__ import annotations
@@ -151,6 +155,16 @@ def _load_kv(FMT: tl.constexpr, data_ptr, scale_ptr, rows, valid, D: tl.constexp
 
 
 @triton.jit
+def _tile(FMT: tl.constexpr, data_ptr, scale_ptr, idx_ptr, k, s, t, take, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Tile t of query row s's index list (k entries, -1 = skip) -> (its rows [BLOCK_N, D] bf16, which are valid);
+    none valid (nothing loaded) unless `take`."""
+    cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.load(idx_ptr + s * k + cols, mask=(cols < k) & take, other=-1)
+    valid = rows >= 0
+    return _load_kv(FMT, data_ptr, scale_ptr, tl.where(valid, rows, 0).to(tl.int64), valid, D), valid
+
+
+@triton.jit
 def _dot(a, b, INTERP: tl.constexpr):
     """bf16 a @ b, fp32 accumulation. The interpreter multiplies bf16 bit patterns as integers, so there
     the (exactly representable) operands go in as fp32."""
@@ -198,34 +212,41 @@ def _attn_kernel(
     H, qk_scale, tiles_per_split,
     WIN_FMT: tl.constexpr, GLOB_FMT: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
+    SETTLED: tl.constexpr,
 ):
-    wait_for_predecessor(PDL)
+    """Program (query row, split of its tile list, head block). SETTLED (`sparse_attn`'s settled): where no window
+    tile comes first in its split, a program loads its first global tile before its PDL wait; the query, the window
+    rows and the stores wait (the query comes from the layer's own launches, one of which may be the kernel ahead)."""
+    if not SETTLED:
+        wait_for_predecessor(PDL)
     s = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
     heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     d = tl.arange(0, D)
+    nw = tl.cdiv(kw, BLOCK_N)  # window tiles come first, then global tiles
+    t0 = split * tiles_per_split
+    t1 = tl.minimum(t0 + tiles_per_split, nw + tl.cdiv(kg, BLOCK_N))
+    g0 = tl.maximum(t0, nw)  # the split's first global tile
+    if SETTLED:
+        early = t0 >= nw
+        kv, valid = _tile(GLOB_FMT, gd_ptr, gs_ptr, gidx_ptr, kg, s, g0 - nw, early, BLOCK_N, D)
+        wait_for_predecessor(PDL)
     q = tl.load(q_ptr + (s * H + heads)[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
     # the running max starts at the sink: it is the reference's floor for the softmax max, and keeps m finite
     m = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
     l = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-
-    nw = tl.cdiv(kw, BLOCK_N)  # window tiles come first, then global tiles
-    t0 = split * tiles_per_split
-    t1 = tl.minimum(t0 + tiles_per_split, nw + tl.cdiv(kg, BLOCK_N))
+    if SETTLED:
+        if early:
+            m, l, acc = _attend(q, kv, valid, m, l, acc, qk_scale, INTERP)
+            g0 += 1
     for t in range(t0, tl.minimum(t1, nw)):
-        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.load(widx_ptr + s * kw + cols, mask=cols < kw, other=-1)
-        valid = rows >= 0
-        kv = _load_kv(WIN_FMT, wd_ptr, ws_ptr, tl.where(valid, rows, 0).to(tl.int64), valid, D)
+        kv, valid = _tile(WIN_FMT, wd_ptr, ws_ptr, widx_ptr, kw, s, t, True, BLOCK_N, D)
         m, l, acc = _attend(q, kv, valid, m, l, acc, qk_scale, INTERP)
-    for t in range(tl.maximum(t0, nw), t1):
-        cols = (t - nw) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.load(gidx_ptr + s * kg + cols, mask=cols < kg, other=-1)
-        valid = rows >= 0
-        kv = _load_kv(GLOB_FMT, gd_ptr, gs_ptr, tl.where(valid, rows, 0).to(tl.int64), valid, D)
+    for t in range(g0, t1):
+        kv, valid = _tile(GLOB_FMT, gd_ptr, gs_ptr, gidx_ptr, kg, s, t - nw, True, BLOCK_N, D)
         m, l, acc = _attend(q, kv, valid, m, l, acc, qk_scale, INTERP)
 
     if SPLIT:
@@ -312,6 +333,12 @@ def _bytes(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t
 
 
+def _read_as_given(kv: KV, idx: torch.Tensor) -> bool:
+    """Whether the launch reads a store and its index list as given, no conversion launched ahead of it."""
+    stored = [t for t in (kv.data, kv.scale) if t is not None]
+    return idx.dtype == torch.int32 and all(t.is_contiguous() for t in (idx, *stored))
+
+
 def plan_splits(S: int, H: int, kw: int, kg: int, device: torch.device, config: Config, split_size: int = 0) -> tuple[int, int]:
     """(number of splits, tiles per split) of each row's index list (window tiles, then global tiles)."""
     config = config.resolve(S, H, kw, kg)
@@ -331,9 +358,14 @@ def plan_splits(S: int, H: int, kw: int, kg: int, device: torch.device, config: 
 def sparse_attn(
     q: torch.Tensor, win: KV, win_idx: torch.Tensor, glob: KV, glob_idx: torch.Tensor, sink: torch.Tensor,
     softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0, config: Config | None = None,
+    settled: bool = False,
 ) -> torch.Tensor:
-    """Launch the kernels (no dispatch): q [S, H, D] bf16 -> o [S, H, D] bf16."""
+    """Launch the kernels (no dispatch): q [S, H, D] bf16 -> o [S, H, D] bf16. settled: the caller vouches that the
+    global entries and their index lists were written before the kernel ahead of this launch (in the decode step,
+    before the layer's first launch); the attention then loads a tile of them before its PDL wait (`_attn_kernel`'s
+    SETTLED), unless one had to be converted here first."""
     _check(q, win, win_idx, glob, glob_idx, sink, cos, sin)
+    settled = settled and _read_as_given(glob, glob_idx)
     if config is None:
         config = Config() if q.is_cuda else INTERPRETER_CONFIG
     S, H, D = q.shape
@@ -365,7 +397,7 @@ def sparse_attn(
         part_o, part_ml,
         H, softmax_scale * LOG2E, per,
         WIN_FMT=win.fmt, GLOB_FMT=glob.fmt, D=D, R=R, BLOCK_H=config.block_h, BLOCK_N=config.block_n, SPLIT=split,
-        INTERP=_INTERP, PDL=pdl(q),
+        INTERP=_INTERP, PDL=pdl(q), SETTLED=settled,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl(q),
     )
     if split:
@@ -416,9 +448,10 @@ def _out_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float32 if q.dtype == torch.float32 and not use_triton(q) else torch.bfloat16
 
 
-def _run(q, win: KV, win_idx, glob: KV, glob_idx, sink, softmax_scale, cos, sin, split_size) -> torch.Tensor:
+def _run(q, win: KV, win_idx, glob: KV, glob_idx, sink, softmax_scale, cos, sin, split_size,
+         settled) -> torch.Tensor:
     if use_triton(q):
-        return sparse_attn(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size)
+        return sparse_attn(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size, settled=settled)
     return sparse_attn_reference(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin)
 
 
@@ -429,32 +462,33 @@ def _run(q, win: KV, win_idx, glob: KV, glob_idx, sink, softmax_scale, cos, sin,
 def sparse_attn_fp4(
     q: torch.Tensor, win_q8: torch.Tensor, win_scale: torch.Tensor, win_idx: torch.Tensor,
     glob_packed: torch.Tensor, glob_scale: torch.Tensor, glob_idx: torch.Tensor, sink: torch.Tensor,
-    softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0,
+    softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0, settled: bool = False,
 ) -> torch.Tensor:
     """FP8 window (e4m3 + e8m0 per 32) and FP4 global entries (packed e2m1 + e4m3 per 16) -> o [S, H, D] bf16."""
     win, glob = KV(FP8, win_q8, win_scale), KV(FP4, glob_packed, glob_scale)
-    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size)
+    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size, settled)
 
 
 @torch.library.custom_op("dsv4::sparse_attn_fp8", mutates_args=())
 def sparse_attn_fp8(
     q: torch.Tensor, win_q8: torch.Tensor, win_scale: torch.Tensor, win_idx: torch.Tensor,
     glob_q8: torch.Tensor, glob_scale: torch.Tensor, glob_idx: torch.Tensor, sink: torch.Tensor,
-    softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0,
+    softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0, settled: bool = False,
 ) -> torch.Tensor:
     """FP8 window and FP8 global entries (both e4m3 + e8m0 per 32) -> o [S, H, D] bf16."""
     win, glob = KV(FP8, win_q8, win_scale), KV(FP8, glob_q8, glob_scale)
-    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size)
+    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size, settled)
 
 
 @torch.library.custom_op("dsv4::sparse_attn_bf16", mutates_args=())
 def sparse_attn_bf16(
     q: torch.Tensor, win_kv: torch.Tensor, win_idx: torch.Tensor, glob_kv: torch.Tensor, glob_idx: torch.Tensor,
     sink: torch.Tensor, softmax_scale: float, cos: torch.Tensor, sin: torch.Tensor, split_size: int = 0,
+    settled: bool = False,
 ) -> torch.Tensor:
     """Plain bf16 window and global rows -> o [S, H, D] bf16."""
     win, glob = KV(BF16, win_kv), KV(BF16, glob_kv)
-    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size)
+    return _run(q, win, win_idx, glob, glob_idx, sink, softmax_scale, cos, sin, split_size, settled)
 
 
 def _fake(q, *args, **kwargs):

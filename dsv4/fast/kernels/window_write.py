@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
+from dsv4.fast.kernels import pdl, start_successor, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.engram import _e4m3_to_f32
 from dsv4.fast.kernels.indexer_query import _hadamard_rows
 from dsv4.fast.kernels.quant import FORMAT_CODES, _check_write, _fp4_blocks, _fp8_blocks, _widen, quant_write
@@ -62,10 +62,12 @@ def window_write_rounded_twin(kv, weight, eps: float, cos, sin, data, slots, row
 def _window_write_kernel(kv_ptr, w_ptr, cos_ptr, sin_ptr, q_ptr, s_ptr, slot_ptr, row_ptr, slot_rows, eps,
                          D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr,
                          FMT: tl.constexpr, ROUNDED: tl.constexpr, HADAMARD: tl.constexpr, LOG_D: tl.constexpr,
-                         INTERP: tl.constexpr, PDL: tl.constexpr):
+                         INTERP: tl.constexpr, PDL: tl.constexpr, START: tl.constexpr):
     """Program: one row. FMT: `FORMAT_CODES`'s, the codes to q_ptr and the scale bytes to s_ptr; ROUNDED (V4, FMT
-    FP8): the FP8 values decoded again and stored in q_ptr's dtype, the RoPE blocks as they are (s_ptr unused)."""
+    FP8): the FP8 values decoded again and stored in q_ptr's dtype, the RoPE blocks as they are (s_ptr unused).
+    START: the successor starts now (`start_successor`)."""
     wait_for_predecessor(PDL)
+    start_successor(START)
     n = tl.program_id(0).to(tl.int64)
     p = tl.arange(0, D // 2)[None, :]  # [1, D/2]: channel pairs (2p, 2p + 1)
     even = _widen(tl.load(kv_ptr + n * D + 2 * p))
@@ -130,31 +132,33 @@ def _check_rounded(kv, weight, cos, sin, data, slots, rows, block: int) -> None:
 
 
 def _launch(kv, weight, eps, cos, sin, data, scale, slots, rows, block: int, fmt: str, hadamard: bool,
-            rounded_rows: bool) -> None:
+            rounded_rows: bool, start: bool = False) -> None:
     if kv.shape[0]:
         D = kv.shape[1]
         _window_write_kernel[(kv.shape[0],)](
             kv.contiguous(), weight.contiguous(), cos.contiguous(), sin.contiguous(), data, scale, slots, rows,
             data.shape[1], float(eps), D=D, R=2 * cos.shape[1], BLOCK=block, BF16=kv.dtype == torch.bfloat16,
             FMT=FORMAT_CODES[fmt], ROUNDED=rounded_rows, HADAMARD=hadamard, LOG_D=D.bit_length() - 1,
-            INTERP=not kv.is_cuda, PDL=pdl(kv), num_warps=2, launch_pdl=pdl(kv), enable_fp_fusion=False)
+            INTERP=not kv.is_cuda, PDL=pdl(kv), START=start and pdl(kv), num_warps=2, launch_pdl=pdl(kv), enable_fp_fusion=False)
 
 
 @torch.library.custom_op("dsv4::window_write", mutates_args=("data", "scale"))
 def window_write(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                  data: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, block: int,
-                 fmt: str = "fp8", hadamard: bool = False) -> None:
+                 fmt: str = "fp8", hadamard: bool = False, start_successor: bool = False) -> None:
     """The rows of kv [N, D] written to the `fmt` store (data, scale) at (slots, rows): see the module doc.
-    Slots and rows are not bound-checked (that would read them back to the host)."""
+    Slots and rows are not bound-checked (that would read them back to the host). start_successor: the next kernel
+    starts as this one's programs pass their PDL wait (`dsv4.fast.kernels.start_successor`: the decode step's
+    attention, settled); the same values."""
     _check(kv, weight, cos, sin, data, scale, slots, rows, block, fmt)
     if not use_triton(kv):
         window_write_twin(kv, weight, eps, cos, sin, data, scale, slots, rows, block, fmt, hadamard)
         return
-    _launch(kv, weight, eps, cos, sin, data, scale, slots, rows, block, fmt, hadamard, False)
+    _launch(kv, weight, eps, cos, sin, data, scale, slots, rows, block, fmt, hadamard, False, start_successor)
 
 
 @window_write.register_fake
-def _(kv, weight, eps, cos, sin, data, scale, slots, rows, block, fmt="fp8", hadamard=False):
+def _(kv, weight, eps, cos, sin, data, scale, slots, rows, block, fmt="fp8", hadamard=False, start_successor=False):
     _check(kv, weight, cos, sin, data, scale, slots, rows, block, fmt)
 
 
