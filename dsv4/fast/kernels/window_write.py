@@ -139,7 +139,8 @@ def _launch(kv, weight, eps, cos, sin, data, scale, slots, rows, block: int, fmt
             kv.contiguous(), weight.contiguous(), cos.contiguous(), sin.contiguous(), data, scale, slots, rows,
             data.shape[1], float(eps), D=D, R=2 * cos.shape[1], BLOCK=block, BF16=kv.dtype == torch.bfloat16,
             FMT=FORMAT_CODES[fmt], ROUNDED=rounded_rows, HADAMARD=hadamard, LOG_D=D.bit_length() - 1,
-            INTERP=not kv.is_cuda, PDL=pdl(kv), START=start and pdl(kv), num_warps=2, launch_pdl=pdl(kv), enable_fp_fusion=False)
+            INTERP=not kv.is_cuda, PDL=pdl(kv), START=start and pdl(kv), num_warps=2, launch_pdl=pdl(kv),
+            enable_fp_fusion=False)
 
 
 @torch.library.custom_op("dsv4::window_write", mutates_args=("data", "scale"))
