@@ -208,12 +208,16 @@ def routing_kernels() -> list[Kernel]:
     gate = Kernel("moe gate GEMM routing", moe_routing._gate_gemm_kernel,
                   {"x_ptr": "*bf16", "w_ptr": "*bf16", "count_ptr": "*i32", "hashed_ptr": "*i64", "ids_ptr": "*i64",
                    "temp": "fp32", "scale": "fp32"},
-                  {"BM": BM, "BE": BE, "BK": BK, "F32": False, "INTERP": False, "PDL": True, "ROUTE": True, **routing},
-                  4)
+                  {"BM": BM, "BE": BE, "BK": BK, "F32": False, "INTERP": False, "PDL": True, "ROUTE": True, **routing,
+                   "NORM": False, "SQP": 1}, 4)
+    # the decode step's: x normalized as loaded, by the post's sums of squares (one a d step of its 64 columns)
+    normed = Kernel("moe gate GEMM routing (normed)", moe_routing._gate_gemm_kernel,
+                    {**gate.types, "nw_ptr": "*bf16", "xn_ptr": "*bf16", "eps": "fp32"},
+                    {**gate.constexprs, "NORM": True, "SQP": triton.next_power_of_2(mhc.partial_splits(D, 2))}, 4)
     route = Kernel("moe route", moe_routing._route_kernel,
                    {"ids_ptr": "*i64", "hashed_ptr": "*i64", "temp": "fp32", "scale": "fp32"},
                    {**routing, "PDL": True}, c["num_warps"])
-    return [gate, route]
+    return [gate, normed, route]
 
 
 def moe_kernels() -> list[Kernel]:
@@ -431,6 +435,8 @@ LAUNCH_INTS = {
     "mhc_pre finish collapsing": {"N": 1, "D": D, "n_split": 80, "d_per_prog": 64, **_ATTN},
     "mhc_post sums": {"N": 1, "D": D, "n_split": 1},
     "moe gate GEMM routing": {"N": 1, "E": EXPERTS, "D": D, "steps_per_prog": 1, "stride_xn": D, "stride_we": D},
+    "moe gate GEMM routing (normed)": {"N": 1, "E": EXPERTS, "D": D, "steps_per_prog": 1, "stride_xn": D,
+                                       "stride_we": D, "n_sq": mhc.partial_splits(D, 2)},
     "moe route": {"N": 1, "E": EXPERTS, "n_split": 40, "stride_split": EXPERTS, "stride_ln": EXPERTS},
     **{f"moe gather {part}{tokens}": {"D": D, "I": I, "E": EXPERTS}
        for part in ("up", "down") for tokens in ("", f" ({moe_experts.GATHER_MAX_N} tokens)")},

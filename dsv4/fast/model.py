@@ -71,7 +71,7 @@ from dsv4.fast.kernels.moe_experts import (
     moe_mxfp4_with_shared,
     stack_expert_weights,
 )
-from dsv4.fast.kernels.moe_routing import gate_route
+from dsv4.fast.kernels.moe_routing import gate_route, gate_route_normed
 from dsv4.fast.kernels.quant import fp8_quant, mxfp4_quant, nvfp4_quant
 from dsv4.fast.kernels.rope import query_heads
 from dsv4.fast.kernels.topk import topk_select
@@ -237,16 +237,36 @@ class FastMoE(MoE):
         (the routed experts weighted, then the shared expert), whose sum in slot order rounded to x's dtype is the
         output (`summed_slots`): the decode step's FFN post sums them (`mhc_post_partial`, `mhc_post_sums`) where
         a kernel of its own did."""
+        weights, ids = gate_route(x, *self._gate_args(input_ids))
+        if x.shape[0] == 1:  # the decode step's token: the planes fuse into a compiled kernel
+            return self._gathered(x, activation_planes(x), ids, weights)
+        return moe_mxfp4_with_shared(x, *self._experts(ids, weights)).to(x.dtype)
+
+    def normed_slots(self, x: torch.Tensor, squares: torch.Tensor | None, norm: RMSNorm,
+                     input_ids: torch.Tensor) -> torch.Tensor:
+        """slots(norm(x), input_ids), x's sums of squares by d step `squares` given (`mhc_post_partial`'s) or None.
+        At one token with them, the gate GEMM normalizes x and hands the gather the normalized row and its planes
+        (`gate_route_normed`): the norm's and the planes' launches go."""
+        if squares is None or x.shape[0] != 1:
+            return self.slots(norm(x), input_ids)
+        weights, ids, xn, planes = gate_route_normed(x, squares, norm.weight, norm.eps, *self._gate_args(input_ids))
+        return self._gathered(xn, planes, ids, weights)
+
+    def _gate_args(self, input_ids: torch.Tensor) -> tuple:
+        """gate_route's arguments after x: the gate's weight, bias, hashed ids, routing constants and count."""
         g = self.gate
         hashed = g.tid2eid[input_ids] if hasattr(g, "tid2eid") else None
-        weights, ids = gate_route(x, g.weight, getattr(g, "bias", None), hashed, g.topk, g.temp, g.scale,
-                                  g.norm_topk_prob, g.scoring_func, self.route_count)
+        return (g.weight, getattr(g, "bias", None), hashed, g.topk, g.temp, g.scale, g.norm_topk_prob,
+                g.scoring_func, self.route_count)
+
+    def _experts(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
         s = self.stacked
-        experts = (ids, weights, s["w13"], s["s13"], s["w2"], s["s2"], s["shared13"], s["shared2"], self.limit)
-        if x.shape[0] == 1:  # the decode step's token: the planes fuse into a compiled kernel
-            stored = [t for c in self.shared_fp8 or () for t in (c.weight, c.scale)]
-            return moe_gather_slots(x, activation_planes(x), *experts, *stored)
-        return moe_mxfp4_with_shared(x, *experts).to(x.dtype)
+        return ids, weights, s["w13"], s["s13"], s["w2"], s["s2"], s["shared13"], s["shared2"], self.limit
+
+    def _gathered(self, x: torch.Tensor, planes: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """One token's slots through the gather kernels (`moe_gather_slots`), the shared expert as stored."""
+        stored = [t for c in self.shared_fp8 or () for t in (c.weight, c.scale)]
+        return moe_gather_slots(x, planes, *self._experts(ids, weights), *stored)
 
     @staticmethod
     def _shared_rows(copies: list[Fp8Copy | None]) -> tuple[Fp8Copy, Fp8Copy] | None:
@@ -681,10 +701,11 @@ class FastBlock(Block):
             h = self.engram.mix(h[:, None], engram_rows[:, None])[:, 0]
         x, coefficients = pre if isinstance(pre, tuple) else self.decode_pre_site(h, "attn", pre)
         a, picks, pool = self.attn.decode(x, self.attn_norm, pos, slots, rows, view, picks, pool, compress)
-        h, x, coefficients = self.decode_between_sites(a, h, coefficients)
-        f = self.ffn.slots(self.ffn_norm(x), ids)  # [B, D], or at one token the slots the fused posts sum
+        h, x, coefficients, squares = self.decode_between_sites(a, h, coefficients)
+        # [B, D], or at one token the slots the fused posts sum
+        f = self.ffn.normed_slots(x, squares, self.ffn_norm, ids)
         if next_site is not None:
-            h, x, coefficients = self.decode_post_partial(f, h, "ffn", coefficients, next_site)
+            h, x, coefficients, _ = self.decode_post_partial(f, h, "ffn", coefficients, next_site)
             return h, (x, coefficients), picks, pool
         h, pre = self.decode_post_site(f, h, "ffn", coefficients)
         return h, pre, picks, pool
@@ -699,12 +720,14 @@ class FastBlock(Block):
         return x, (post, comb)
 
     def decode_between_sites(self, a: torch.Tensor, h: torch.Tensor, coefficients):
-        """The attention site's post, then the FFN site's pre pass: (h', x, the FFN site's coefficients)."""
+        """The attention site's post, then the FFN site's pre pass: (h', x, the FFN site's coefficients, x's squares
+        or None), as `decode_post_partial`."""
         return self.decode_post_partial(a, h, "attn", coefficients, self.site_params("ffn"))
 
     def decode_post_partial(self, f: torch.Tensor, h: torch.Tensor, site: str, coefficients, next_site: tuple):
         """A site's post, then the pre pass of the next site (this layer's FFN site, or the next layer's attention
-        site; next_site: its `site_params`) -> (h', x, that site's coefficients). V4.1: one kernel
+        site; next_site: its `site_params`) -> (h', x, that site's coefficients, x's sums of squares by d step for
+        the FFN's gate to normalize x by (`FastMoE.normed_slots`; None for V4)). V4.1: one kernel
         (`mhc_post_partial`: the new streams' partial sums and collapse taken while they are in registers; at one
         token 8-9 us where mhc_post_finish and mhc_pre_partial took 18, H100, `bench/mhc.py --sweep`). V4, whose
         sites collapse with their own pre: the post and the next site's partial sums in one kernel
@@ -720,7 +743,7 @@ class FastBlock(Block):
             return mhc_post_partial(f, h, coefficients, scale, base, fn_next, *eps, settled=True)
         h, ws = mhc_post_sums(f, h, *coefficients, fn_next, settled=True)
         x, _, post, comb = mhc_pre_finish(h, ws, scale_next, base_next, *eps)
-        return h, x, (post, comb)
+        return h, x, (post, comb), None
 
     def decode_post_site(self, f: torch.Tensor, h: torch.Tensor, site: str, coefficients):
         """The sub-layer's output f [B, D] (or the MoE's slots: `summed_slots`) spread over the streams h [B, hc, D]

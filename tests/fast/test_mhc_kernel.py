@@ -183,9 +183,10 @@ def check_post_then_partial(h, fn, scale, base, pre_prev, f, fn_next, iters, pos
     """mhc_post_partial (a site's post, then the next site's partial pass in the same kernel) gives the twins' h'
     (mhc_post_finish's), and from that h' (its own: one bf16 rounding of it may land on the other neighbour) the
     twins' x (collapsed with this site's pre) and, through mhc_post_finish at the next site, its pre (the only
-    reader of the partial sums). `post_partial`: the op, or its Triton path at a launch configuration."""
+    reader of the partial sums), and x's squares by d step as `squares_by_step` sums them from that x.
+    `post_partial`: the op, or its Triton path at a launch configuration."""
     ws = K.mhc_pre_partial(h, fn, pre_prev)[1]
-    out, x, ws_next = post_partial(f, h, ws, scale, base, fn_next, 1e-20, 1e-6, iters)
+    out, x, ws_next, squares = post_partial(f, h, ws, scale, base, fn_next, 1e-20, 1e-6, iters)
     rout, rpre = K.mhc_post_finish_twin(f, h, K.mhc_pre_partial_twin(h, fn, pre_prev)[1], scale, base, 1e-20, 1e-6,
                                         iters)
     rx, rnext_pre = K.mhc_pre_twin(out, fn_next, scale, base, rpre, 1e-20, 1e-6, iters)[:2]
@@ -194,6 +195,7 @@ def check_post_then_partial(h, fn, scale, base, pre_prev, f, fn_next, iters, pos
     check = assert_bf16_within_ulp if f.dtype == torch.bfloat16 else assert_fp32_close
     check(out, rout, "h'")
     check(x, rx, "x")
+    assert_fp32_close(squares, K.squares_by_step(x), "x's squares")
     next_pre = K.mhc_post_finish(f, out, ws_next, scale, base, 1e-20, 1e-6, iters)[1]
     assert_fp32_close(next_pre, rnext_pre, "the next site's pre")
 
@@ -501,7 +503,7 @@ def test_mhc_compiles_and_captures(graph_replay):
 
     def v41_sites(h):
         x, ws = torch.ops.dsv4.mhc_pre_partial(h, fn, pre_prev)
-        h, x, ws = torch.ops.dsv4.mhc_post_partial(x, h, ws, scale, base, fn, 1e-20, 1e-6, 20)
+        h, x, ws, _ = torch.ops.dsv4.mhc_post_partial(x, h, ws, scale, base, fn, 1e-20, 1e-6, 20)
         return torch.ops.dsv4.mhc_post_finish(x, h, ws, scale, base, 1e-20, 1e-6, 20)
 
     for fn_under_test in (site, v41_sites):

@@ -21,6 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4.fast.kernels import moe_routing as R
+from dsv4.fast.kernels.moe_experts import activation_planes
+from dsv4.reference.linear import rms_norm
 from dsv4.reference.moe import router_scores
 
 gpu = pytest.mark.gpu
@@ -277,6 +279,53 @@ def test_fallback_is_the_twin(monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def normed_by_squares(x: torch.Tensor, squares: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x, norm_weight, eps) with x's sum of squares given as partial sums squares [N, S]."""
+    r = torch.rsqrt(squares.float().sum(-1, keepdim=True) / x.shape[-1] + eps)
+    return (norm_weight.float() * (x.float() * r)).to(x.dtype)
+
+
+def normed_case(N: int, D: int, dtype, hashed: bool, seed: int):
+    """gate_route_normed's arguments: rows x, their squares in four d steps, a norm weight, a gate of 384 experts."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(N, D, generator=g) * 3).to(dtype)
+    squares = x.float().square().view(N, 4, D // 4).sum(-1)
+    norm_weight = (1 + 0.2 * torch.randn(D, generator=g)).to(dtype)
+    weight = (torch.randn(384, D, generator=g) / D**0.5).to(dtype)
+    bias = None if hashed else torch.randn(384, generator=g) * 0.05
+    ids_in = torch.stack([torch.randperm(384, generator=g)[:6] for _ in range(N)]) if hashed else None
+    return (x, squares, norm_weight, 1e-6), (weight, bias, ids_in, 6, 0.8, 1.5, True, "sqrtsoftplus")
+
+
+@settings(deadline=None, max_examples=examples(8))
+@given(N=st.integers(1, 9), D=st.sampled_from([64, 96, 200]), dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+       hashed=st.booleans(), counted=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_gate_route_normed_is_gate_route_of_its_normed_rows(N, D, dtype, hashed, counted, seed):
+    """The gate GEMM normalizing x as it loads it routes as gate_route of the rows it stores, bit for bit (the same
+    values through the same sums), stores their planes as `activation_planes` lays them out, and those rows are
+    rms_norm(x)'s, as computed from the given squares (`normed_by_squares`), to the squares' summation order: one
+    step of bf16, or in fp32 the classical bound of a sum of D positive terms in another order (D / 2 + 3 rounding
+    errors)."""
+    normed, gate = normed_case(N, D, dtype, hashed, seed)
+    count = (torch.zeros(1, dtype=torch.int32),) if counted else ()
+    w, ids, xn, planes = R.gate_route_normed(*normed, *gate, *count)
+    want_w, want_ids = R.gate_route(xn, *gate, *count)
+    assert torch.equal(w, want_w) and torch.equal(ids, want_ids)
+    assert torch.equal(planes, activation_planes(xn))
+    assert xn.dtype == dtype
+    for want in (normed_by_squares(*normed), rms_norm(normed[0], *normed[2:])):
+        ulp = torch.finfo(dtype).eps * want.float().abs() * (1 if dtype == torch.bfloat16 else D / 2 + 3)
+        assert xn.shape == want.shape and ((xn.float() - want.float()).abs() <= ulp).all()
+
+
+def test_gate_route_normed_refuses_misshapen_inputs():
+    (x, squares, nw, eps), gate = normed_case(2, 64, torch.bfloat16, False, 0)
+    with pytest.raises(ValueError, match="squares \\[N, S\\]"):
+        R.gate_route_normed(x, squares[:1], nw, eps, *gate)
+    with pytest.raises(ValueError, match="one dtype"):
+        R.gate_route_normed(x.float(), squares, nw, eps, *gate)
+
+
 def test_opcheck():
     logits, bias = torch.randn(5, 24), torch.randn(24)
     hashed = torch.randint(0, 24, (5, 6))
@@ -291,6 +340,8 @@ def test_opcheck():
     count = torch.zeros(1, dtype=torch.int32)
     torch.library.opcheck(torch.ops.dsv4.gate_route,
                           (x, weight, bias, None, 6, 1.0, 1.5, True, "sqrtsoftplus", count), test_utils=tests)
+    normed, gate = normed_case(2, 64, torch.bfloat16, False, 1)
+    torch.library.opcheck(torch.ops.dsv4.gate_route_normed, (*normed, *gate, count), test_utils=tests)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -363,6 +414,35 @@ def test_gate_route_by_the_gemms_last_program_gpu(N):
         if N == 1:
             assert all(torch.equal(a, b) for a, b in zip(got, want))
         assert count.item() == 0
+
+
+@gpu
+@needs_cuda
+def test_gate_route_normed_gpu():
+    """The decode step's gate at V4.1's widths (D 5120, 384 experts, one row, x's squares in 80 d steps, the
+    count): gate_route of the rows it normalized, bit for bit, their planes, one bf16 step from rms_norm at most;
+    eager and replayed from a CUDA graph on new rows."""
+    normed, gate = normed_case(1, 5120, torch.bfloat16, False, 5)
+    x, squares, nw, eps = (t.cuda() if isinstance(t, torch.Tensor) else t for t in normed)
+    gate = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in gate)
+    squares = x.float().square().view(1, 80, 64).sum(-1)
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    run = lambda: R.gate_route_normed(x, squares, nw, eps, *gate, count)
+    run()  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = run()
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).bfloat16() * 3)
+        squares.copy_(x.float().square().view(1, 80, 64).sum(-1))
+        eager = run()
+        graph.replay()
+        for w, ids, xn, planes in (eager, got):
+            want_w, want_ids = R.gate_route(xn, *gate, count)
+            assert torch.equal(w, want_w) and torch.equal(ids, want_ids) and count.item() == 0
+            assert torch.equal(planes, activation_planes(xn))
+            want = rms_norm(x, nw, eps).float()
+            assert ((xn.float() - want).abs() <= torch.finfo(torch.bfloat16).eps * want.abs()).all()
 
 
 @gpu

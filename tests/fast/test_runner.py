@@ -500,7 +500,7 @@ def test_a_v4_decode_step_takes_each_sites_partial_sums_in_the_post_before_it(ti
         h = model_module.mhc_post(f, h, *coefficients)
         c = self.config
         x, _, post, comb = model_module.mhc_pre(h, *next_site, None, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
-        return h, x, (post, comb)
+        return h, x, (post, comb), None
 
     monkeypatch.setattr(model_module.FastBlock, "decode_post_partial", post_then_pre)
     apart, _ = decode_steps(Runner(models(tiny_v4_dir, packed=True)[1], max_seqs=4, max_len=128, compile=False), 2,
@@ -542,9 +542,9 @@ def test_a_decode_step_writes_each_packed_row_in_one_op(arch_dir, monkeypatch):
     calls = []
     write = model_module.window_write
 
-    def counted(kv, *args):  # (rows, format, transformed)
+    def counted(kv, *args, start_successor=False):  # (rows, format, transformed)
         calls.append((kv.shape[0], *(args[9:] + ("fp8", False)[len(args) - 9:])))
-        write(kv, *args)
+        write(kv, *args, start_successor=start_successor)
 
     monkeypatch.setattr(model_module, "window_write", counted)
     fast = models(arch_dir, packed=True)[1]
@@ -555,7 +555,7 @@ def test_a_decode_step_writes_each_packed_row_in_one_op(arch_dir, monkeypatch):
         want[4, "fp8", False] = 2 * len(roles)
         want[4, "nvfp4", False] = 2 * sum(role.owns_compressor for role in roles)
     assert min(want.values()) > 0 and Counter(calls) == want
-    monkeypatch.setattr(model_module, "window_write", window_write_twin)
+    monkeypatch.setattr(model_module, "window_write", lambda *a, start_successor=False: window_write_twin(*a))
     apart, _ = decode_steps(Runner(models(arch_dir, packed=True)[1], max_seqs=4, max_len=128, compile=False), 2, fed)
     assert (fused - apart).abs().max() <= 1e-5 * apart.abs().max()  # as the mHC pairing's test above
     monkeypatch.setattr(model_module, "window_write", counted)

@@ -12,6 +12,9 @@
     The same, with the gate GEMM in front: logits = x [N, D] @ weight [E, D]^T in fp32 (bf16 products
     are exact in fp32, so this is F.linear(x.float(), weight.float()) up to summation order). Twin:
     `Gate.forward`'s sequence. With `count` (the decode step's), up to 8 rows are routed in the GEMM's launch.
+`dsv4::gate_route_normed(x, squares, norm_weight, eps, weight, ..., count) -> (weights, ids, xn, planes)`
+    gate_route of xn = rms_norm(x, norm_weight, eps), normalized by the GEMM as it loads x, x's sum of squares
+    handed on as partial sums (`mhc_post_partial`'s); it stores xn and its activation planes for the MoE's gather.
 
 One program holds a block of rows, all E experts padded to a power of two (E <= 1024), in registers;
 top-k is k rounds of argmax with the winner masked out. gate_route first runs a split-K GEMM on the
@@ -28,7 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
+from dsv4.fast.kernels.moe_experts import activation_planes
+from dsv4.fast.kernels.rope import _inverse_root, rounded
 from dsv4.fast.kernels.torch_math import exp, log1p
+from dsv4.reference.linear import rms_norm
 from dsv4.reference.moe import route, router_scores
 
 _SCORE_FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
@@ -162,33 +168,48 @@ def _route_rows(
 
 @triton.jit
 def _gate_gemm_kernel(
-    x_ptr, w_ptr, ws_ptr, count_ptr, bias_ptr, hashed_ptr, rw_ptr, ids_ptr,
-    N, E, D, steps_per_prog, stride_xn, stride_we, temp, scale,
+    x_ptr, w_ptr, ws_ptr, count_ptr, bias_ptr, hashed_ptr, rw_ptr, ids_ptr, sq_ptr, nw_ptr, xn_ptr, planes_ptr,
+    N, E, D, steps_per_prog, stride_xn, stride_we, temp, scale, n_sq, eps,
     BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, INTERP: tl.constexpr,
     PDL: tl.constexpr, ROUTE: tl.constexpr, BR: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
     EP: tl.constexpr, SB: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, HASHED: tl.constexpr,
-    NORMALIZE: tl.constexpr, ACCURATE: tl.constexpr, COMBINE: tl.constexpr,
+    NORMALIZE: tl.constexpr, ACCURATE: tl.constexpr, COMBINE: tl.constexpr, NORM: tl.constexpr,
+    SQP: tl.constexpr,
 ):
     """Partial logits ws[s, n, e] = sum over split s's K range of x[n, :] * w[e, :], fp32 accumulation. ROUTE (one
     row block, N <= BR: `fused_route_rows`): each program counts itself in at count_ptr once its partials are
     stored, and the last to arrive routes the rows from them (`_route_rows`: weights at rw_ptr, ids at ids_ptr;
-    the route's arguments as `_route_kernel`'s), then sets the count back to 0 for the next launch."""
+    the route's arguments as `_route_kernel`'s), then sets the count back to 0 for the next launch. NORM: x is
+    rms_norm(x) as loaded, by the rows' partial sums of squares sq [N, n_sq] and the norm weight nw [D], rounded to
+    x's dtype as `rms_norm` rounds; the first expert tile's programs store their K range of it, as rows (xn
+    [N, D]) and as activation planes (planes [N, 8, D / 8], `activation_planes`)."""
     wait_for_predecessor(PDL)
     pid_m = tl.program_id(0)
     pid_e = tl.program_id(1)
     pid_s = tl.program_id(2)
     rows = pid_m * BM + tl.arange(0, BM)
     rmask = rows < N
+    rows64 = rows.to(tl.int64)
     ex = pid_e * BE + tl.arange(0, BE)
     emask = ex < E
     kk = tl.arange(0, BK)
     acc = tl.zeros((BM, BE), dtype=tl.float32)
     k_begin = pid_s * steps_per_prog * BK
     k_end = tl.minimum(k_begin + steps_per_prog * BK, D)
+    if NORM:
+        j = tl.arange(0, SQP)
+        sq = tl.load(sq_ptr + rows64[:, None] * n_sq + j[None, :], mask=rmask[:, None] & (j < n_sq)[None, :],
+                     other=0.0)
+        r = _inverse_root(tl.sum(sq, axis=1), D, eps)[:, None]  # [BM, 1]
     for k0 in range(k_begin, k_end, BK):
         kmask = (k0 + kk) < D
-        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xn + (k0 + kk)[None, :],
+        a = tl.load(x_ptr + rows64[:, None] * stride_xn + (k0 + kk)[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if NORM:
+            nw = tl.load(nw_ptr + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
+            a = rounded(nw[None, :] * (a.to(tl.float32) * r), not F32, INTERP).to(x_ptr.dtype.element_ty)
+            if pid_e == 0:
+                _store_normed(xn_ptr, planes_ptr, a, rows64, k0 + kk, rmask[:, None] & kmask[None, :], D)
         b = tl.trans(tl.load(w_ptr + ex.to(tl.int64)[:, None] * stride_we + (k0 + kk)[None, :],
                              mask=emask[:, None] & kmask[None, :], other=0.0))
         # each step's product joins acc through an fp32 add: tensor-core accumulation rounding stays in the step
@@ -208,6 +229,14 @@ def _gate_gemm_kernel(
                         N * E, E, temp, scale, TOPK, KP, EP, SB, SCORE, HAS_BIAS, HASHED, NORMALIZE, ACCURATE, COMBINE,
                         ".cg")
             tl.atomic_xchg(count_ptr, 0)
+
+
+@triton.jit
+def _store_normed(xn_ptr, planes_ptr, a, rows64, k, mask, D):
+    """Columns k [BK] of the normalized rows a [BM, BK], as rows of xn [N, D] and into the planes [N, 8, D / 8]
+    (plane k % 8, column k // 8) as fp32."""
+    tl.store(xn_ptr + rows64[:, None] * D + k[None, :], a, mask=mask)
+    tl.store(planes_ptr + rows64[:, None] * D + ((k % 8) * (D // 8) + k // 8)[None, :], a.to(tl.float32), mask=mask)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,9 +343,11 @@ _NO_ROUTE = {"ROUTE": False, "BR": 1, "TOPK": 1, "KP": 1, "EP": 1, "SB": 1, "SCO
              "HASHED": False, "NORMALIZE": False, "ACCURATE": False, "COMBINE": False}
 
 
-def gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func, count=None, cfg=None):
+def gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func, count=None, cfg=None,
+                      norm=None):
     """The Triton path of gate_route. With `count` (an int32 zero) and few rows (`fused_route_rows`) the gate GEMM's
-    last program routes: one launch."""
+    last program routes: one launch. norm (squares, norm_weight, eps; x and weight of one dtype): gate_route_normed's
+    path, which returns the normalized rows and their planes too."""
     cfg = cfg or {}
     if x.dtype != weight.dtype:
         x, weight = x.float(), weight.float()
@@ -336,16 +367,22 @@ def gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize,
         route = (count, *pointers, *outputs), {"ROUTE": True, "BR": BR, **consts}
     else:
         route = (ws,) * 5, _NO_ROUTE
+    normed, (sq, nw, eps) = (), (ws, ws, 0.0)
+    if norm is not None:
+        sq, nw, eps = norm[0].float().contiguous(), norm[1].contiguous(), float(norm[2])
+        normed = (torch.empty_like(x), torch.empty(N, 8, D // 8, dtype=torch.float32, device=x.device))
     if N > 0:
         _gate_gemm_kernel[(triton.cdiv(N, BM), triton.cdiv(E, BE), split)](
-            x, weight, ws, *route[0], N, E, D, per, x.stride(0), weight.stride(0), float(temp), float(scale),
+            x, weight, ws, *route[0], sq, nw, *(normed or (ws, ws)), N, E, D, per, x.stride(0), weight.stride(0),
+            float(temp), float(scale), sq.shape[-1] if normed else 1, eps,
             BM=BM, BE=BE, BK=BK, F32=x.dtype == torch.float32, INTERP=interp, PDL=pdl(x), **route[1],
+            NORM=bool(normed), SQP=triton.next_power_of_2(sq.shape[-1]) if normed else 1,
             num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), launch_pdl=pdl(x),
         )
-    if BR:
-        return outputs
-    return _route_launch(ws, split, N * E, N, E, bias, hashed_ids, topk, temp, scale, normalize, score_func,
-                         cfg.get("route"))
+    if not BR:
+        outputs = _route_launch(ws, split, N * E, N, E, bias, hashed_ids, topk, temp, scale, normalize, score_func,
+                                cfg.get("route"))
+    return (*outputs, *normed)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -405,3 +442,50 @@ def gate_route(
 def _(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func, count=None):
     N = x.shape[0]
     return x.new_empty(N, topk, dtype=torch.float32), x.new_empty(N, topk, dtype=torch.int64)
+
+
+def _check_normed(x, squares, norm_weight, weight) -> None:
+    if x.dim() != 2 or squares.dim() != 2 or squares.shape[0] != x.shape[0] or norm_weight.shape != x.shape[1:]:
+        raise ValueError(f"gate_route_normed: x [N, D], squares [N, S] and norm_weight [D] expected, got "
+                         f"{tuple(x.shape)}, {tuple(squares.shape)}, {tuple(norm_weight.shape)}")
+    if x.dtype != weight.dtype or x.shape[1] % 8:
+        raise ValueError(f"gate_route_normed: x and the gate weight of one dtype and D a multiple of 8, got "
+                         f"{x.dtype}, {weight.dtype}, D {x.shape[1]}")
+
+
+@torch.library.custom_op("dsv4::gate_route_normed", mutates_args=())
+def gate_route_normed(
+    x: torch.Tensor,
+    squares: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    hashed_ids: torch.Tensor | None,
+    topk: int,
+    temp: float,
+    scale: float,
+    normalize: bool,
+    score_func: str,
+    count: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate_route of xn = rms_norm(x, norm_weight, eps), x's sum of squares given as partial sums squares [N, S]
+    (`mhc_post_partial`'s, of x as stored) -> (weights, ids, xn [N, D], activation_planes(xn) [N, 8, D / 8]). The
+    gate GEMM normalizes x as it loads it and stores xn and its planes, which the MoE's gather reads: the decode
+    step's norm and planes launches go. The kernel's mean square is the squares' sum over D, which may differ from
+    rms_norm's in its last bits (the twin: rms_norm of x)."""
+    _check_normed(x, squares, norm_weight, weight)
+    if use_triton(x) and _supported(weight.shape[0], topk, score_func):
+        return gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func, count,
+                                 norm=(squares, norm_weight, eps))
+    xn = rms_norm(x, norm_weight, eps)
+    w, idx = gate_route_twin(xn, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func)
+    return w.contiguous(), idx.clone(), xn, activation_planes(xn)
+
+
+@gate_route_normed.register_fake
+def _(x, squares, norm_weight, eps, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func, count=None):
+    _check_normed(x, squares, norm_weight, weight)
+    N, D = x.shape
+    return (x.new_empty(N, topk, dtype=torch.float32), x.new_empty(N, topk, dtype=torch.int64), x.new_empty(N, D),
+            x.new_empty(N, 8, D // 8, dtype=torch.float32))
