@@ -205,9 +205,9 @@ def _gate_gemm_kernel(
         kmask = (k0 + kk) < D
         a = tl.load(x_ptr + rows64[:, None] * stride_xn + (k0 + kk)[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0)
-        if NORM:
-            nw = tl.load(nw_ptr + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
-            a = rounded(nw[None, :] * (a.to(tl.float32) * r), not F32, INTERP).to(x_ptr.dtype.element_ty)
+        if NORM:  # the weight in x's tile (its rows alike): 16-byte loads the pipeliner copies ahead, as x's
+            nw = tl.load(nw_ptr + (0 * rows)[:, None] + (k0 + kk)[None, :], mask=kmask[None, :], other=0.0)
+            a = rounded(nw.to(tl.float32) * (a.to(tl.float32) * r), not F32, INTERP).to(x_ptr.dtype.element_ty)
             if pid_e == 0:
                 _store_normed(xn_ptr, planes_ptr, a, rows64, k0 + kk, rmask[:, None] & kmask[None, :], D)
         b = tl.trans(tl.load(w_ptr + ex.to(tl.int64)[:, None] * stride_we + (k0 + kk)[None, :],
