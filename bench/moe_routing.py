@@ -8,6 +8,9 @@ V4.1: E = 384 experts, top-6, sqrtsoftplus, bias, normalized, scale 1.5, D = 512
 128, 256 tokens.
 - route: route_topk(logits) against route(router_scores(logits / temp), bias, ...) (about ten launches).
 - gate:  gate_route(x, W) against F.linear(x.float(), W.float()) + the same twin (Gate.forward's sequence).
+- gate normed (N = 1, the decode step's): gate_route_normed(x, x's squares by d step, the norm weight, W) against
+  the three launches it replaced: rms_norm (compiled: one inductor kernel), gate_route, activation_planes
+  (compiled), the count given to both (the step's, whose GEMM's last program routes).
 Timing: CUDA events; each sample runs R calls on R rotating input sets (the gate weight is cold across
 layers), reported per call; the median of --reps samples after warmup. "graph": the R calls captured in
 a CUDA graph and replayed (device time, how decode runs); "eager": plain Python calls. Bytes: the fewest
@@ -35,6 +38,9 @@ ARGS = common.parse_args(__doc__, add_arguments)
 import torch
 
 from dsv4.fast.kernels import moe_routing as R
+from dsv4.fast.kernels.mhc import squares_by_step
+from dsv4.fast.kernels.moe_experts import activation_planes
+from dsv4.reference.linear import rms_norm
 from dsv4.reference.moe import router_scores
 
 TOPK, TEMP, SCALE, FUNC = 6, 1.0, 1.5, "sqrtsoftplus"
@@ -97,6 +103,27 @@ def gate_sweep(N, sets, reps, device) -> list[dict]:
     return rows
 
 
+def normed_gate_calls(sets: list[dict], D: int, device: str):
+    """calls(fused) for the "gate normed" case: gate_route_normed on each set, or the step's three launches before
+    it (a compiled norm, gate_route, compiled planes)."""
+    nw = (1 + 0.1 * torch.randn(D, generator=torch.Generator().manual_seed(D))).bfloat16().to(device)
+    count = torch.zeros(1, dtype=torch.int32, device=device)
+    norm = torch.compile(lambda x: rms_norm(x, nw, 1e-6))
+    planes = torch.compile(activation_planes)
+    for s in sets:
+        s["squares"] = squares_by_step(s["x"])
+
+    def apart(s):
+        xn = norm(s["x"])
+        return *R.gate_route(xn, s["W"], s["bias"], None, TOPK, TEMP, SCALE, True, FUNC, count), xn, planes(xn)
+
+    def normed(s):
+        return R.gate_route_normed(s["x"], s["squares"], nw, 1e-6, s["W"], s["bias"], None, TOPK, TEMP, SCALE, True,
+                                   FUNC, count)
+
+    return lambda fused: [lambda s=s: (normed if fused else apart)(s) for s in sets]
+
+
 def main():
     device = common.bench_device(ARGS.smoke)
     if device == "cuda":
@@ -123,6 +150,8 @@ def main():
             return [lambda s=s: f(s["x"], s["W"], s["bias"], None, TOPK, TEMP, SCALE, True, FUNC) for s in sets]
 
         cases = {"route": (route_calls, l_bytes + E * 4 + o_bytes), "gate": (gate_calls, w_bytes + x_bytes + o_bytes)}
+        if N == 1 and device == "cuda":
+            cases["gate normed"] = (normed_gate_calls(sets, D, device), w_bytes + x_bytes + o_bytes)
         for case, (calls, nbytes) in cases.items():
             row = {"case": case, "N": N, "E": E, "D": D, "topk": TOPK, "rotating_sets": nsets, "bytes": nbytes}
             common.time_fused_vs_baseline(row, calls, reps, device, "torch", nbytes)
