@@ -324,6 +324,8 @@ def test_gate_route_normed_refuses_misshapen_inputs():
         R.gate_route_normed(x, squares[:1], nw, eps, *gate)
     with pytest.raises(ValueError, match="one dtype"):
         R.gate_route_normed(x.float(), squares, nw, eps, *gate)
+    with pytest.raises(ValueError, match="gate_route_normed: count must be one int32"):
+        R.gate_route_normed(x, squares, nw, eps, *gate, torch.zeros(1))
 
 
 def test_opcheck():

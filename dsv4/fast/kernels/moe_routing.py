@@ -429,9 +429,7 @@ def gate_route(
     """Gate GEMM + router: x [N, D], weight [E, D] -> weights [N, k] fp32, ids [N, k] int64. count: an int32 [1]
     zero the caller keeps for this op alone (one stream at a time); with it, few rows are routed by the gate GEMM's
     last program (`fused_route_rows`), which counts the programs in it and sets it back to 0 before it exits."""
-    if count is not None and (count.dtype != torch.int32 or count.numel() != 1 or count.device != x.device):
-        raise ValueError(f"gate_route: count must be one int32 on x's device, got {count.dtype} "
-                         f"{tuple(count.shape)} on {count.device}")
+    _check_count(count, x, "gate_route")
     if use_triton(x) and _supported(weight.shape[0], topk, score_func):
         return gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func, count)
     w, idx = gate_route_twin(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func)
@@ -442,6 +440,12 @@ def gate_route(
 def _(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func, count=None):
     N = x.shape[0]
     return x.new_empty(N, topk, dtype=torch.float32), x.new_empty(N, topk, dtype=torch.int64)
+
+
+def _check_count(count: torch.Tensor | None, x: torch.Tensor, what: str) -> None:
+    if count is not None and (count.dtype != torch.int32 or count.numel() != 1 or count.device != x.device):
+        raise ValueError(f"{what}: count must be one int32 on x's device, got {count.dtype} "
+                         f"{tuple(count.shape)} on {count.device}")
 
 
 def _check_normed(x, squares, norm_weight, weight) -> None:
@@ -475,6 +479,7 @@ def gate_route_normed(
     step's norm and planes launches go. The kernel's mean square is the squares' sum over D, which may differ from
     rms_norm's in its last bits (the twin: rms_norm of x)."""
     _check_normed(x, squares, norm_weight, weight)
+    _check_count(count, x, "gate_route_normed")
     if use_triton(x) and _supported(weight.shape[0], topk, score_func):
         return gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize, score_func, count,
                                  norm=(squares, norm_weight, eps))
