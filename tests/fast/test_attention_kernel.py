@@ -148,6 +148,26 @@ def test_settled_changes_nothing(fmt, case):
                        call_op(fmt, *args, split_size=split_size))
 
 
+def test_settled_reads_early_only_what_it_was_given(monkeypatch):
+    """`settled` moves the global tile's loads before the PDL wait only where the kernel reads the index list and
+    store it was given: one it first converts (int64 indices, made int32 by a kernel just before it) is the
+    predecessor's output."""
+    import dsv4.fast.kernels.attention as A
+
+    launches = []
+    kernel = A._attn_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs["SETTLED"]) or kernel[grid](*args, **kwargs)
+
+    monkeypatch.setattr(A, "_attn_kernel", Recording())
+    q, win, win_idx, glob, glob_idx, sink, scale, cos, sin = make_case(7, "fp4", 1, 4, 64, 16, 8, 20, 6, 10, 0.0, False)
+    for idx, settled in ((glob_idx, False), (glob_idx, True), (glob_idx.long(), True)):
+        sparse_attn(q, win, win_idx, glob, idx, sink, scale, cos, sin, settled=settled)
+    assert launches == [False, True, False]
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("split_size", [0, 16])
 def test_rows_without_entries_are_zero(fmt, split_size):

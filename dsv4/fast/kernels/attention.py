@@ -155,11 +155,12 @@ def _load_kv(FMT: tl.constexpr, data_ptr, scale_ptr, rows, valid, D: tl.constexp
 
 
 @triton.jit
-def _tile(FMT: tl.constexpr, data_ptr, scale_ptr, idx_ptr, k, s, t, take, BLOCK_N: tl.constexpr, D: tl.constexpr):
+def _tile(FMT: tl.constexpr, data_ptr, scale_ptr, idx_ptr, k, s, t, limit, BLOCK_N: tl.constexpr,
+          D: tl.constexpr):
     """Tile t of query row s's index list (k entries, -1 = skip) -> (its rows [BLOCK_N, D] bf16, which are valid);
-    none valid (nothing loaded) unless `take`."""
+    entries from `limit` on (k, or 0 for none) are not loaded."""
     cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.load(idx_ptr + s * k + cols, mask=(cols < k) & take, other=-1)
+    rows = tl.load(idx_ptr + s * k + cols, mask=cols < limit, other=-1)
     valid = rows >= 0
     return _load_kv(FMT, data_ptr, scale_ptr, tl.where(valid, rows, 0).to(tl.int64), valid, D), valid
 
@@ -231,7 +232,7 @@ def _attn_kernel(
     g0 = tl.maximum(t0, nw)  # the split's first global tile
     if SETTLED:
         early = t0 >= nw
-        kv, valid = _tile(GLOB_FMT, gd_ptr, gs_ptr, gidx_ptr, kg, s, g0 - nw, early, BLOCK_N, D)
+        kv, valid = _tile(GLOB_FMT, gd_ptr, gs_ptr, gidx_ptr, kg, s, g0 - nw, tl.where(early, kg, 0), BLOCK_N, D)
         wait_for_predecessor(PDL)
     q = tl.load(q_ptr + (s * H + heads)[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
     # the running max starts at the sink: it is the reference's floor for the softmax max, and keeps m finite
@@ -243,10 +244,10 @@ def _attn_kernel(
             m, l, acc = _attend(q, kv, valid, m, l, acc, qk_scale, INTERP)
             g0 += 1
     for t in range(t0, tl.minimum(t1, nw)):
-        kv, valid = _tile(WIN_FMT, wd_ptr, ws_ptr, widx_ptr, kw, s, t, True, BLOCK_N, D)
+        kv, valid = _tile(WIN_FMT, wd_ptr, ws_ptr, widx_ptr, kw, s, t, kw, BLOCK_N, D)
         m, l, acc = _attend(q, kv, valid, m, l, acc, qk_scale, INTERP)
     for t in range(g0, t1):
-        kv, valid = _tile(GLOB_FMT, gd_ptr, gs_ptr, gidx_ptr, kg, s, t - nw, True, BLOCK_N, D)
+        kv, valid = _tile(GLOB_FMT, gd_ptr, gs_ptr, gidx_ptr, kg, s, t - nw, kg, BLOCK_N, D)
         m, l, acc = _attend(q, kv, valid, m, l, acc, qk_scale, INTERP)
 
     if SPLIT:
