@@ -247,10 +247,15 @@ class FastMoE(MoE):
         """slots(norm(x), input_ids), x's sums of squares by d step `squares` given (`mhc_post_partial`'s) or None.
         At one token with them, the gate GEMM normalizes x and hands the gather the normalized row and its planes
         (`gate_route_normed`): the norm's and the planes' launches go."""
-        if squares is None or x.shape[0] != 1:
+        if squares is None or not self.normed_in_gate(x.shape[0]):
             return self.slots(norm(x), input_ids)
         weights, ids, xn, planes = gate_route_normed(x, squares, norm.weight, norm.eps, *self._gate_args(input_ids))
         return self._gathered(xn, planes, ids, weights)
+
+    @staticmethod
+    def normed_in_gate(rows: int) -> bool:
+        """Whether `normed_slots` normalizes rows in the gate GEMM (one token: the gather's) given x's squares."""
+        return rows == 1
 
     def _gate_args(self, input_ids: torch.Tensor) -> tuple:
         """gate_route's arguments after x: the gate's weight, bias, hashed ids, routing constants and count."""
@@ -721,13 +726,15 @@ class FastBlock(Block):
 
     def decode_between_sites(self, a: torch.Tensor, h: torch.Tensor, coefficients):
         """The attention site's post, then the FFN site's pre pass: (h', x, the FFN site's coefficients, x's squares
-        or None), as `decode_post_partial`."""
-        return self.decode_post_partial(a, h, "attn", coefficients, self.site_params("ffn"))
+        where the FFN's gate takes them, else None), as `decode_post_partial`."""
+        return self.decode_post_partial(a, h, "attn", coefficients, self.site_params("ffn"),
+                                        squares=FastMoE.normed_in_gate(a.shape[0]))
 
-    def decode_post_partial(self, f: torch.Tensor, h: torch.Tensor, site: str, coefficients, next_site: tuple):
+    def decode_post_partial(self, f: torch.Tensor, h: torch.Tensor, site: str, coefficients, next_site: tuple,
+                            squares: bool = False):
         """A site's post, then the pre pass of the next site (this layer's FFN site, or the next layer's attention
-        site; next_site: its `site_params`) -> (h', x, that site's coefficients, x's sums of squares by d step for
-        the FFN's gate to normalize x by (`FastMoE.normed_slots`; None for V4)). V4.1: one kernel
+        site; next_site: its `site_params`) -> (h', x, that site's coefficients, with `squares` (V4.1) x's sums of
+        squares by d step for the FFN's gate to normalize x by (`FastMoE.normed_slots`), else None). V4.1: one kernel
         (`mhc_post_partial`: the new streams' partial sums and collapse taken while they are in registers; at one
         token 8-9 us where mhc_post_finish and mhc_pre_partial took 18, H100, `bench/mhc.py --sweep`). V4, whose
         sites collapse with their own pre: the post and the next site's partial sums in one kernel
@@ -740,7 +747,9 @@ class FastBlock(Block):
         eps = (c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
         if c.is_v41:
             scale, base = self.site_params(site)[1:]
-            return mhc_post_partial(f, h, coefficients, scale, base, fn_next, *eps, settled=True)
+            h, x, ws, xsq = mhc_post_partial(f, h, coefficients, scale, base, fn_next, *eps, settled=True,
+                                             squares=squares)
+            return h, x, ws, xsq if squares else None
         h, ws = mhc_post_sums(f, h, *coefficients, fn_next, settled=True)
         x, _, post, comb = mhc_pre_finish(h, ws, scale_next, base_next, *eps)
         return h, x, (post, comb), None

@@ -186,7 +186,7 @@ def check_post_then_partial(h, fn, scale, base, pre_prev, f, fn_next, iters, pos
     reader of the partial sums), and x's squares by d step as `squares_by_step` sums them from that x.
     `post_partial`: the op, or its Triton path at a launch configuration."""
     ws = K.mhc_pre_partial(h, fn, pre_prev)[1]
-    out, x, ws_next, squares = post_partial(f, h, ws, scale, base, fn_next, 1e-20, 1e-6, iters)
+    out, x, ws_next, squares = post_partial(f, h, ws, scale, base, fn_next, 1e-20, 1e-6, iters, squares=True)
     rout, rpre = K.mhc_post_finish_twin(f, h, K.mhc_pre_partial_twin(h, fn, pre_prev)[1], scale, base, 1e-20, 1e-6,
                                         iters)
     rx, rnext_pre = K.mhc_pre_twin(out, fn_next, scale, base, rpre, 1e-20, 1e-6, iters)[:2]
@@ -475,8 +475,8 @@ def check_post_partial_at(warps, D, device):
     """mhc_post_partial's kernel launched at `warps` (what `bench/mhc.py --sweep` times) against the twins."""
     h, fn, scale, base, pre_prev = make_inputs(1, 4, D, torch.bfloat16, True, warps, device=device)
     f = torch.randn(1, D, generator=torch.Generator().manual_seed(warps)).bfloat16().to(device)
-    check_post_then_partial(h, fn, scale, base, pre_prev, f, fn * 0.5, 20, post_partial=lambda *a: (
-        K.mhc_post_partial_triton(*a, cfg={"num_warps": warps})))
+    check_post_then_partial(h, fn, scale, base, pre_prev, f, fn * 0.5, 20, post_partial=lambda *a, **k: (
+        K.mhc_post_partial_triton(*a, **k, cfg={"num_warps": warps})))
 
 
 def test_post_partial_takes_a_launch_config():

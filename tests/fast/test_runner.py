@@ -496,7 +496,8 @@ def test_a_v4_decode_step_takes_each_sites_partial_sums_in_the_post_before_it(ti
     # two steps; mhc_pre also at every site of the three prompts' prefills (one chunk each)
     assert calls == Counter(mhc_post_sums=2 * (2 * L - 1), mhc_pre=3 * 2 * L + 2, mhc_pre_finish=2 * (2 * L - 1))
 
-    def post_then_pre(self, f, h, site, coefficients, next_site):  # the sites as before: mhc_post, then mhc_pre
+    # the sites as before: mhc_post, then mhc_pre
+    def post_then_pre(self, f, h, site, coefficients, next_site, squares=False):
         h = model_module.mhc_post(f, h, *coefficients)
         c = self.config
         x, _, post, comb = model_module.mhc_pre(h, *next_site, None, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)

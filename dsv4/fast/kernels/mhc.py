@@ -15,8 +15,8 @@
     V4.1's decode pair: a site's pre, post and comb are first read by its post (x collapses with the previous
     site's pre), so the post kernel finishes them from the partial kernel's workspace ws [S, N, M + 1]
     (`partial_splits`) and the finish kernel's launch goes; pre [N, hc] fp32 is the next site's collapse weights.
-`dsv4::mhc_post_partial(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled) -> (h', x, ws_next,
-squares)`
+`dsv4::mhc_post_partial(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled, squares) -> (h', x,
+ws_next, squares)`
     mhc_post_finish, then mhc_pre_partial of the next site on h' (collapsing with this site's pre) in the same
     kernel, a program per (row, d step of the partial pass): V4.1's attention post and FFN pre in one launch. Its
     projection runs on the CUDA cores in fp32 (one row a program, so the Sinkhorn stays in threads). Up to
@@ -102,20 +102,23 @@ def summed_slots(f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return f.sum(dim=1).to(dtype) if f.dim() == 3 else f
 
 
-def mhc_post_partial_twin(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters):
+def mhc_post_partial_twin(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, squares=False):
     """The site's post (mhc_post_finish's twin), then the next site's partial pass on its output (mhc_pre_partial's,
-    collapsing with this site's pre): (h', x, the next site's workspace, x's squares by d step). f: [N, D] or slots
-    (`summed_slots`)."""
+    collapsing with this site's pre): (h', x, the next site's workspace, x's squares by d step, or none without
+    `squares`). f: [N, D] or slots (`summed_slots`)."""
     out, pre = mhc_post_finish_twin(summed_slots(f, residual.dtype), residual, ws, scale, base, norm_eps, hc_eps,
                                     iters)
     x, ws_next = mhc_pre_partial_twin(out, fn_next, pre)
-    return out, x, ws_next, squares_by_step(x)
+    return out, x, ws_next, squares_by_step(x, squares)
 
 
-def squares_by_step(x: torch.Tensor) -> torch.Tensor:
+def squares_by_step(x: torch.Tensor, wanted: bool = True) -> torch.Tensor:
     """x [N, D] -> [N, S] fp32: the sums of its squares over each of the partial pass's S d steps
-    (`partial_splits`), which sum to rms_norm's sum of squares: what the FFN's gate normalizes x by."""
+    (`partial_splits`), which sum to rms_norm's sum of squares: what the FFN's gate normalizes x by. Not wanted:
+    [N, 0], nothing computed."""
     N, D = x.shape
+    if not wanted:
+        return x.new_empty(N, 0, dtype=torch.float32)
     return x.float().square().view(N, partial_splits(D, x.element_size()), -1).sum(-1)
 
 
@@ -548,15 +551,15 @@ def _post_partial_kernel(
     stride_fn, stride_fs, stride_rn, stride_rk, stride_on, stride_ok, stride_xn,
     HC: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr, FINISH: tl.constexpr,
     SLOTS: tl.constexpr, ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, INTERP: tl.constexpr,
-    PDL: tl.constexpr, SETTLED: tl.constexpr,
+    PDL: tl.constexpr, SETTLED: tl.constexpr, SQUARES: tl.constexpr,
 ):
     """Program (row, d step): a site's post, then the next site's partial pass over the new streams' d step while they
     are in registers (as `_pre_partial_kernel`, its projection in fp32 on the CUDA cores: one row). FINISH (V4.1):
     the post's coefficients finished from this site's workspace ws (as `_post_finish_kernel`) and x collapsed with
-    this site's pre, the sum of its d step's squares (as stored) to xsq [N, programs]; else (V4) post and comb as
-    given and no x (the next site collapses with its own pre, which its finish makes). SLOTS: f is the MoE's slots
-    (`_sublayer_tile`). SETTLED: everything but f was written before the kernel this one follows, so all of it, and
-    the coefficients' chain, comes before the PDL wait, beside that kernel's tail; only f waits
+    this site's pre, with SQUARES the sum of its d step's squares (as stored) to xsq [N, programs]; else (V4) post
+    and comb as given and no x (the next site collapses with its own pre, which its finish makes). SLOTS: f is the
+    MoE's slots (`_sublayer_tile`). SETTLED: everything but f was written before the kernel this one follows, so all
+    of it, and the coefficients' chain, comes before the PDL wait, beside that kernel's tail; only f waits
     (`mhc_post_partial`'s settled)."""
     if not SETTLED:
         wait_for_predecessor(PDL)
@@ -583,8 +586,9 @@ def _post_partial_kernel(
         x = tl.sum(pre[:, :, None] * h, axis=1)  # [1, BD]: collapsed with this site's pre
         x = x.to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + rows64[:, None] * stride_xn + dd[None, :], x, mask=rmask[:, None])
-        x = x.to(tl.float32)
-        tl.store(xsq_ptr + rows64 * tl.num_programs(1) + pid_s, tl.sum(x * x, axis=1), mask=rmask)
+        if SQUARES:
+            x = x.to(tl.float32)
+            tl.store(xsq_ptr + rows64 * tl.num_programs(1) + pid_s, tl.sum(x * x, axis=1), mask=rmask)
     ws_row = ws_next_ptr + (pid_s * N + rows64) * (M + 1)
     tl.store(ws_row[:, None] + cols[None, :], acc, mask=rmask[:, None] & (cols < M)[None, :])
     tl.store(ws_row + M, tl.sum(tl.sum(h * h, axis=2), axis=1), mask=rmask)
@@ -823,14 +827,14 @@ def _as_read(given: tuple, settled: bool) -> tuple[tuple, bool]:
 
 
 def mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled: bool = False,
-                            cfg: dict | None = None):
+                            squares: bool = False, cfg: dict | None = None):
     """The Triton path of mhc_post_partial; `cfg` (num_warps) overrides the launch's warps (`post_partial_warps`)."""
     if residual.shape[0] > POST_PARTIAL_MAX_N:
         out, pre = mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters, settled)
         x, ws_next = mhc_pre_partial_triton(out, fn_next, pre)
-        return out, x, ws_next, squares_by_step(x)
+        return out, x, ws_next, squares_by_step(x, squares)
     return _post_partial(f, residual, fn_next, (ws, scale, base, ws, ws), (norm_eps, hc_eps, iters), True, settled,
-                         cfg)
+                         cfg, squares)
 
 
 def mhc_post_sums_triton(f, residual, post, comb, fn_next, settled: bool = False, cfg: dict | None = None):
@@ -839,13 +843,14 @@ def mhc_post_sums_triton(f, residual, post, comb, fn_next, settled: bool = False
         out = mhc_post_triton(summed_slots(f, residual.dtype), residual, post, comb)
         return out, mhc_pre_partial_triton(out, fn_next, None)[1]
     out, _, ws_next, _ = _post_partial(f, residual, fn_next, (post, post, post, post, comb), (0.0, 0.0, 0), False,
-                                       settled, cfg)
+                                       settled, cfg, False)
     return out, ws_next
 
 
 def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple, finish: bool, settled: bool,
-                  cfg: dict | None):
-    """`_post_partial_kernel` -> (h', x, the next site's workspace, x's squares by d step); coefficients: (ws, scale,
+                  cfg: dict | None, squares: bool):
+    """`_post_partial_kernel` -> (h', x, the next site's workspace, x's squares by d step: [N, 0] unless `squares`,
+    which asks a finishing pass for them); coefficients: (ws, scale,
     base, post, comb) as the kernel takes them (FINISH reads the first three, else the last two; the others stand in
     for the pointers), finish_args (norm_eps, hc_eps, iters). settled (`mhc_post_partial`): read before the PDL wait
     all but f, unless one of them had to be copied here first (the copy would be the kernel it follows)."""
@@ -858,21 +863,21 @@ def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple,
     out = torch.empty(N, hc, D, dtype=dtype, device=f.device)
     x = torch.empty(N, D, dtype=dtype, device=f.device)
     ws_next = torch.empty(S, N, M + 1, dtype=torch.float32, device=f.device)
-    squares = torch.empty(N, S, dtype=torch.float32, device=f.device)
+    xsq = torch.empty(N, S if squares else 0, dtype=torch.float32, device=f.device)
     if N == 0:
-        return out, x, ws_next, squares
+        return out, x, ws_next, xsq
     split = coefficients[0].shape[0] if finish else 1  # without a finish no splits are read: one compile for all N
     slots, stride_fs = _slots(f)
     _post_partial_kernel[(N, S)](
-        f, residual, *coefficients, fn_next, out, x, ws_next, squares,
+        f, residual, *coefficients, fn_next, out, x, ws_next, xsq,
         N, D, split, *finish_args,
         f.stride(0), stride_fs, residual.stride(0), residual.stride(1), out.stride(0), out.stride(1), x.stride(0),
         HC=hc, M=M, MP=triton.next_power_of_2(M), BD=D // S, SB=min(triton.next_power_of_2(split), 32),
         FINISH=finish, SLOTS=slots, ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, 1),
-        INTERP=not f.is_cuda, PDL=pdl(f), SETTLED=settled,
+        INTERP=not f.is_cuda, PDL=pdl(f), SETTLED=settled, SQUARES=squares,
         num_warps=(cfg or {}).get("num_warps", post_partial_warps(N)), launch_pdl=pdl(f),
     )
-    return out, x, ws_next, squares
+    return out, x, ws_next, xsq
 
 
 def mhc_post_triton(f, residual, post, comb, cfg: dict | None = None):
@@ -978,11 +983,12 @@ def _(f, residual, ws, scale, base, norm_eps, hc_eps, iters, settled=False):
 @torch.library.custom_op("dsv4::mhc_post_partial", mutates_args=())
 def mhc_post_partial(f: torch.Tensor, residual: torch.Tensor, ws: torch.Tensor, scale: torch.Tensor,
                      base: torch.Tensor, fn_next: torch.Tensor, norm_eps: float, hc_eps: float,
-                     iters: int, settled: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                 torch.Tensor]:
+                     iters: int, settled: bool = False,
+                     squares: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """mhc_post_finish, then mhc_pre_partial of the next site (fn_next) on its output collapsing with this site's
     pre, in one kernel: f [N, D], residual [N, hc, D], ws -> (h' [N, hc, D], x [N, D], the next site's workspace,
-    x's squares by d step [N, S] fp32: `squares_by_step`, for a consumer normalizing x without a pass over it).
+    with `squares` x's squares by d step [N, S] fp32, else [N, 0]: `squares_by_step`, for a consumer normalizing x
+    without a pass over it).
     f may be the MoE's slots [N, S, D] fp32, summed in the kernel (`summed_slots`; the outputs in residual's dtype).
     settled: the caller knows that residual and ws were written before the kernel that made f (a sub-layer ran
     between the site's pre pass and this post, as in the decode step), so the kernel reads them and finishes the
@@ -990,19 +996,20 @@ def mhc_post_partial(f: torch.Tensor, residual: torch.Tensor, ws: torch.Tensor, 
     or ws comes from the kernel just before: the default reads nothing before the wait."""
     _check_f(f, residual, "mhc_post_partial")
     if use_triton(f) and _hc_supported(residual.shape[1], residual.shape[2]):
-        return mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled)
+        return mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled,
+                                       squares)
     return tuple(t.contiguous() for t in mhc_post_partial_twin(f, residual, ws, scale, base, fn_next, norm_eps,
-                                                                hc_eps, iters))
+                                                                hc_eps, iters, squares))
 
 
 @mhc_post_partial.register_fake
-def _(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled=False):
+def _(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled=False, squares=False):
     _check_f(f, residual, "mhc_post_partial")
     N, hc, D = residual.shape
     dtype = _output_dtype(f, residual)
     return (residual.new_empty(residual.shape, dtype=dtype), f.new_empty(N, D, dtype=dtype),
             _fake_workspace(residual, hc, D, dtype),
-            f.new_empty(N, partial_splits(D, dtype.itemsize), dtype=torch.float32))
+            f.new_empty(N, partial_splits(D, dtype.itemsize) if squares else 0, dtype=torch.float32))
 
 
 def _fake_workspace(t: torch.Tensor, hc: int, D: int, dtype: torch.dtype | None = None) -> torch.Tensor:

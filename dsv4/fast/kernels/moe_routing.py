@@ -367,16 +367,17 @@ def gate_route_triton(x, weight, bias, hashed_ids, topk, temp, scale, normalize,
         route = (count, *pointers, *outputs), {"ROUTE": True, "BR": BR, **consts}
     else:
         route = (ws,) * 5, _NO_ROUTE
-    normed, (sq, nw, eps) = (), (ws, ws, 0.0)
+    normed, sq, nw, eps = (), ws, ws, 0.0  # ws stands in for the pointers where the GEMM does not normalize
     if norm is not None:
         sq, nw, eps = norm[0].float().contiguous(), norm[1].contiguous(), float(norm[2])
         normed = (torch.empty_like(x), torch.empty(N, 8, D // 8, dtype=torch.float32, device=x.device))
+    n_sq = sq.shape[-1] if normed else 1
     if N > 0:
         _gate_gemm_kernel[(triton.cdiv(N, BM), triton.cdiv(E, BE), split)](
             x, weight, ws, *route[0], sq, nw, *(normed or (ws, ws)), N, E, D, per, x.stride(0), weight.stride(0),
-            float(temp), float(scale), sq.shape[-1] if normed else 1, eps,
+            float(temp), float(scale), n_sq, eps,
             BM=BM, BE=BE, BK=BK, F32=x.dtype == torch.float32, INTERP=interp, PDL=pdl(x), **route[1],
-            NORM=bool(normed), SQP=triton.next_power_of_2(sq.shape[-1]) if normed else 1,
+            NORM=bool(normed), SQP=triton.next_power_of_2(n_sq),
             num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3), launch_pdl=pdl(x),
         )
     if not BR:
