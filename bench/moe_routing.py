@@ -1,7 +1,8 @@
 """Fused MoE routing (dsv4::route_topk, dsv4::gate_route) against the unfused torch sequence, V4.1 shapes.
 
     python bench/moe_routing.py          # H200: correctness on CUDA, then timings; < 2 minutes
-    python bench/moe_routing.py --sweep  # also times gate_route's split-K and the routing kernel's warps (N <= 16)
+    python bench/moe_routing.py --sweep  # also times gate_route's split-K and the routing kernel's warps (N <= 16),
+                                         # and at N = 1 the step's fused gate, plain and normed, over its tiles
     python bench/moe_routing.py --smoke  # tiny sizes on the CPU under the Triton interpreter
 
 V4.1: E = 384 experts, top-6, sqrtsoftplus, bias, normalized, scale 1.5, D = 5120; N = 1, 16, 32, 64,
@@ -21,6 +22,7 @@ JSON goes to $OUT/moe_routing.json if OUT is set, else bench/results/moe_routing
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 
@@ -103,6 +105,29 @@ def gate_sweep(N, sets, reps, device) -> list[dict]:
     return rows
 
 
+def fused_gate_sweep(sets, D, reps, device) -> list[dict]:
+    """The decode step's gate at one row (its last program routes), plain and normed (gate_route_normed's path), over
+    the GEMM's K step, K splits and expert block: where the normalization in its K loop costs least."""
+    nw = torch.ones(D, dtype=torch.bfloat16, device=device)
+    count = torch.zeros(1, dtype=torch.int32, device=device)
+    for s in sets:
+        s["squares"] = squares_by_step(s["x"])
+    rows = []
+    for (BK, split), BE, normed in itertools.product([(128, 10), (256, 10), (512, 10), (256, 20), (128, 40),
+                                                      (128, 20)], (16, 32), (False, True)):
+        cfg = {"BK": BK, "split": split, "BE": BE}
+        calls = [lambda s=s, cfg=cfg, n=normed: R.gate_route_triton(
+            s["x"], s["W"], s["bias"], None, TOPK, TEMP, SCALE, True, FUNC, count, cfg,
+            (s["squares"], nw, 1e-6) if n else None) for s in sets]
+        try:
+            t = common.time_calls(calls, max(10, reps // 3), cuda=device == "cuda")
+        except Exception as e:  # noqa: BLE001 -- a config that does not compile or fit: record it, go on
+            t = float("nan")
+            print(f"fused sweep {cfg} normed={normed}: {type(e).__name__}", file=sys.stderr)
+        rows.append({"normed": normed, **cfg, "us": t})
+    return rows
+
+
 def normed_gate_calls(sets: list[dict], D: int, device: str):
     """calls(fused) for the "gate normed" case: gate_route_normed on each set, or the step's three launches before
     it (a compiled norm, gate_route, compiled planes)."""
@@ -133,7 +158,7 @@ def main():
     reps = 3 if ARGS.smoke else ARGS.reps
     t_start = time.time()
 
-    results, checks, sweep = [], {}, []
+    results, checks, sweep, fused_sweep = [], {}, [], []
     for N in sizes:
         w_bytes, x_bytes, l_bytes, o_bytes = E * D * 2, N * D * 2, N * E * 4, N * TOPK * 12
         per_set = w_bytes + x_bytes + l_bytes
@@ -158,10 +183,13 @@ def main():
             results.append(row)
         if ARGS.sweep and N <= 16:
             sweep += gate_sweep(N, sets, reps, device)
+        if ARGS.sweep and N == 1 and device == "cuda":
+            fused_sweep = fused_gate_sweep(sets, D, reps, device)
 
     shape = {"E": E, "D": D, "topk": TOPK, "score_func": FUNC, "temp": TEMP, "scale": SCALE, "bias": True}
     meta, path = common.write_timed_result("moe_routing", device, ARGS.smoke, t_start, reps, checks, results,
-                                           shape=shape, sweep=sweep)
+                                           shape=shape, sweep=sweep,
+                                           fused_sweep=fused_sweep)
     common.save_figure(path.with_suffix(".png"), lambda fig, axes: common.plot_fused_vs_baseline(
         axes, results, device, "torch", ("route", "gate"), f"MoE routing, E={E} k={TOPK}", 1.3))
 
@@ -169,6 +197,10 @@ def main():
         print("\nsweep (gate_route at small N, us per call in a graph)")
         common.print_table([("N", "N", "d"), ("split", "split", "d"), ("BE", "BE", "d"),
                             ("route warps", "route_warps", "d"), ("us", "us", ".2f")], sweep)
+    if fused_sweep:
+        print("\nfused sweep (the gate at one row, its last program routing, plain and normed; us per call in a graph)")
+        common.print_table([("normed", "normed", ""), ("BK", "BK", "d"), ("split", "split", "d"), ("BE", "BE", "d"),
+                            ("us", "us", ".2f")], fused_sweep)
     common.print_summary(meta["gpu"], checks, path, meta["wall_s"])
     common.print_fused_vs_baseline(results, device, "torch")
     common.exit_if_failed(checks)
