@@ -182,7 +182,7 @@ def _gate_gemm_kernel(
     the route's arguments as `_route_kernel`'s), then sets the count back to 0 for the next launch. NORM: x is
     rms_norm(x) as loaded, by the rows' partial sums of squares sq [N, n_sq] and the norm weight nw [D], rounded to
     x's dtype as `rms_norm` rounds; the first expert tile's programs store their K range of it, as rows (xn
-    [N, D]) and as activation planes (planes [N, 8, D / 8], `activation_planes`)."""
+    [N, D]) and as activation planes (planes [N, 8, D / 8], `activation_planes`), once counted in."""
     wait_for_predecessor(PDL)
     pid_m = tl.program_id(0)
     pid_e = tl.program_id(1)
@@ -203,13 +203,11 @@ def _gate_gemm_kernel(
         r = _inverse_root(tl.sum(sq, axis=1), D, eps)[:, None]  # [BM, 1]
     for k0 in range(k_begin, k_end, BK):
         kmask = (k0 + kk) < D
-        a = tl.load(x_ptr + rows64[:, None] * stride_xn + (k0 + kk)[None, :],
-                    mask=rmask[:, None] & kmask[None, :], other=0.0)
-        if NORM:  # the weight in x's tile (its rows alike): 16-byte loads the pipeliner copies ahead, as x's
-            nw = tl.load(nw_ptr + (0 * rows)[:, None] + (k0 + kk)[None, :], mask=kmask[None, :], other=0.0)
-            a = rounded(nw.to(tl.float32) * (a.to(tl.float32) * r), not F32, INTERP).to(x_ptr.dtype.element_ty)
-            if pid_e == 0:
-                _store_normed(xn_ptr, planes_ptr, a, rows64, k0 + kk, rmask[:, None] & kmask[None, :], D)
+        if NORM:
+            a = _normed_tile(x_ptr, nw_ptr, rows, rmask, k0 + kk, kmask, r, stride_xn, F32, INTERP)
+        else:
+            a = tl.load(x_ptr + rows64[:, None] * stride_xn + (k0 + kk)[None, :],
+                        mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.trans(tl.load(w_ptr + ex.to(tl.int64)[:, None] * stride_we + (k0 + kk)[None, :],
                              mask=emask[:, None] & kmask[None, :], other=0.0))
         # each step's product joins acc through an fp32 add: tensor-core accumulation rounding stays in the step
@@ -221,14 +219,35 @@ def _gate_gemm_kernel(
             acc += tl.dot(a, b)
     tl.store(ws_ptr + (pid_s * N + rows.to(tl.int64))[:, None] * E + ex[None, :], acc,
              mask=rmask[:, None] & emask[None, :])
+    last = False
     if ROUTE:
         tl.debug_barrier()  # every thread's partials stored before the count's release
-        programs = tl.num_programs(1) * tl.num_programs(2)
-        if tl.atomic_add(count_ptr, 1, sem="acq_rel") == programs - 1:
+        last = tl.atomic_add(count_ptr, 1, sem="acq_rel") == tl.num_programs(1) * tl.num_programs(2) - 1
+    if NORM:
+        # the normalized rows for the gather, stored after the count: the release before it would wait for them,
+        # and the last program to count routes for all
+        if pid_e == 0:
+            for k0 in range(k_begin, k_end, BK):
+                kmask = (k0 + kk) < D
+                a = _normed_tile(x_ptr, nw_ptr, rows, rmask, k0 + kk, kmask, r, stride_xn, F32, INTERP)
+                _store_normed(xn_ptr, planes_ptr, a, rows64, k0 + kk, rmask[:, None] & kmask[None, :], D)
+    if ROUTE:
+        if last:
             _route_rows(ws_ptr, bias_ptr, hashed_ptr, rw_ptr, ids_ptr, tl.arange(0, BR), N, E, tl.num_programs(2),
                         N * E, E, temp, scale, TOPK, KP, EP, SB, SCORE, HAS_BIAS, HASHED, NORMALIZE, ACCURATE, COMBINE,
                         ".cg")
             tl.atomic_xchg(count_ptr, 0)
+
+
+@triton.jit
+def _normed_tile(x_ptr, nw_ptr, rows, rmask, k, kmask, r, stride_xn, F32: tl.constexpr, INTERP: tl.constexpr):
+    """rms_norm of x's columns k [BK] of rows [BM], by their inverse roots r [BM, 1] and the norm weight, rounded as
+    `rms_norm` rounds, in x's dtype. The weight is loaded in x's tile (its rows alike): 16-byte loads the pipeliner
+    copies ahead, as x's."""
+    a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xn + k[None, :], mask=rmask[:, None] & kmask[None, :],
+                other=0.0)
+    nw = tl.load(nw_ptr + (0 * rows)[:, None] + k[None, :], mask=kmask[None, :], other=0.0)
+    return rounded(nw.to(tl.float32) * (a.to(tl.float32) * r), not F32, INTERP).to(x_ptr.dtype.element_ty)
 
 
 @triton.jit
