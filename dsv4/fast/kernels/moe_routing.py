@@ -219,24 +219,19 @@ def _gate_gemm_kernel(
             acc += tl.dot(a, b)
     tl.store(ws_ptr + (pid_s * N + rows.to(tl.int64))[:, None] * E + ex[None, :], acc,
              mask=rmask[:, None] & emask[None, :])
-    last = False
     if ROUTE:
         tl.debug_barrier()  # every thread's partials stored before the count's release
-        last = tl.atomic_add(count_ptr, 1, sem="acq_rel") == tl.num_programs(1) * tl.num_programs(2) - 1
-    if NORM:
-        # the normalized rows for the gather, stored after the count: the release before it would wait for them,
-        # and the last program to count routes for all
+        if tl.atomic_add(count_ptr, 1, sem="acq_rel") == tl.num_programs(1) * tl.num_programs(2) - 1:
+            _route_rows(ws_ptr, bias_ptr, hashed_ptr, rw_ptr, ids_ptr, tl.arange(0, BR), N, E, tl.num_programs(2),
+                        N * E, E, temp, scale, TOPK, KP, EP, SB, SCORE, HAS_BIAS, HASHED, NORMALIZE, ACCURATE, COMBINE,
+                        ".cg")
+            tl.atomic_xchg(count_ptr, 0)
+    if NORM:  # the normalized rows for the gather, stored once counted in: the count's release would wait for them
         if pid_e == 0:
             for k0 in range(k_begin, k_end, BK):
                 kmask = (k0 + kk) < D
                 a = _normed_tile(x_ptr, nw_ptr, rows, rmask, k0 + kk, kmask, r, stride_xn, F32, INTERP)
                 _store_normed(xn_ptr, planes_ptr, a, rows64, k0 + kk, rmask[:, None] & kmask[None, :], D)
-    if ROUTE:
-        if last:
-            _route_rows(ws_ptr, bias_ptr, hashed_ptr, rw_ptr, ids_ptr, tl.arange(0, BR), N, E, tl.num_programs(2),
-                        N * E, E, temp, scale, TOPK, KP, EP, SB, SCORE, HAS_BIAS, HASHED, NORMALIZE, ACCURATE, COMBINE,
-                        ".cg")
-            tl.atomic_xchg(count_ptr, 0)
 
 
 @triton.jit
