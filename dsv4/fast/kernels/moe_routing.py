@@ -225,7 +225,9 @@ def _gate_gemm_kernel(
             _route_rows(ws_ptr, bias_ptr, hashed_ptr, rw_ptr, ids_ptr, tl.arange(0, BR), N, E, tl.num_programs(2),
                         N * E, E, temp, scale, TOPK, KP, EP, SB, SCORE, HAS_BIAS, HASHED, NORMALIZE, ACCURATE, COMBINE,
                         ".cg")
-            tl.atomic_xchg(count_ptr, 0)
+            # relaxed: the next launch is ordered after this one by the stream, and nothing here reads the count again;
+            # the default acq_rel put a GPU-wide fence, waiting for the routing's stores, ahead of the exit
+            tl.atomic_xchg(count_ptr, 0, sem="relaxed")
     if NORM:  # the normalized rows for the gather, stored once counted in: the count's release would wait for them
         if pid_e == 0:
             for k0 in range(k_begin, k_end, BK):
