@@ -54,7 +54,7 @@ def make_set(N, E, D, device, seed):
     W = (torch.randn(E, D, generator=g, device=device) / D**0.5 * 2).bfloat16()
     bias = torch.randn(E, generator=g, device=device) * 0.05
     logits = torch.nn.functional.linear(x.float(), W.float())
-    return {"x": x, "W": W, "bias": bias, "logits": logits}
+    return {"x": x, "W": W, "bias": bias, "logits": logits, "squares": squares_by_step(x)}
 
 
 def compare(out, ref, sel, rel) -> tuple[int, float, int]:
@@ -110,8 +110,6 @@ def fused_gate_sweep(sets, D, reps, device) -> list[dict]:
     the GEMM's K step, K splits and expert block: where the normalization in its K loop costs least."""
     nw = torch.ones(D, dtype=torch.bfloat16, device=device)
     count = torch.zeros(1, dtype=torch.int32, device=device)
-    for s in sets:
-        s["squares"] = squares_by_step(s["x"])
     rows = []
     for (BK, split), BE, normed in itertools.product([(128, 10), (256, 10), (512, 10), (256, 20), (128, 40),
                                                       (128, 20)], (16, 32), (False, True)):
@@ -135,8 +133,6 @@ def normed_gate_calls(sets: list[dict], D: int, device: str):
     count = torch.zeros(1, dtype=torch.int32, device=device)
     norm = torch.compile(lambda x: rms_norm(x, nw, 1e-6))
     planes = torch.compile(activation_planes)
-    for s in sets:
-        s["squares"] = squares_by_step(s["x"])
 
     def apart(s):
         xn = norm(s["x"])
