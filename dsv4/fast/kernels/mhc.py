@@ -28,7 +28,8 @@ ws_next, squares)`
     written before the kernel that made f (the decode step: a sub-layer ran between the site's pre pass and its
     post). The kernel then reads them and finishes the coefficients before its PDL wait, and waits only for f;
     the kernels before the decode step's posts (wo_b's FP8 GEMV, the MoE's down kernel) start it early
-    (`start_successor`), so that chain runs beside their last programs.
+    (`start_successor`), so that chain runs beside their last programs; a settled post in turn starts the kernel
+    after it once it has waited, whose first weight loads run beside its last work.
 `dsv4::mhc_post_sums(f, residual, post, comb, fn_next, settled) -> (h', ws_next)` and
 `dsv4::mhc_pre_finish(h, ws, scale, base, norm_eps, hc_eps, iters) -> (x, pre, post, comb)`
     V4's decode pair (each site collapses with its own pre, so x waits for the finish): the post with the
@@ -60,7 +61,7 @@ import functools
 
 import torch
 
-from dsv4.fast.kernels import pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
+from dsv4.fast.kernels import pdl, start_successor, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.torch_math import exp
 from dsv4.reference.mhc import hc_collapse, hc_expand, hc_project, hc_split_sinkhorn
 
@@ -551,7 +552,7 @@ def _post_partial_kernel(
     stride_fn, stride_fs, stride_rn, stride_rk, stride_on, stride_ok, stride_xn,
     HC: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, BD: tl.constexpr, SB: tl.constexpr, FINISH: tl.constexpr,
     SLOTS: tl.constexpr, ACCURATE: tl.constexpr, THREAD_SINKHORN: tl.constexpr, INTERP: tl.constexpr,
-    PDL: tl.constexpr, SETTLED: tl.constexpr, SQUARES: tl.constexpr,
+    PDL: tl.constexpr, SETTLED: tl.constexpr, SQUARES: tl.constexpr, START: tl.constexpr,
 ):
     """Program (row, d step): a site's post, then the next site's partial pass over the new streams' d step while they
     are in registers (as `_pre_partial_kernel`, its projection in fp32 on the CUDA cores: one row). FINISH (V4.1):
@@ -560,7 +561,9 @@ def _post_partial_kernel(
     and comb as given and no x (the next site collapses with its own pre, which its finish makes). SLOTS: f is the
     MoE's slots (`_sublayer_tile`). SETTLED: everything but f was written before the kernel this one follows, so all
     of it, and the coefficients' chain, comes before the PDL wait, beside that kernel's tail; only f waits
-    (`mhc_post_partial`'s settled)."""
+    (`mhc_post_partial`'s settled). START: the next kernel starts once this one's programs have waited (the
+    decode step's: the gate GEMM or the next layer's first FP8 GEMV, which ask for their first weights before
+    their own wait)."""
     if not SETTLED:
         wait_for_predecessor(PDL)
     rows64 = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)  # [1]: one row (the Sinkhorn in threads, at hc 4)
@@ -577,6 +580,7 @@ def _post_partial_kernel(
         f_ptr, res_ptr, ws_ptr, scale_ptr, base_ptr, post_ptr, comb_ptr, rows64, rmask, pid_s, N, D, n_split, norm_eps,
         hc_eps, iters, stride_fn, stride_fs, stride_rn, stride_rk, HC, M, BD, SB, FINISH, SLOTS, ACCURATE,
         THREAD_SINKHORN, INTERP, PDL, SETTLED)
+    start_successor(START)
     h = _expand(fv, res, out_ptr, post, comb, rows64, rmask, pid_s, D, stride_on, stride_ok, HC, BD,
                 INTERP).to(tl.float32)  # [1, HC, BD], as stored
     # the next site's partial mixes and this row's x, each one reduction over the streams: summed stream by stream
@@ -853,7 +857,8 @@ def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple,
     which asks a finishing pass for them); coefficients: (ws, scale,
     base, post, comb) as the kernel takes them (FINISH reads the first three, else the last two; the others stand in
     for the pointers), finish_args (norm_eps, hc_eps, iters). settled (`mhc_post_partial`): read before the PDL wait
-    all but f, unless one of them had to be copied here first (the copy would be the kernel it follows)."""
+    all but f, unless one of them had to be copied here first (the copy would be the kernel it follows), and start
+    the next kernel once waited (`_post_partial_kernel`'s START)."""
     (residual, fn_next, *coefficients), settled = _as_read((residual, fn_next, *coefficients), settled)
     f = f.contiguous()
     N, hc, D = residual.shape
@@ -874,7 +879,7 @@ def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple,
         f.stride(0), stride_fs, residual.stride(0), residual.stride(1), out.stride(0), out.stride(1), x.stride(0),
         HC=hc, M=M, MP=triton.next_power_of_2(M), BD=D // S, SB=min(triton.next_power_of_2(split), 32),
         FINISH=finish, SLOTS=slots, ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, 1),
-        INTERP=not f.is_cuda, PDL=pdl(f), SETTLED=settled, SQUARES=squares,
+        INTERP=not f.is_cuda, PDL=pdl(f), SETTLED=settled, SQUARES=squares, START=settled and pdl(f),
         num_warps=(cfg or {}).get("num_warps", post_partial_warps(N)), launch_pdl=pdl(f),
     )
     return out, x, ws_next, xsq

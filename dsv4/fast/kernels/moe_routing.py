@@ -182,8 +182,9 @@ def _gate_gemm_kernel(
     the route's arguments as `_route_kernel`'s), then sets the count back to 0 for the next launch. NORM: x is
     rms_norm(x) as loaded, by the rows' partial sums of squares sq [N, n_sq] and the norm weight nw [D], rounded to
     x's dtype as `rms_norm` rounds; the first expert tile's programs store their K range of it, as rows (xn
-    [N, D]) and as activation planes (planes [N, 8, D / 8], `activation_planes`), once counted in."""
-    wait_for_predecessor(PDL)
+    [N, D]) and as activation planes (planes [N, 8, D / 8], `activation_planes`), once counted in. The first K
+    step's weights are asked for before the PDL wait (nothing in the step writes the gate's weight), so that their
+    round trip runs beside the kernel ahead, which starts this one early (`mhc_post_partial`'s settled)."""
     pid_m = tl.program_id(0)
     pid_e = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -193,30 +194,21 @@ def _gate_gemm_kernel(
     ex = pid_e * BE + tl.arange(0, BE)
     emask = ex < E
     kk = tl.arange(0, BK)
-    acc = tl.zeros((BM, BE), dtype=tl.float32)
-    k_begin = pid_s * steps_per_prog * BK
+    k_begin = pid_s * steps_per_prog * BK  # every program has a step: the launch's splits are cdiv(steps, per)
     k_end = tl.minimum(k_begin + steps_per_prog * BK, D)
+    b = _gate_weights(w_ptr, ex, emask, stride_we, k_begin + kk, D)
+    wait_for_predecessor(PDL)
+    r = tl.full((BM, 1), 1.0, tl.float32)
     if NORM:
         j = tl.arange(0, SQP)
         sq = tl.load(sq_ptr + rows64[:, None] * n_sq + j[None, :], mask=rmask[:, None] & (j < n_sq)[None, :],
                      other=0.0)
         r = _inverse_root(tl.sum(sq, axis=1), D, eps)[:, None]  # [BM, 1]
-    for k0 in range(k_begin, k_end, BK):
-        kmask = (k0 + kk) < D
-        if NORM:
-            a = _normed_tile(x_ptr, nw_ptr, rows, rmask, k0 + kk, kmask, r, stride_xn, F32, INTERP)
-        else:
-            a = tl.load(x_ptr + rows64[:, None] * stride_xn + (k0 + kk)[None, :],
-                        mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.trans(tl.load(w_ptr + ex.to(tl.int64)[:, None] * stride_we + (k0 + kk)[None, :],
-                             mask=emask[:, None] & kmask[None, :], other=0.0))
-        # each step's product joins acc through an fp32 add: tensor-core accumulation rounding stays in the step
-        if INTERP:  # the interpreter's dot mishandles bf16; fp32 gives the same exact products
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif F32:
-            acc += tl.dot(a, b.to(tl.float32), input_precision="tf32x3")
-        else:
-            acc += tl.dot(a, b)
+    acc = _gate_step(tl.zeros((BM, BE), dtype=tl.float32), x_ptr, nw_ptr, rows, rmask, k_begin + kk, D, r,
+                     stride_xn, b, NORM, F32, INTERP)
+    for k0 in range(k_begin + BK, k_end, BK):
+        b = _gate_weights(w_ptr, ex, emask, stride_we, k0 + kk, D)
+        acc = _gate_step(acc, x_ptr, nw_ptr, rows, rmask, k0 + kk, D, r, stride_xn, b, NORM, F32, INTERP)
     tl.store(ws_ptr + (pid_s * N + rows.to(tl.int64))[:, None] * E + ex[None, :], acc,
              mask=rmask[:, None] & emask[None, :])
     if ROUTE:
@@ -234,6 +226,33 @@ def _gate_gemm_kernel(
                 kmask = (k0 + kk) < D
                 a = _normed_tile(x_ptr, nw_ptr, rows, rmask, k0 + kk, kmask, r, stride_xn, F32, INTERP)
                 _store_normed(xn_ptr, planes_ptr, a, rows64, k0 + kk, rmask[:, None] & kmask[None, :], D)
+
+
+@triton.jit
+def _gate_weights(w_ptr, ex, emask, stride_we, k, D):
+    """The gate weight's rows ex [BE] at columns k [BK] (0 from D on), transposed: [BK, BE]."""
+    return tl.trans(tl.load(w_ptr + ex.to(tl.int64)[:, None] * stride_we + k[None, :],
+                            mask=emask[:, None] & (k < D)[None, :], other=0.0))
+
+
+@triton.jit
+def _gate_step(acc, x_ptr, nw_ptr, rows, rmask, k, D, r, stride_xn, b, NORM: tl.constexpr, F32: tl.constexpr,
+               INTERP: tl.constexpr):
+    """acc [BM, BE] + x's columns k [BK] of rows [BM] (NORM: normalized by r [BM, 1], `_normed_tile`) times the
+    step's weights b [BK, BE]. Each step's product joins acc through an fp32 add: the tensor cores' accumulation
+    rounding stays within the step."""
+    kmask = k < D
+    if NORM:
+        a = _normed_tile(x_ptr, nw_ptr, rows, rmask, k, kmask, r, stride_xn, F32, INTERP)
+    else:
+        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xn + k[None, :], mask=rmask[:, None] & kmask[None, :],
+                    other=0.0)
+    if INTERP:  # the interpreter's dot mishandles bf16; fp32 gives the same exact products
+        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif F32:
+        return acc + tl.dot(a, b.to(tl.float32), input_precision="tf32x3")
+    else:
+        return acc + tl.dot(a, b)
 
 
 @triton.jit
