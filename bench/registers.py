@@ -182,7 +182,7 @@ def mhc_kernels() -> list[Kernel]:
                           {**post_finish.types, "f_ptr": "*bf16", "x_ptr": "*bf16"},
                           {"HC": HC, "M": M, "MP": c["MP"], "BD": D // splits, "SB": f["SB"], "FINISH": True,
                            "SLOTS": 0, "ACCURATE": True, "THREAD_SINKHORN": True, "INTERP": False, "PDL": True,
-                           "SETTLED": True, "SQUARES": True},
+                           "SETTLED": True, "SQUARES": True, "START": True},
                           mhc.post_partial_warps(1))
     post_sums = Kernel("mhc_post sums", mhc._post_partial_kernel, post_partial.types,
                        {**post_partial.constexprs, "FINISH": False, "SQUARES": False}, mhc.post_partial_warps(1))
