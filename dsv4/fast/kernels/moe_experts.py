@@ -382,13 +382,6 @@ def _gemv_words(acc, w_ptr, s_ptr, rows64, rmask, row_words, row_scales, planes,
     (K % 128 == 0), said to the compiler: it knew K // 8 only as even, so it copied 8 bytes at a time and split
     each scale group's four words over two threads (a shuffle a group); told, 16-byte copies and a group a thread
     (sm_90 SASS, Triton 3.6: the batch-1 up loop 623 -> 553 instructions)."""
-    w, e = _step_loads(w_ptr, s_ptr, rows64, rmask, row_words, row_scales, k0, NW, EVEN)
-    return _scaled_dots(acc, w, e, planes, row_words, k0, EVEN, FP8, INTERP)
-
-
-@triton.jit
-def _step_loads(w_ptr, s_ptr, rows64, rmask, row_words, row_scales, k0, NW: tl.constexpr, EVEN: tl.constexpr):
-    """`_gemv_words`' loads: the step's words [R, NW] and their scale groups' exponents [R, NW/4]."""
     c = k0 // 8 + tl.arange(0, NW)  # word columns
     if EVEN:
         row0 = tl.multiple_of(rows64 * row_words, 16)
@@ -396,14 +389,8 @@ def _step_loads(w_ptr, s_ptr, rows64, rmask, row_words, row_scales, k0, NW: tl.c
     else:
         w = tl.load(w_ptr + rows64[:, None] * row_words + c[None, :], mask=rmask[:, None] & (c < row_words)[None, :],
                     other=0)
-    return w, _group_exponents(s_ptr, rows64, rmask, row_scales, k0, NW // 4, EVEN)
-
-
-@triton.jit
-def _scaled_dots(acc, w, e, planes, row_words, k0, EVEN: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr):
-    """`_gemv_words`' sums: acc + the words w [R, NW] . their activations per scale group, scaled by 2^(e - 127)."""
-    c = k0 // 8 + tl.arange(0, w.shape[1])
     part = _group_dots(w, planes, row_words, c, EVEN, FP8, INTERP)
+    e = _group_exponents(s_ptr, rows64, rmask, row_scales, k0, NW // 4, EVEN)
     return acc + part * (e << 23).to(tl.float32, bitcast=True)
 
 
@@ -476,10 +463,8 @@ def _gather_up_kernel(
     """Program (t, slot, i tile): h[t, slot, i] = swiglu(x[t] . w1[e, i], x[t] . w3[e, i]) * weight, rounded,
     written as activation planes (`activation_planes`) for the down kernel. x [N, D] as given (the shared
     expert's dense rows read it) and as planes xp [N, 8, D/8]; w13 as int32 words; SH_FP8: the shared expert's
-    rows as FP8 words (shq13, int64) and their scales (she13, `fp8_rows`), not its dense rows. The down kernel
-    starts once this one's programs have waited (its loads before its own wait read nothing this kernel writes)."""
+    rows as FP8 words (shq13, int64) and their scales (she13, `fp8_rows`), not its dense rows."""
     wait_for_predecessor(PDL)
-    start_successor(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1)
     i = tl.program_id(2) * BI + tl.arange(0, BI)
@@ -518,30 +503,22 @@ def _gather_up_kernel(
 
 @triton.jit
 def _down_sum(w_ptr, s_ptr, rows, dmask, I, planes, BK: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr,
-              EVEN_K: tl.constexpr, FP8: tl.constexpr, TAIL: tl.constexpr, tail_w, tail_e, LOADED: tl.constexpr):
+              EVEN_K: tl.constexpr, FP8: tl.constexpr, TAIL: tl.constexpr):
     """h . w2 rows ([BD] fp32) of eight-code words (`_gemv_words`), h as its planes. TAIL > 0 (`down_tail`): the
     row's last TAIL columns, short of a whole step, are one narrower step of their own, so that every step reads
     whole (EVEN_K: no K masks, 16-byte copies, the scales as words); it comes before the loop, its registers free
-    again for the pipelined loop's (after it, the kernel took 121 registers where it takes 96). LOADED: the tail's
-    words and exponents come loaded (tail_w, tail_e: `_tail_loads`), else they are loaded here."""
+    again for the pipelined loop's (after it, the kernel took 121 registers where it takes 96)."""
     total = tl.zeros((rows.shape[0],), dtype=tl.float32)
     if TAIL > 0:
-        if not LOADED:
-            tail_w, tail_e = _tail_loads(w_ptr, s_ptr, rows, dmask, I, TAIL)
-        last = _scaled_dots(tl.zeros((rows.shape[0], TAIL // 32), dtype=tl.float32), tail_w, tail_e, planes, I // 8,
-                            I - TAIL, True, FP8, INTERP)
+        last = tl.zeros((rows.shape[0], TAIL // 32), dtype=tl.float32)
+        last = _gemv_words(last, w_ptr, s_ptr, rows, dmask, I // 8, I // 32, planes, I - TAIL, TAIL // 8, INTERP,
+                           True, FP8)
         total = tl.sum(last, axis=1)
     part = tl.zeros((rows.shape[0], BK // 32), dtype=tl.float32)
     for k0 in tl.range(0, I - TAIL, BK, num_stages=STAGES):
         part = _gemv_words(part, w_ptr, s_ptr, rows, dmask, I // 8, I // 32, planes, k0, BK // 8, INTERP, EVEN_K,
                            FP8)
     return (total + tl.sum(part, axis=1)) * (1.0 if FP8 else _WORD_DOT_UNIT)
-
-
-@triton.jit
-def _tail_loads(w_ptr, s_ptr, rows, dmask, I, TAIL: tl.constexpr):
-    """The words and exponents of `_down_sum`'s tail step (TAIL > 0) of the rows."""
-    return _step_loads(w_ptr, s_ptr, rows, dmask, I // 8, I // 32, I - TAIL, TAIL // 8, True)
 
 
 @triton.jit
@@ -553,28 +530,21 @@ def _gather_down_kernel(
 ):
     """Program (t, d tile, slot): out[t, slot, d] = round(h[t, slot] . w2[e, d]) (the caller sums the slots);
     h as the up kernel's planes, w2 as int32 words; SH_FP8 as in the up kernel (shq2, she2); TAIL as `_down_sum`'s.
-    Its successor (the slots' reader: the FFN site's fused post, `settled`) starts as its last programs do. The up
-    kernel starts this one once it has waited, so before the PDL wait a program reads its expert (the router wrote
-    the ids before the up kernel began) and a routed expert's tail step."""
+    Its successor (the slots' reader: the FFN site's fused post, `settled`) starts as its last programs do."""
+    wait_for_predecessor(PDL)
+    start_successor(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     slot = tl.program_id(2)
     dmask = d < D
     d64 = d.to(tl.int64)
     e = _slot_expert(ids_ptr, t, slot, K, E)
-    tail_w, tail_e = 0, 0
-    if TAIL > 0:
-        tail_w, tail_e = _tail_loads(w2_ptr, s2_ptr, e * D + d64, dmask & (e < E), I, TAIL)
-    wait_for_predecessor(PDL)
-    start_successor(PDL)
     planes = hp_ptr + (t * S + slot) * I
     acc = tl.zeros((BD,), dtype=tl.float32)
     if e < E:
-        acc = _down_sum(w2_ptr, s2_ptr, e * D + d64, dmask, I, planes, BK, STAGES, INTERP, EVEN_K, False, TAIL,
-                        tail_w, tail_e, True)
+        acc = _down_sum(w2_ptr, s2_ptr, e * D + d64, dmask, I, planes, BK, STAGES, INTERP, EVEN_K, False, TAIL)
     elif SHARED and SH_FP8:
-        acc = _down_sum(shq2_ptr, she2_ptr, d64, dmask, I, planes, BK, STAGES, INTERP, EVEN_K, True, TAIL, tail_w,
-                        tail_e, False)
+        acc = _down_sum(shq2_ptr, she2_ptr, d64, dmask, I, planes, BK, STAGES, INTERP, EVEN_K, True, TAIL)
     elif SHARED:
         sh_part = tl.zeros((BD, BK // 8), dtype=tl.float32)
         for k0 in tl.range(0, I, BK, num_stages=STAGES):
