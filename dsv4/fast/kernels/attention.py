@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dsv4.fast.kernels import pdl, start_successor, tl, to_bf16, triton, use_triton, wait_for_predecessor
+from dsv4.fast.kernels import pdl, tl, to_bf16, triton, use_triton, wait_for_predecessor
 from dsv4.quant import dequantize_fp8, dequantize_nvfp4
 from dsv4.reference.attention import sparse_attention
 from dsv4.reference.rope import apply_rope
@@ -268,11 +268,8 @@ def _combine_kernel(
 ):
     """Merge the splits' partials for BLOCK_H heads x BLOCK_D dims of one query row, then finish. BLOCK_S splits
     a load: one split per loop step put an L2 round trip per split in series. The maxima and sums are kept a split
-    lane each across the steps and taken over the lanes once after each loop (across threads: shuffles a step).
-    Its successor (the output's FP8 GEMV, wo_a, which asks for its first weights before its own wait) starts as
-    its programs have waited."""
+    lane each across the steps and taken over the lanes once after each loop (across threads: shuffles a step)."""
     wait_for_predecessor(PDL)
-    start_successor(PDL)
     s = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
