@@ -741,14 +741,17 @@ class FastBlock(Block):
         (`mhc_post_sums`), then its finish (`mhc_pre_finish`), two launches where mhc_post and mhc_pre took three.
         Both posts are `settled` (h and the coefficients were made before the sub-layer's kernels): they finish the
         coefficients before their PDL wait, beside the tail of the kernel before them (wo_b's GEMV and the MoE's
-        down kernel start them early): V4.1's post 8.1 -> 2.0 us a launch on the H100 (session 52)."""
+        down kernel start them early): V4.1's post 8.1 -> 2.0 us a launch on the H100 (session 52). Where it hands
+        the squares on, the post starts the gate GEMM as it passes its wait (`start_next`): the GEMM's first
+        weight loads run beside the post's last work (session 63, H100: the gate 1.2-4 us faster a launch; the
+        next layer's wq_a GEMV, started so by the FFN post, ran ~2.9 us slower, so that post does not)."""
         c = self.config
         fn_next, scale_next, base_next = next_site
         eps = (c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
         if c.is_v41:
             scale, base = self.site_params(site)[1:]
             h, x, ws, xsq = mhc_post_partial(f, h, coefficients, scale, base, fn_next, *eps, settled=True,
-                                             squares=squares)
+                                             squares=squares, start_next=squares)
             return h, x, ws, xsq if squares else None
         h, ws = mhc_post_sums(f, h, *coefficients, fn_next, settled=True)
         x, _, post, comb = mhc_pre_finish(h, ws, scale_next, base_next, *eps)

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from dsv4.fast.kernels import mhc as K
 from dsv4.fast.kernels.fp8_gemv import fp8_gemv
+from dsv4.fast.kernels.moe_routing import gate_route_normed
 from dsv4.quant import quantize_fp8
 
 gpu = pytest.mark.gpu
@@ -439,13 +440,19 @@ def test_decode_ops_gpu(arch, D, N, dtype):
 @pytest.mark.parametrize("arch,D", [("v41", 5120), ("v4", 4096)])
 def test_gpu_a_settled_post_after_its_early_starting_gemv(arch, D):
     """The decode step's order with real PDL: a site's pass, wo_b's FP8 GEMV starting its successor early, then the
-    settled post reading the GEMV's output. Eager and replayed in a CUDA graph on new streams and a new GEMV input
-    each time, it gives the bits of the unsettled post after the plain GEMV: its early reads see what the pass
-    wrote, and f only once the GEMV is done."""
+    settled post reading the GEMV's output; V4.1's post then starts the normed gate GEMM as it passes its wait
+    (`start_next`), which asks for its first weights before its own and reads the post's x and squares. Eager and
+    replayed in a CUDA graph on new streams and a new GEMV input each time, it gives the bits of the unsettled post
+    and gate after the plain GEMV: early reads see what the pass wrote, and f, x and the squares only once their
+    kernel is done."""
     h, fn, scale, base, pre_prev = make_inputs(1, 4, D, torch.bfloat16, True, 7, device="cuda")
     g = torch.Generator().manual_seed(8)
     w, s = (t.cuda() for t in quantize_fp8(torch.randn(D, 8192, generator=g) / 64, (128, 128)))
     o = torch.randn(1, 8192, generator=g).bfloat16().cuda()
+    gate_w = (torch.randn(384, D, generator=g) / 64).bfloat16().cuda()
+    norm_w = (1 + torch.randn(D, generator=g) / 8).bfloat16().cuda()
+    bias = (torch.randn(384, generator=g) / 8).cuda()
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def step(settled: bool):
         if arch == "v41":
@@ -454,7 +461,10 @@ def test_gpu_a_settled_post_after_its_early_starting_gemv(arch, D):
             _, _, post, comb = K.mhc_pre(h, fn, scale, base, None, 1e-6, 1e-6, 20)
         f = fp8_gemv(o, w, s, 128, 128, torch.bfloat16, start_successor=settled)
         if arch == "v41":
-            return K.mhc_post_partial(f, h, ws, scale, base, fn * 0.5, 1e-20, 1e-6, 20, settled)
+            out = K.mhc_post_partial(f, h, ws, scale, base, fn * 0.5, 1e-20, 1e-6, 20, settled, squares=True,
+                                     start_next=settled)
+            return *out, *gate_route_normed(out[1], out[3], norm_w, 1e-6, gate_w, bias, None, 6, 1.0, 1.5, True,
+                                            "sqrtsoftplus", count)
         return K.mhc_post_sums(f, h, post, comb, fn * 0.5, settled)
 
     for a, b in zip(step(True), step(False), strict=True):

@@ -96,10 +96,11 @@ def _fp8_gemv_kernel(
     and wo_b's loops before the words; in the step that used it, it waited a whole latency). BLOCK_K is a constexpr
     so that finding a word's K block is a shift, not a division by a runtime int. NORM: every program first sums
     its rows' squares (x is a few KB, read from L2 by each), then normalizes the activations it loads as
-    `rms_norm` does, weight nw_ptr; its first K step is taken out of the loop, its weights asked for before the PDL
-    wait (nothing in the step writes a weight), so that their round trip runs beside the kernel ahead, which starts
-    this one early (`mhc_post_partial`'s settled). R > 0: the output rows below rope_rows are heads of HEAD rows
-    whose last R are rotated (`_rotated_heads`)."""
+    `rms_norm` does, weight nw_ptr; its first K step is taken out of the loop, its weights asked for before the
+    sums' loads. R > 0: the output rows below rope_rows are heads of HEAD rows whose last R are rotated
+    (`_rotated_heads`)."""
+    wait_for_predecessor(PDL)
+    start_successor(START)
     pid = tl.program_id(0)
     n = pid * BN + tl.arange(0, BN)
     nmask = n < N
@@ -110,21 +111,20 @@ def _fp8_gemv_kernel(
     words = w_ptr.to(tl.pointer_type(tl.int32)) + n.to(tl.int64)[:, None] * KW
     s_row = s_ptr + ((pid * BN) // block_n) * KS  # BN divides block_n: one scale row for the program
     x_rows = x_ptr + ((pid * BN) // (N // G)) * K + mm[:, None, None] * (G * K)  # the program's group's columns
-    if not WORD_SCALES:
-        scale = _byte_scales(s_row, c, KW, BLOCK_K)  # [NW]
-    if NORM:
-        w = _step_words(words, c, KW, nmask, EVEN_K)
-        if WORD_SCALES:
-            scale = _step_scales(s_row, 0, NW, BLOCK_K)
-    wait_for_predecessor(PDL)
-    start_successor(START)
     if R > 0:  # the RoPE tables asked for now, so that their loads run beside the weights' (`_rotated_heads`)
         table = tl.minimum(mm, M - 1)[:, None] * (R // 2)  # [BM, 1]: rows past M read row M - 1's, never stored
         pairs = ((pid * BN) % HEAD) // 2 + tl.arange(0, BN // 2)  # the channel pairs' ids in their head
         rope = rope_factors(cos_ptr + table, sin_ptr + table, pairs, HEAD, R)  # each [1, BM, BN/2]
     acc = tl.zeros((BM, BN, NW), dtype=tl.float32)
+    if not WORD_SCALES:
+        scale = _byte_scales(s_row, c, KW, BLOCK_K)  # [NW]
     r = 1.0
     if NORM:  # 1 / sqrt(mean square + eps), as torch computes rsqrt on the CPU (correctly rounded)
+        # the first step's weights asked for ahead of the norm's loads, so that their memory round trip runs under
+        # the norm's L2 round trips (the pipelined loop's first copies issue only once the norm's are in)
+        w = _step_words(words, c, KW, nmask, EVEN_K)
+        if WORD_SCALES:
+            scale = _step_scales(s_row, 0, NW, BLOCK_K)
         r = streamed_inverse_rms(x_ptr, mm, mmask, K, eps, NORM_CHUNK, STAGES)[:, None, None]
         acc = _step_dot(acc, w, scale, x_rows, nw_ptr, c, KW, r, mmask, EVEN_K, NORM, X_BF16, INTERP)
         if not WORD_SCALES:

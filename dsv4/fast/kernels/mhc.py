@@ -15,8 +15,8 @@
     V4.1's decode pair: a site's pre, post and comb are first read by its post (x collapses with the previous
     site's pre), so the post kernel finishes them from the partial kernel's workspace ws [S, N, M + 1]
     (`partial_splits`) and the finish kernel's launch goes; pre [N, hc] fp32 is the next site's collapse weights.
-`dsv4::mhc_post_partial(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled, squares) -> (h', x,
-ws_next, squares)`
+`dsv4::mhc_post_partial(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled, squares,
+start_next) -> (h', x, ws_next, squares)`
     mhc_post_finish, then mhc_pre_partial of the next site on h' (collapsing with this site's pre) in the same
     kernel, a program per (row, d step of the partial pass): V4.1's attention post and FFN pre in one launch. Its
     projection runs on the CUDA cores in fp32 (one row a program, so the Sinkhorn stays in threads). Up to
@@ -28,8 +28,9 @@ ws_next, squares)`
     written before the kernel that made f (the decode step: a sub-layer ran between the site's pre pass and its
     post). The kernel then reads them and finishes the coefficients before its PDL wait, and waits only for f;
     the kernels before the decode step's posts (wo_b's FP8 GEMV, the MoE's down kernel) start it early
-    (`start_successor`), so that chain runs beside their last programs; a settled post in turn starts the kernel
-    after it once it has waited, whose first weight loads run beside its last work.
+    (`start_successor`), so that chain runs beside their last programs. start_next (with settled): the kernel
+    after this one starts once this one has waited (the decode step's gate GEMM after the attention post: its
+    first weight loads run beside the post's last work).
 `dsv4::mhc_post_sums(f, residual, post, comb, fn_next, settled) -> (h', ws_next)` and
 `dsv4::mhc_pre_finish(h, ws, scale, base, norm_eps, hc_eps, iters) -> (x, pre, post, comb)`
     V4's decode pair (each site collapses with its own pre, so x waits for the finish): the post with the
@@ -561,9 +562,8 @@ def _post_partial_kernel(
     and comb as given and no x (the next site collapses with its own pre, which its finish makes). SLOTS: f is the
     MoE's slots (`_sublayer_tile`). SETTLED: everything but f was written before the kernel this one follows, so all
     of it, and the coefficients' chain, comes before the PDL wait, beside that kernel's tail; only f waits
-    (`mhc_post_partial`'s settled). START: the next kernel starts once this one's programs have waited (the
-    decode step's: the gate GEMM or the next layer's first FP8 GEMV, which ask for their first weights before
-    their own wait)."""
+    (`mhc_post_partial`'s settled). START: the next kernel starts once this one's programs have waited
+    (`mhc_post_partial`'s start_next)."""
     if not SETTLED:
         wait_for_predecessor(PDL)
     rows64 = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)  # [1]: one row (the Sinkhorn in threads, at hc 4)
@@ -831,14 +831,14 @@ def _as_read(given: tuple, settled: bool) -> tuple[tuple, bool]:
 
 
 def mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled: bool = False,
-                            squares: bool = False, cfg: dict | None = None):
+                            squares: bool = False, start_next: bool = False, cfg: dict | None = None):
     """The Triton path of mhc_post_partial; `cfg` (num_warps) overrides the launch's warps (`post_partial_warps`)."""
     if residual.shape[0] > POST_PARTIAL_MAX_N:
         out, pre = mhc_post_finish_triton(f, residual, ws, scale, base, norm_eps, hc_eps, iters, settled)
         x, ws_next = mhc_pre_partial_triton(out, fn_next, pre)
         return out, x, ws_next, squares_by_step(x, squares)
     return _post_partial(f, residual, fn_next, (ws, scale, base, ws, ws), (norm_eps, hc_eps, iters), True, settled,
-                         cfg, squares)
+                         cfg, squares, start_next)
 
 
 def mhc_post_sums_triton(f, residual, post, comb, fn_next, settled: bool = False, cfg: dict | None = None):
@@ -847,18 +847,18 @@ def mhc_post_sums_triton(f, residual, post, comb, fn_next, settled: bool = False
         out = mhc_post_triton(summed_slots(f, residual.dtype), residual, post, comb)
         return out, mhc_pre_partial_triton(out, fn_next, None)[1]
     out, _, ws_next, _ = _post_partial(f, residual, fn_next, (post, post, post, post, comb), (0.0, 0.0, 0), False,
-                                       settled, cfg, False)
+                                       settled, cfg, False, False)
     return out, ws_next
 
 
 def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple, finish: bool, settled: bool,
-                  cfg: dict | None, squares: bool):
+                  cfg: dict | None, squares: bool, start_next: bool):
     """`_post_partial_kernel` -> (h', x, the next site's workspace, x's squares by d step: [N, 0] unless `squares`,
     which asks a finishing pass for them); coefficients: (ws, scale,
     base, post, comb) as the kernel takes them (FINISH reads the first three, else the last two; the others stand in
     for the pointers), finish_args (norm_eps, hc_eps, iters). settled (`mhc_post_partial`): read before the PDL wait
-    all but f, unless one of them had to be copied here first (the copy would be the kernel it follows), and start
-    the next kernel once waited (`_post_partial_kernel`'s START)."""
+    all but f, unless one of them had to be copied here first (the copy would be the kernel it follows); with
+    start_next too, start the next kernel once waited (`_post_partial_kernel`'s START)."""
     (residual, fn_next, *coefficients), settled = _as_read((residual, fn_next, *coefficients), settled)
     f = f.contiguous()
     N, hc, D = residual.shape
@@ -879,7 +879,7 @@ def _post_partial(f, residual, fn_next, coefficients: tuple, finish_args: tuple,
         f.stride(0), stride_fs, residual.stride(0), residual.stride(1), out.stride(0), out.stride(1), x.stride(0),
         HC=hc, M=M, MP=triton.next_power_of_2(M), BD=D // S, SB=min(triton.next_power_of_2(split), 32),
         FINISH=finish, SLOTS=slots, ACCURATE=f.is_cuda, THREAD_SINKHORN=sinkhorn_in_threads(hc, 1),
-        INTERP=not f.is_cuda, PDL=pdl(f), SETTLED=settled, SQUARES=squares, START=settled and pdl(f),
+        INTERP=not f.is_cuda, PDL=pdl(f), SETTLED=settled, SQUARES=squares, START=settled and start_next and pdl(f),
         num_warps=(cfg or {}).get("num_warps", post_partial_warps(N)), launch_pdl=pdl(f),
     )
     return out, x, ws_next, xsq
@@ -988,8 +988,8 @@ def _(f, residual, ws, scale, base, norm_eps, hc_eps, iters, settled=False):
 @torch.library.custom_op("dsv4::mhc_post_partial", mutates_args=())
 def mhc_post_partial(f: torch.Tensor, residual: torch.Tensor, ws: torch.Tensor, scale: torch.Tensor,
                      base: torch.Tensor, fn_next: torch.Tensor, norm_eps: float, hc_eps: float,
-                     iters: int, settled: bool = False,
-                     squares: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     iters: int, settled: bool = False, squares: bool = False,
+                     start_next: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """mhc_post_finish, then mhc_pre_partial of the next site (fn_next) on its output collapsing with this site's
     pre, in one kernel: f [N, D], residual [N, hc, D], ws -> (h' [N, hc, D], x [N, D], the next site's workspace,
     with `squares` x's squares by d step [N, S] fp32, else [N, 0]: `squares_by_step`, for a consumer normalizing x
@@ -998,17 +998,19 @@ def mhc_post_partial(f: torch.Tensor, residual: torch.Tensor, ws: torch.Tensor, 
     settled: the caller knows that residual and ws were written before the kernel that made f (a sub-layer ran
     between the site's pre pass and this post, as in the decode step), so the kernel reads them and finishes the
     coefficients before its PDL wait, beside that kernel's tail, and waits only to read f. Wrong where residual
-    or ws comes from the kernel just before: the default reads nothing before the wait."""
+    or ws comes from the kernel just before: the default reads nothing before the wait. start_next: with settled,
+    the kernel after this one starts once this one's programs have waited (the decode step's gate GEMM, which asks
+    for its first weights before its own wait); the same values."""
     _check_f(f, residual, "mhc_post_partial")
     if use_triton(f) and _hc_supported(residual.shape[1], residual.shape[2]):
         return mhc_post_partial_triton(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled,
-                                       squares)
+                                       squares, start_next)
     return tuple(t.contiguous() for t in mhc_post_partial_twin(f, residual, ws, scale, base, fn_next, norm_eps,
                                                                 hc_eps, iters, squares))
 
 
 @mhc_post_partial.register_fake
-def _(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled=False, squares=False):
+def _(f, residual, ws, scale, base, fn_next, norm_eps, hc_eps, iters, settled=False, squares=False, start_next=False):
     _check_f(f, residual, "mhc_post_partial")
     N, hc, D = residual.shape
     dtype = _output_dtype(f, residual)
