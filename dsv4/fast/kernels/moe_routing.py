@@ -184,7 +184,8 @@ def _gate_gemm_kernel(
     x's dtype as `rms_norm` rounds; the first expert tile's programs store their K range of it, as rows (xn
     [N, D]) and as activation planes (planes [N, 8, D / 8], `activation_planes`), once counted in. The first K
     step's weights are asked for before the PDL wait (nothing in the step writes the gate's weight), so that their
-    round trip runs beside the kernel ahead, which starts this one early (`mhc_post_partial`'s settled)."""
+    round trip runs beside the kernel ahead where that one starts this one early (`mhc_post_partial`'s
+    start_next)."""
     pid_m = tl.program_id(0)
     pid_e = tl.program_id(1)
     pid_s = tl.program_id(2)
