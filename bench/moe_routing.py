@@ -184,8 +184,7 @@ def main():
 
     shape = {"E": E, "D": D, "topk": TOPK, "score_func": FUNC, "temp": TEMP, "scale": SCALE, "bias": True}
     meta, path = common.write_timed_result("moe_routing", device, ARGS.smoke, t_start, reps, checks, results,
-                                           shape=shape, sweep=sweep,
-                                           fused_sweep=fused_sweep)
+                                           shape=shape, sweep=sweep, fused_sweep=fused_sweep)
     common.save_figure(path.with_suffix(".png"), lambda fig, axes: common.plot_fused_vs_baseline(
         axes, results, device, "torch", ("route", "gate"), f"MoE routing, E={E} k={TOPK}", 1.3))
 

@@ -185,11 +185,13 @@ def mhc_kernels() -> list[Kernel]:
                            "SETTLED": True, "SQUARES": True, "START": True},
                           mhc.post_partial_warps(1))
     post_sums = Kernel("mhc_post sums", mhc._post_partial_kernel, post_partial.types,
-                       {**post_partial.constexprs, "FINISH": False, "SQUARES": False, "START": False}, mhc.post_partial_warps(1))
+                       {**post_partial.constexprs, "FINISH": False, "SQUARES": False, "START": False},
+                       mhc.post_partial_warps(1))
     # the FFN sites' posts at one token, summing the MoE's slots (TOP_K routed and the shared one, fp32)
     ffn = {"types": {**post_partial.types, "f_ptr": "*fp32"}, "num_warps": mhc.post_partial_warps(1)}
     post_partial_slots = Kernel("mhc_post partial (MoE slots)", mhc._post_partial_kernel,
-                                constexprs={**post_partial.constexprs, "SLOTS": TOP_K + 1, "SQUARES": False, "START": False}, **ffn)
+                                constexprs={**post_partial.constexprs, "SLOTS": TOP_K + 1, "SQUARES": False,
+                                            "START": False}, **ffn)
     post_sums_slots = Kernel("mhc_post sums (MoE slots)", mhc._post_partial_kernel,
                              constexprs={**post_sums.constexprs, "SLOTS": TOP_K + 1}, **ffn)
     return [partial, finish, finish_own, post, post_finish, post_partial, post_sums, post_partial_slots,

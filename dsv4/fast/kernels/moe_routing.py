@@ -246,8 +246,7 @@ def _gate_step(acc, x_ptr, nw_ptr, rows, rmask, k, D, r, stride_xn, b, NORM: tl.
     if NORM:
         a = _normed_tile(x_ptr, nw_ptr, rows, rmask, k, kmask, r, stride_xn, F32, INTERP)
     else:
-        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xn + k[None, :], mask=rmask[:, None] & kmask[None, :],
-                    other=0.0)
+        a = _x_tile(x_ptr, rows, rmask, k, kmask, stride_xn)
     if INTERP:  # the interpreter's dot mishandles bf16; fp32 gives the same exact products
         return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     elif F32:
@@ -257,12 +256,18 @@ def _gate_step(acc, x_ptr, nw_ptr, rows, rmask, k, D, r, stride_xn, b, NORM: tl.
 
 
 @triton.jit
+def _x_tile(x_ptr, rows, rmask, k, kmask, stride_xn):
+    """x's columns k [BK] of rows [BM], 0 outside them."""
+    return tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xn + k[None, :], mask=rmask[:, None] & kmask[None, :],
+                   other=0.0)
+
+
+@triton.jit
 def _normed_tile(x_ptr, nw_ptr, rows, rmask, k, kmask, r, stride_xn, F32: tl.constexpr, INTERP: tl.constexpr):
     """rms_norm of x's columns k [BK] of rows [BM], by their inverse roots r [BM, 1] and the norm weight, rounded as
     `rms_norm` rounds, in x's dtype. The weight is loaded in x's tile (its rows alike): 16-byte loads the pipeliner
     copies ahead, as x's."""
-    a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xn + k[None, :], mask=rmask[:, None] & kmask[None, :],
-                other=0.0)
+    a = _x_tile(x_ptr, rows, rmask, k, kmask, stride_xn)
     nw = tl.load(nw_ptr + (0 * rows)[:, None] + k[None, :], mask=kmask[None, :], other=0.0)
     return rounded(nw.to(tl.float32) * (a.to(tl.float32) * r), not F32, INTERP).to(x_ptr.dtype.element_ty)
 
