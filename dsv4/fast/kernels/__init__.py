@@ -35,8 +35,9 @@ try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
-    triton = tl = libdevice = _TritonStandIn()
+    triton = tl = libdevice = TensorDescriptor = _TritonStandIn()
 
 
 def triton_importable() -> bool:
@@ -55,6 +56,15 @@ def pdl(t: torch.Tensor) -> bool:
     the kernel before it in the stream finishes, its programs scheduled and waiting in `wait_for_predecessor`, so
     the gap between two launches (in a CUDA graph too) overlaps the predecessor's tail. Not under the interpreter."""
     return t.is_cuda and triton_importable() and _hopper_or_later(t.device.index or 0)
+
+
+def use_tma(t: torch.Tensor) -> bool:
+    """Read tiles of `t` through bulk tensor copies (`TensorDescriptor` loads: the TMA engine of sm_90 on, one
+    instruction a tile where pointer loads issue a copy per 16 bytes a thread); under the interpreter too, so that
+    the tests run the form the GPU runs."""
+    if not use_triton(t):
+        return False
+    return not t.is_cuda or _hopper_or_later(t.device.index or 0)
 
 
 @functools.cache

@@ -34,7 +34,8 @@ import os
 
 import torch
 
-from dsv4.fast.kernels import pdl, start_successor, tl, to_bf16, triton, use_triton, wait_for_predecessor
+from dsv4.fast.kernels import (TensorDescriptor, pdl, start_successor, tl, to_bf16, triton, use_tma, use_triton,
+                               wait_for_predecessor)
 from dsv4.fast.kernels.engram import _e4m3_to_f32
 from dsv4.fast.kernels.rope import (NORM_CHUNK, check_rope_tables, rope_factors, rotated_by, rounded,
                                    streamed_inverse_rms)
@@ -79,11 +80,11 @@ def _dot4(acc, w, x0, x1, x2, x3, INTERP: tl.constexpr):
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, nw_ptr, eps, M, N, K, KW, KS, block_n, G, cos_ptr, sin_ptr, rope_rows,
+    x_ptr, w_ptr, w_desc, s_ptr, y_ptr, nw_ptr, eps, M, N, K, KW, KS, block_n, G, cos_ptr, sin_ptr, rope_rows,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     OUT_BF16: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
     X_BF16: tl.constexpr, NORM_CHUNK: tl.constexpr, START: tl.constexpr, HEAD: tl.constexpr, R: tl.constexpr,
-    WORD_SCALES: tl.constexpr,
+    WORD_SCALES: tl.constexpr, TMA: tl.constexpr,
 ):
     """Program: weight rows pid * BN .. + BN for all BM <= M activation rows; of G groups of N / G rows (BN
     divides N / G when G > 1), each reading its own K columns of x's rows. KW = K / 4 (words a row) comes as an
@@ -122,7 +123,7 @@ def _fp8_gemv_kernel(
     if NORM:  # 1 / sqrt(mean square + eps), as torch computes rsqrt on the CPU (correctly rounded)
         # the first step's weights asked for ahead of the norm's loads, so that their memory round trip runs under
         # the norm's L2 round trips (the pipelined loop's first copies issue only once the norm's are in)
-        w = _step_words(words, c, KW, nmask, EVEN_K)
+        w = _step_words(words, w_desc, pid * BN, 0, c, KW, nmask, EVEN_K, TMA)
         if WORD_SCALES:
             scale = _step_scales(s_row, 0, NW, BLOCK_K)
         r = streamed_inverse_rms(x_ptr, mm, mmask, K, eps, NORM_CHUNK, STAGES)[:, None, None]
@@ -131,7 +132,7 @@ def _fp8_gemv_kernel(
             scale = _byte_scales(s_row, c + NW, KW, BLOCK_K)
     for k0 in tl.range(NW if NORM else 0, KW, NW, num_stages=STAGES):
         cw = k0 + c  # word columns
-        w = _step_words(words, cw, KW, nmask, EVEN_K)
+        w = _step_words(words, w_desc, pid * BN, k0, cw, KW, nmask, EVEN_K, TMA)
         if WORD_SCALES:
             scale = _step_scales(s_row, k0, NW, BLOCK_K)
         else:
@@ -156,9 +157,13 @@ def _in_row(cw, KW, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _step_words(words, cw, KW, nmask, EVEN_K: tl.constexpr):
-    """A K step's weight words [BN, NW] (int32, four codes each) at word columns cw [NW]; 0 past the row's KW."""
-    return tl.load(words + cw[None, :], mask=nmask[:, None] & _in_row(cw, KW, EVEN_K)[None, :], other=0)
+def _step_words(words, w_desc, n0, k0, cw, KW, nmask, EVEN_K: tl.constexpr, TMA: tl.constexpr):
+    """A K step's weight words [BN, NW] (int32, four codes each) at word columns cw = k0 + [0, NW); 0 past the
+    row's KW. TMA: one bulk tensor copy of the tile at rows n0.. (`w_desc`, rows past N read as 0)."""
+    if TMA:
+        return w_desc.load([n0, k0])
+    else:
+        return tl.load(words + cw[None, :], mask=nmask[:, None] & _in_row(cw, KW, EVEN_K)[None, :], other=0)
 
 
 @triton.jit
@@ -348,15 +353,25 @@ def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1
     if rope_heads and head_dim % BN:
         raise ValueError(f"fp8_gemv: a program's {BN} rows must lie in one head of {head_dim}")
     scales = w_scale.view(torch.uint8).contiguous()
+    w = w.contiguous()
+    tma = (cfg or {}).get("tma", True) and _tma_tiles(w, BN, BK)
     _fp8_gemv_kernel[(triton.cdiv(N, BN),)](
-        x.contiguous(), w.contiguous(), scales, y,
+        x.contiguous(), w, TensorDescriptor.from_tensor(w.view(torch.int32), [BN, BK // 4]) if tma else w, scales, y,
         norm_weight.contiguous() if norm else x, float(eps), M, N, K, K // 4, w_scale.shape[1], bn, groups,
         *rope, rope_heads * head_dim, WORD_SCALES=_word_scaled(K, BK, bk, scales),
         BM=triton.next_power_of_2(M), BN=BN, BK=BK, BLOCK_K=bk, STAGES=stages, OUT_BF16=out_dtype == torch.bfloat16,
         INTERP=_INTERP, PDL=pdl(x), EVEN_K=K % BK == 0, NORM=norm, X_BF16=x.dtype == torch.bfloat16,
         NORM_CHUNK=NORM_CHUNK, START=start_successor and pdl(x), HEAD=max(head_dim, 1),
-        R=2 * rope[0].shape[-1] if rope_heads else 0, num_warps=warps, launch_pdl=pdl(x))
+        R=2 * rope[0].shape[-1] if rope_heads else 0, TMA=tma, num_warps=warps, launch_pdl=pdl(x))
     return y
+
+
+def _tma_tiles(w: torch.Tensor, BN: int, BK: int) -> bool:
+    """Whether the weight's steps come as bulk tensor copies (TMA, sm_90): whole steps along K, 16-byte aligned rows
+    and base, a tile within the copy engine's 256 x 256 box."""
+    K = w.shape[1]
+    return (use_tma(w) and K % BK == 0 and K % 16 == 0 and w.data_ptr() % 16 == 0 and BN <= 256
+            and BK // 4 <= 256 and BK >= 16)
 
 
 @torch.library.custom_op("dsv4::fp8_gemv", mutates_args=())
