@@ -15,9 +15,11 @@ scales, or bf16), the activations and the output. Timing: CUDA events, the media
 rotating weight sets (past L2), per call; "graph": replayed from a CUDA graph, as the decode step runs them; at M = 1
 and 2 also a sweep of tiles (graph_sweep_us), and for the one-group cases the GEMV with its RMSNorm in the kernel
 (`graph_normed_us`, the step's form for wq_a + wkv and wq_b, which sum x's squares before their K loop) and the same
-sweep so (`graph_normed_sweep_us`). Exactness: within the fp32 summation-order bound of the twin
-(tests/fast/test_fp8_gemv_kernel.py's). JSON to $OUT/fp8_gemv.json if OUT is set, else
-bench/results/fp8_gemv.json (fp8_gemv-smoke.json with --smoke), and a PNG beside it. The table is printed last.
+sweep so (`graph_normed_sweep_us`); and the default tile and the sweep with the weight steps as bulk tensor copies
+(TMA: `graph_tma_us`, `graph_tma_sweep_us`; their bits against the pointer loads' in the checks). Exactness: within
+the fp32 summation-order bound of the twin (tests/fast/test_fp8_gemv_kernel.py's). JSON to $OUT/fp8_gemv.json if OUT
+is set, else bench/results/fp8_gemv.json (fp8_gemv-smoke.json with --smoke), and a PNG beside it. The table is
+printed last.
 """
 
 from __future__ import annotations
@@ -76,11 +78,12 @@ def bf16_path(x, wb, groups):
     return torch.einsum("mgk,gnk->mgn", x.view(M, groups, K), wb.view(groups, N // groups, K)).reshape(M, N)
 
 
-def tile_sweep(x, sets, block, G, norm, reps) -> dict:
+def tile_sweep(x, sets, block, G, norm, reps, tma: bool = False) -> dict:
     """us a call of each SWEEP tile over the rotating weight sets, in a CUDA graph; with the in-kernel RMSNorm
-    where norm is given (a program's prologue is paid once a program: the tile sets how many pay it)."""
+    where norm is given (a program's prologue is paid once a program: the tile sets how many pay it); tma: the
+    weight steps as bulk tensor copies (`_tma_tiles`)."""
     return {"BN{BN}_BK{BK}_st{stages}_w{num_warps}".format(**c): common.time_calls(
-        [lambda w=w, s=s, c=c: _fp8_gemv_triton(x, w, s, *block, torch.bfloat16, G, c, norm, 1e-6)
+        [lambda w=w, s=s, c=c: _fp8_gemv_triton(x, w, s, *block, torch.bfloat16, G, {**c, "tma": tma}, norm, 1e-6)
          for w, s, _ in sets], reps) for c in SWEEP}
 
 
@@ -121,6 +124,15 @@ def main():
             common.time_fused_vs_baseline(row, calls, reps, device, "cublas", fp8_bytes + io, 2 * N * K + io)
             if device == "cuda" and M in (1, 2):  # tiles, for tuning the defaults (graph mode)
                 row["graph_sweep_us"] = tile_sweep(x, sets, block, G, None, reps)
+                # the same tiles with the weights through the copy engine, and its bits at the default tile
+                checks[case]["tma_bits_equal"] = bool(torch.equal(
+                    _fp8_gemv_triton(x, w, s, *block, torch.bfloat16, G, {"tma": True}),
+                    _fp8_gemv_triton(x, w, s, *block, torch.bfloat16, G)))
+                checks[case]["ok"] &= checks[case]["tma_bits_equal"]
+                row["graph_tma_us"] = common.time_calls(
+                    [lambda w=w, s=s, x=x: _fp8_gemv_triton(x, w, s, *block, torch.bfloat16, G, {"tma": True})
+                     for w, s, _ in sets], reps)
+                row["graph_tma_sweep_us"] = tile_sweep(x, sets, block, G, None, reps, tma=True)
                 if G == 1:  # the RMSNorm's prologue: every program sums x's squares before its K loop
                     norm = torch.rand(K, device=device).to(torch.bfloat16)
                     row["graph_normed_us"] = common.time_calls(

@@ -292,14 +292,21 @@ def fp8_gemv_kernels() -> list[Kernel]:
     for name, N, K, groups in FP8_GEMV_SHAPES:
         BN, BK, stages, warps = fp8_gemv._tiles(1, N, K, groups, 32, {})
         out.append(Kernel(f"fp8_gemv {name}", fp8_gemv._fp8_gemv_kernel,
-                          {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16", "nw_ptr": "*bf16",
-                           "eps": "fp32"},
+                          {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_desc": "*fp8e4nv", "s_ptr": "*u8",
+                           "y_ptr": "*bf16", "nw_ptr": "*bf16", "eps": "fp32"},
                           {"BM": 1, "BN": BN, "BK": BK, "BLOCK_K": 32, "STAGES": stages, "OUT_BF16": True, "INTERP": False,
                            "PDL": True, "EVEN_K": K % BK == 0, "NORM": name.startswith("wq_"), "X_BF16": True,
                            "NORM_CHUNK": rope.NORM_CHUNK, "START": name == "wo_b",
                            "WORD_SCALES": fp8_gemv._word_scaled(K, BK, 32, aligned(K // 32)),
+                           "TMA": False,
                            **({"HEAD": DH, "R": ROPE} if name.startswith("wq_b") else {"HEAD": 1, "R": 0})},
                           warps, stages))
+    # the weight steps as bulk tensor copies (cfg {"tma": True}; the step does not launch it yet)
+    wo_b = next(k for k in out if k.name == "fp8_gemv wo_b")
+    BN, BK = wo_b.constexprs["BN"], wo_b.constexprs["BK"]
+    tile = f"tensordesc<i32[{BN}, {BK // 4}]>"
+    out.append(Kernel("fp8_gemv wo_b (TMA tiles)", wo_b.fn, {**wo_b.types, "w_desc": tile},
+                      {**wo_b.constexprs, "TMA": True}, wo_b.num_warps, wo_b.num_stages))
     return out
 
 
@@ -449,9 +456,8 @@ LAUNCH_INTS = {
     "sparse_attn_fp4 (settled)": {"kw": WINDOW, "kg": INDEX_TOPK, "H": H, "tiles_per_split": 1},
     "sparse_attn_fp4 (prefill)": {"kw": WINDOW, "kg": INDEX_TOPK, "H": H, "tiles_per_split": 20},
     "sparse_attn_fp4 (long list)": {"kw": WINDOW, "kg": 1 << 18, "H": H, "tiles_per_split": 32},
-    **{f"fp8_gemv {name}": {"M": 1, "N": N, "K": K, "KW": K // 4, "KS": K // 32, "block_n": 32,
-                            "G": G}
-       for name, N, K, G in FP8_GEMV_SHAPES},
+    **{f"fp8_gemv {name}{form}": {"M": 1, "N": N, "K": K, "KW": K // 4, "KS": K // 32, "block_n": 32, "G": G}
+       for name, N, K, G in FP8_GEMV_SHAPES for form in ("", " (TMA tiles)") if not form or name == "wo_b"},
     **{f"dense_gemv {name}": {"M": 1, "N": N, "K": K} for name, N, K, _ in DENSE_GEMV_SHAPES},
     # the prefill's grouped MoE at its 8K-token chunk (`batched_moe_kernels`): R = 8192 tokens x 7 slots
     **{f"moe grouped (prefill) {part}": {"D": D, "I": I, "S": TOP_K + 1, "E": EXPERTS, "R": 8192 * (TOP_K + 1)}

@@ -23,7 +23,8 @@ pytest.importorskip("triton")
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (else the op only calls the twin)", allow_module_level=True)
 
-from dsv4.fast.kernels.fp8_gemv import MAX_M, _fp8_gemv_triton, _tiles, _word_scaled, fp8_gemv, fp8_gemv_reference
+from dsv4.fast.kernels.fp8_gemv import (MAX_M, _fp8_gemv_triton, _tiles, _tma_tiles, _word_scaled, fp8_gemv,
+                                        fp8_gemv_reference)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -82,6 +83,22 @@ def test_k_steps_with_and_without_a_k_mask(K, groups, block):
     BK = _tiles(2, 32 * groups, K, groups, block[0], {})[1]
     assert _word_scaled(K, BK, block[1], s.view(torch.uint8)) == (K % BK == 0 and K // block[1] % 4 == 0)
     check(fp8_gemv(x, w, s, *block, torch.float32, groups), x, w, s, block, groups)
+
+
+@pytest.mark.parametrize("N, K, groups, norm", [(40, 256, 1, False), (64, 512, 2, False), (24, 1024, 1, True)])
+def test_tma_tiles_give_the_pointer_loads_bits(N, K, groups, norm):
+    """Whole K steps come as bulk tensor copies (`_tma_tiles`: a ragged last row block read as 0 by the copy
+    engine, grouped rows, the normed first step taken out of the loop); the same bits as the pointer loads, and
+    the same values as the twin."""
+    x, w, s, nw = normed_case(K + N, 2, N, K, (32, 32))
+    x = x.repeat(1, groups)
+    BN, BK = _tiles(2, N, K, groups, 32, {})[:2]
+    assert _tma_tiles(w, BN, BK)
+    args = (x, w, s, 32, 32, torch.float32, groups)
+    extra = (nw, 1e-6) if norm else ()
+    y = _fp8_gemv_triton(*args, {"tma": True}, *extra)
+    assert torch.equal(y, _fp8_gemv_triton(*args, None, *extra))
+    check(y, rms_norm(x, nw, 1e-6) if norm else x, w, s, (32, 32), groups)
 
 
 @pytest.mark.parametrize("block, BK", [((128, 128), 256), ((128, 128), 128), ((64, 64), 256)])

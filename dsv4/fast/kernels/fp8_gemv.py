@@ -99,7 +99,8 @@ def _fp8_gemv_kernel(
     its rows' squares (x is a few KB, read from L2 by each), then normalizes the activations it loads as
     `rms_norm` does, weight nw_ptr; its first K step is taken out of the loop, its weights asked for before the
     sums' loads. R > 0: the output rows below rope_rows are heads of HEAD rows whose last R are rotated
-    (`_rotated_heads`)."""
+    (`_rotated_heads`). TMA: the weight steps come through w_desc (a tensor descriptor over the weight as int32
+    words, tiles [BN, BK/4]) as bulk tensor copies, in the same pipelined stages (`_tma_tiles`)."""
     wait_for_predecessor(PDL)
     start_successor(START)
     pid = tl.program_id(0)
@@ -354,7 +355,7 @@ def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1
         raise ValueError(f"fp8_gemv: a program's {BN} rows must lie in one head of {head_dim}")
     scales = w_scale.view(torch.uint8).contiguous()
     w = w.contiguous()
-    tma = (cfg or {}).get("tma", True) and _tma_tiles(w, BN, BK)
+    tma = (cfg or {}).get("tma", False) and _tma_tiles(w, BN, BK)
     _fp8_gemv_kernel[(triton.cdiv(N, BN),)](
         x.contiguous(), w, TensorDescriptor.from_tensor(w.view(torch.int32), [BN, BK // 4]) if tma else w, scales, y,
         norm_weight.contiguous() if norm else x, float(eps), M, N, K, K // 4, w_scale.shape[1], bn, groups,
@@ -367,8 +368,10 @@ def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1
 
 
 def _tma_tiles(w: torch.Tensor, BN: int, BK: int) -> bool:
-    """Whether the weight's steps come as bulk tensor copies (TMA, sm_90): whole steps along K, 16-byte aligned rows
-    and base, a tile within the copy engine's 256 x 256 box."""
+    """Whether the weight's steps can come as bulk tensor copies (TMA, sm_90; a tile's one instruction where the
+    pointer loads issue a 16-byte copy a thread): whole steps along K, 16-byte aligned rows and base, a tile within
+    the copy engine's 256 x 256 box. Asked for by cfg {"tma": True} (`bench/fp8_gemv.py` times both forms); the
+    decode step keeps the pointer loads until the step has been measured with it (BENCHMARKS, "Not measured yet")."""
     K = w.shape[1]
     return (use_tma(w) and K % BK == 0 and K % 16 == 0 and w.data_ptr() % 16 == 0 and BN <= 256
             and BK // 4 <= 256 and BK >= 16)
