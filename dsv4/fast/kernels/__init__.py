@@ -59,9 +59,9 @@ def pdl(t: torch.Tensor) -> bool:
 
 
 def use_tma(t: torch.Tensor) -> bool:
-    """Read tiles of `t` through bulk tensor copies (`TensorDescriptor` loads: the TMA engine of sm_90 on, one
-    instruction a tile where pointer loads issue a copy per 16 bytes a thread); under the interpreter too, so that
-    the tests run the form the GPU runs."""
+    """Whether tiles of `t` can be read through bulk tensor copies (`TensorDescriptor` loads: the TMA engine of
+    sm_90 on, one instruction a tile where pointer loads issue a copy per 16 bytes a thread); under the interpreter
+    too, so that the tests run that form on the CPU."""
     if not use_triton(t):
         return False
     return not t.is_cuda or _hopper_or_later(t.device.index or 0)

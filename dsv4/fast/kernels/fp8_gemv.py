@@ -368,10 +368,10 @@ def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1
 
 
 def _tma_tiles(w: torch.Tensor, BN: int, BK: int) -> bool:
-    """Whether the weight's steps can come as bulk tensor copies (TMA, sm_90; a tile's one instruction where the
-    pointer loads issue a 16-byte copy a thread): whole steps along K, 16-byte aligned rows and base, a tile within
-    the copy engine's 256 x 256 box. Asked for by cfg {"tma": True} (`bench/fp8_gemv.py` times both forms); the
-    decode step keeps the pointer loads until the step has been measured with it (BENCHMARKS, "Not measured yet")."""
+    """Whether the weight's steps can come as bulk tensor copies (`use_tma`): whole steps along K, 16-byte aligned
+    rows and base, a tile within the copy engine's 256 x 256 box. Asked for by cfg {"tma": True} (`bench/fp8_gemv.py`
+    times both forms); the decode step keeps the pointer loads until the step has been measured with these
+    (BENCHMARKS, "Not measured yet")."""
     K = w.shape[1]
     return (use_tma(w) and K % BK == 0 and K % 16 == 0 and w.data_ptr() % 16 == 0 and BN <= 256
             and BK // 4 <= 256 and BK >= 16)
