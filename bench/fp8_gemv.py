@@ -6,8 +6,8 @@ V4.1's attention projections and decode batch sizes: does one byte a weight beat
     python bench/fp8_gemv.py --smoke  # small shapes on the CPU under the Triton interpreter
     python bench/fp8_gemv.py --replot bench/results/fp8_gemv.json   # the PNG again, from the JSON
 
-Cases: the decode step's FP8 GEMVs at V4.1 widths and blocks (32 x 32; --arch v4: V4's, 128 x 128), M = 1, 2, 4, 8,
-16 activation rows: wq_b and the indexer's wq_b concatenated (one weight, as the fast model reads the query latent's
+Cases: the decode step's FP8 GEMVs at V4.1 widths and blocks (32 x 32; --arch v4: V4's, 128 x 128), M = 1, 2, 4, 8, 16
+activation rows: wq_b and the indexer's wq_b concatenated (one weight, as the fast model reads the query latent's
 linears), wo_a (8 groups, each its own 4096 columns of x), wo_b, and wq_a with wkv (x's linears in a layer without an
 indexer). "fused" is the FP8 GEMV (its default tiles), "cublas" the fast model's bf16 path on the weight dequantized
 to bf16 (exactly): F.linear, or for wo_a its einsum (a batched GEMM). Bytes: the weight as each reads it (FP8 +
@@ -16,10 +16,10 @@ rotating weight sets (past L2), per call; "graph": replayed from a CUDA graph, a
 and 2 also a sweep of tiles (graph_sweep_us), and for the one-group cases the GEMV with its RMSNorm in the kernel
 (`graph_normed_us`, the step's form for wq_a + wkv and wq_b, which sum x's squares before their K loop) and the same
 sweep so (`graph_normed_sweep_us`); and the default tile and the sweep with the weight steps as bulk tensor copies
-(TMA: `graph_tma_us`, `graph_tma_sweep_us`; their bits against the pointer loads' in the checks). Exactness: within
-the fp32 summation-order bound of the twin (tests/fast/test_fp8_gemv_kernel.py's). JSON to $OUT/fp8_gemv.json if OUT
-is set, else bench/results/fp8_gemv.json (fp8_gemv-smoke.json with --smoke), and a PNG beside it. The table is
-printed last.
+(TMA: `graph_tma_us`, `graph_tma_sweep_us`, `graph_tma_normed_us`; their bits against the pointer loads' in the
+checks). Exactness: within the fp32 summation-order bound of the twin (tests/fast/test_fp8_gemv_kernel.py's). JSON to
+$OUT/fp8_gemv.json if OUT is set, else bench/results/fp8_gemv.json (fp8_gemv-smoke.json with --smoke), and a PNG
+beside it. The table is printed last.
 """
 
 from __future__ import annotations
@@ -139,6 +139,10 @@ def main():
                         [lambda w=w, s=s, x=x, norm=norm: fp8_gemv(x, w, s, *block, torch.bfloat16, 1, norm, 1e-6)
                          for w, s, _ in sets], reps)
                     row["graph_normed_sweep_us"] = tile_sweep(x, sets, block, G, norm, reps)
+                    row["graph_tma_normed_us"] = common.time_calls(
+                        [lambda w=w, s=s, x=x, norm=norm: _fp8_gemv_triton(x, w, s, *block, torch.bfloat16, 1,
+                                                                           {"tma": True}, norm, 1e-6)
+                         for w, s, _ in sets], reps)
             results.append(row)
 
     name = "fp8_gemv" if ARGS.arch == "v41" else f"fp8_gemv-{ARGS.arch}"
