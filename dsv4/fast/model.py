@@ -744,7 +744,8 @@ class FastBlock(Block):
         down kernel start them early): V4.1's post 8.1 -> 2.0 us a launch on the H100 (session 52). Where it hands
         the squares on, the post starts the gate GEMM as it passes its wait (`start_next`): the GEMM's first
         weight loads run beside the post's last work (session 63, H100: the gate 1.2-4 us faster a launch; the
-        next layer's wq_a GEMV, started so by the FFN post, ran ~2.9 us slower, so that post does not)."""
+        next layer's wq_a GEMV, started so by the FFN post, ran ~2.9 us slower, so that post does not). On the H200
+        (session 64) the step came out the same: the post ran ~1 us longer where the gate gained."""
         c = self.config
         fn_next, scale_next, base_next = next_site
         eps = (c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)

@@ -348,14 +348,15 @@ def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1
     y, done = gemv_output(M, N, K, out_dtype, x.device)
     if done:
         return y
-    BN, BK, stages, warps = _tiles(M, N, K, groups, bn, cfg or {})
+    cfg = cfg or {}
+    BN, BK, stages, warps = _tiles(M, N, K, groups, bn, cfg)
     norm = norm_weight is not None
     rope = (rope_cos.contiguous(), rope_sin.contiguous()) if rope_heads else (x, x)
     if rope_heads and head_dim % BN:
         raise ValueError(f"fp8_gemv: a program's {BN} rows must lie in one head of {head_dim}")
     scales = w_scale.view(torch.uint8).contiguous()
     w = w.contiguous()
-    tma = (cfg or {}).get("tma", False) and _tma_tiles(w, BN, BK)
+    tma = cfg.get("tma", False) and _tma_tiles(w, BN, BK)
     _fp8_gemv_kernel[(triton.cdiv(N, BN),)](
         x.contiguous(), w, TensorDescriptor.from_tensor(w.view(torch.int32), [BN, BK // 4]) if tma else w, scales, y,
         norm_weight.contiguous() if norm else x, float(eps), M, N, K, K // 4, w_scale.shape[1], bn, groups,
@@ -368,13 +369,12 @@ def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1
 
 
 def _tma_tiles(w: torch.Tensor, BN: int, BK: int) -> bool:
-    """Whether the weight's steps can come as bulk tensor copies (`use_tma`): whole steps along K, 16-byte aligned
-    rows and base, a tile within the copy engine's 256 x 256 box. Asked for by cfg {"tma": True} (`bench/fp8_gemv.py`
-    times both forms); the decode step keeps the pointer loads until the step has been measured with these
-    (BENCHMARKS, "Not measured yet")."""
-    K = w.shape[1]
-    return (use_tma(w) and K % BK == 0 and K % 16 == 0 and w.data_ptr() % 16 == 0 and BN <= 256
-            and BK // 4 <= 256 and BK >= 16)
+    """Whether the weight's steps can come as bulk tensor copies (`use_tma`): whole steps along K (BK, a power of two
+    >= 16, divides K, so rows are 16-byte multiples), a 16-byte aligned base, tiles [BN, BK/4] of int32 words within
+    the copy engine's 256 x 256 box. Asked for by cfg {"tma": True} (`bench/fp8_gemv.py` times both forms); the
+    decode step keeps the pointer loads until the step has been measured with these (BENCHMARKS, "Not measured
+    yet")."""
+    return use_tma(w) and w.shape[1] % BK == 0 and BK >= 16 and w.data_ptr() % 16 == 0 and BN <= 256 and BK <= 1024
 
 
 @torch.library.custom_op("dsv4::fp8_gemv", mutates_args=())
