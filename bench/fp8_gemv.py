@@ -3,6 +3,7 @@ V4.1's attention projections and decode batch sizes: does one byte a weight beat
 
     python bench/fp8_gemv.py          # H200: exactness, then timings; ~1-2 minutes
     python bench/fp8_gemv.py --arch v4   # V4-Flash's widths and 128 x 128 blocks (fp8_gemv-v4.json)
+    python bench/fp8_gemv.py --rows 1 2  # only the decode step's batch-1 and 2 rows (their tile sweeps)
     python bench/fp8_gemv.py --smoke  # small shapes on the CPU under the Triton interpreter
     python bench/fp8_gemv.py --replot bench/results/fp8_gemv.json   # the PNG again, from the JSON
 
@@ -33,6 +34,7 @@ def add_arguments(p):
     p.add_argument("--reps", type=int, default=30, help="timed samples per case (median)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the PNG of a result file")
     p.add_argument("--arch", choices=("v41", "v4"), default="v41", help="whose widths and FP8 blocks")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="activation rows M to run")
 
 
 ARGS = common.parse_args(__doc__, add_arguments)
@@ -95,7 +97,7 @@ def main():
         return common.replot(ARGS.replot, plot)
     device = common.bench_device(ARGS.smoke)
     shapes, block = (SMOKE_SHAPES, (32, 32)) if ARGS.smoke else decode_gemvs(ARGS.arch)
-    ms = (1, 2) if ARGS.smoke else (1, 2, 4, 8, 16)
+    ms = (1, 2) if ARGS.smoke else ARGS.rows
     reps = 3 if ARGS.smoke else ARGS.reps
     t_start = time.time()
     results, checks = [], {}
