@@ -307,25 +307,21 @@ def rotated_heads(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: 
 
 def _tiles(M: int, N: int, K: int, groups: int, bn: int, cfg: dict) -> tuple[int, int, int, int]:
     """(BN, BK, stages, num_warps). One or two rows (`bench/fp8_gemv.py`'s tile sweep at the decode step's shapes in
-    V4.1's 32 x 32 blocks, bench/results/fp8_gemv.json): 8 weight rows a program, 2 warps, 4 stages; 256-wide K
-    steps along a long K, where the fewer rows' programs need more bytes in flight each (wo_a 14.6 -> 12.6 us, wo_b
-    20.7 -> 17.5 us at one row; 21.4 -> 14.3 and 32.4 -> 19.0 at two). A short weight (up to 2048 rows: wq_a + wkv
-    of a V4.1 layer without an indexer, 1792 x 5120) takes 4 rows a program, twice the programs (7.5 against 9.3 us
-    at one row, `bench/results/dev/micro-mhc-onx-s32.json`), in 512-wide steps (with its RMSNorm, as the step runs
-    it: 8.52 -> 7.49 us on the H200, 8.89 -> 8.16 on the H100; `bench/results/dev/fp8_gemv-*-s56.json`, `-s65`). The
-    32K-row wq_b, whose programs are plenty, takes 32 rows a program, 4 warps, 3 stages (normed: 16.93 -> 16.25 us
-    on the H200, 21.21 -> 20.56 on the H100, against 16 rows and 2 warps). More rows: an accumulator of BM x BN x
-    BK/4 fp32 keeps BN at 16."""
+    V4.1's 32 x 32 blocks, bench/results/fp8_gemv.json): 8 weight rows a program (16 for the 32K-row wq_b, whose
+    programs are plenty), 2 warps, 4 stages; 256-wide K steps along a long K, where the fewer rows' programs need
+    more bytes in flight each (wo_a 14.6 -> 12.6 us, wo_b 20.7 -> 17.5 us at one row; 21.4 -> 14.3 and 32.4 -> 19.0
+    at two). A short weight (up to 2048 rows: wq_a + wkv of a V4.1 layer without an indexer, 1792 x 5120) takes 4
+    rows a program, twice the programs: 7.5 against 9.3 us at one row (`bench/results/dev/micro-mhc-onx-s32.json`).
+    More rows: an accumulator of BM x BN x BK/4 fp32 keeps BN at 16."""
     few = M <= 2 and not _INTERP
-    wide, short = few and N >= 16384, few and N <= 2048
-    BN = cfg.get("BN") or _pow2_divisor(bn, (32 if wide else 4 if short else 8) if few else 16)
+    BN = cfg.get("BN") or _pow2_divisor(bn, (16 if N >= 16384 else 4 if N <= 2048 else 8) if few else 16)
     if groups > 1:  # a program's rows in one group
         BN = min(BN, _pow2_divisor(N // groups, BN))
-    BK = cfg.get("BK") or (512 if short and K > 2048 else 256 if few and K > 2048 else 128)
+    BK = cfg.get("BK") or (256 if few and K > 2048 else 128)
     if bn % BN or BK < 4 or BK & (BK - 1):
         raise ValueError(f"fp8_gemv: tile {BN} x {BK}: BN must divide the block's {bn} rows, BK be a power of two >= 4")
-    stages = cfg.get("stages") or (1 if _INTERP else 3 if wide else 4 if few else 3)
-    return BN, BK, stages, cfg.get("num_warps") or (4 if wide or not few else 2)
+    stages = cfg.get("stages") or (1 if _INTERP else 4 if few else 3)
+    return BN, BK, stages, cfg.get("num_warps") or (2 if few else 4)
 
 
 def _word_scaled(K: int, BK: int, bk: int, scales: torch.Tensor) -> bool:
