@@ -265,6 +265,9 @@ def batched_moe_kernels() -> list[Kernel]:
 # the attention's FP8 GEMVs at one row, V4.1's 32 x 32 blocks: (name, weight rows N, K, groups)
 FP8_GEMV_SHAPES = (("wq_b + indexer wq_b", 32768 + 4096, 1280, 1), ("wo_a", 8192, 4096, 8), ("wo_b", D, 8192, 1),
                    ("wq_a + wkv", 1280 + DH, D, 1))
+# x's sum of squares as the mHC post hands it on to wq_a + wkv: a partial sum a d step (`mhc.partial_splits`)
+HANDED_SQUARES = mhc.partial_splits(D, 2)
+HANDED_SQUARES_P2 = 1 << (HANDED_SQUARES - 1).bit_length()
 
 
 # the attention's dense parts on x at one row: (name, weight rows N, K, output dtype)
@@ -286,19 +289,20 @@ def dense_gemv_kernels() -> list[Kernel]:
 
 def fp8_gemv_kernels() -> list[Kernel]:
     """The attention's FP8 GEMVs at one row (`FP8_GEMV_SHAPES`): wq_b with the indexer's, wo_a, wo_b, and wq_a
-    with wkv (a layer without an indexer); those on x and on the query latent with their RMSNorm in the kernel, and
-    wq_b's with the query heads' RoPE (V4.1), as the step launches them."""
+    with wkv (a layer without an indexer); those on x and on the query latent with their RMSNorm in the kernel (x's
+    by the squares the FFN post before handed on, as in every layer but the first and those after an Engram layer),
+    and wq_b's with the query heads' RoPE (V4.1), as the step launches them."""
     out = []
     for name, N, K, groups in FP8_GEMV_SHAPES:
         BN, BK, stages, warps = fp8_gemv._tiles(1, N, K, groups, 32, {})
         out.append(Kernel(f"fp8_gemv {name}", fp8_gemv._fp8_gemv_kernel,
                           {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_desc": "*fp8e4nv", "s_ptr": "*u8",
-                           "y_ptr": "*bf16", "nw_ptr": "*bf16", "eps": "fp32"},
+                           "y_ptr": "*bf16", "nw_ptr": "*bf16", "sq_ptr": "*fp32", "eps": "fp32"},
                           {"BM": 1, "BN": BN, "BK": BK, "BLOCK_K": 32, "STAGES": stages, "OUT_BF16": True, "INTERP": False,
                            "PDL": True, "EVEN_K": K % BK == 0, "NORM": name.startswith("wq_"), "X_BF16": True,
                            "NORM_CHUNK": rope.NORM_CHUNK, "START": name == "wo_b",
                            "WORD_SCALES": fp8_gemv._word_scaled(K, BK, 32, aligned(K // 32)),
-                           "TMA": False,
+                           "TMA": False, "SQP": HANDED_SQUARES_P2 if name.startswith("wq_a") else 0,
                            **({"HEAD": DH, "R": ROPE} if name.startswith("wq_b") else {"HEAD": 1, "R": 0})},
                           warps, stages))
     # the weight steps as bulk tensor copies (cfg {"tma": True}; the step does not launch it yet)
@@ -456,7 +460,8 @@ LAUNCH_INTS = {
     "sparse_attn_fp4 (settled)": {"kw": WINDOW, "kg": INDEX_TOPK, "H": H, "tiles_per_split": 1},
     "sparse_attn_fp4 (prefill)": {"kw": WINDOW, "kg": INDEX_TOPK, "H": H, "tiles_per_split": 20},
     "sparse_attn_fp4 (long list)": {"kw": WINDOW, "kg": 1 << 18, "H": H, "tiles_per_split": 32},
-    **{f"fp8_gemv {name}{form}": {"M": 1, "N": N, "K": K, "KW": K // 4, "KS": K // 32, "block_n": 32, "G": G}
+    **{f"fp8_gemv {name}{form}": {"M": 1, "N": N, "K": K, "KW": K // 4, "KS": K // 32, "block_n": 32, "G": G,
+                                  "n_sq": HANDED_SQUARES if name.startswith("wq_a") else 0}
        for name, N, K, G in FP8_GEMV_SHAPES for form in ("", " (TMA tiles)") if not form or name == "wo_b"},
     **{f"dense_gemv {name}": {"M": 1, "N": N, "K": K} for name, N, K, _ in DENSE_GEMV_SHAPES},
     # the prefill's grouped MoE at its 8K-token chunk (`batched_moe_kernels`): R = 8192 tokens x 7 slots

@@ -130,12 +130,13 @@ class Fp8Copy:
         return x.shape[0] == 1
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype, groups: int = 1,
-                 norm: RMSNorm | None = None, start_successor: bool = False, rope: tuple | None = None) -> torch.Tensor:
+                 norm: RMSNorm | None = None, start_successor: bool = False, rope: tuple | None = None,
+                 squares: torch.Tensor | None = None) -> torch.Tensor:
         """x [1, groups * K] (with `norm`, norm(x), normalized in the kernel) -> [1, N] out_dtype (see fp8_gemv for
-        groups, start_successor and rope: (cos, sin, heads, head_dim))."""
+        groups, start_successor, rope: (cos, sin, heads, head_dim), and squares: x's partial sums of squares)."""
         weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
         return fp8_gemv(x, self.weight, self.scale, *self.block, out_dtype, groups, weight, eps, start_successor,
-                        *(rope or (None, None, 0, 0)))
+                        *(rope or (None, None, 0, 0)), squares)
 
     @staticmethod
     def stacked(copies: Iterable[Fp8Copy | None]) -> Fp8Copy | None:
@@ -176,18 +177,19 @@ class SharedInput:
     def names(self) -> tuple[str, ...]:
         return tuple(name for names, *_ in self.parts for name in names)
 
-    def __call__(self, x: torch.Tensor, norm: RMSNorm | None = None, rope: tuple | None = None
-                 ) -> dict[str, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, norm: RMSNorm | None = None, rope: tuple | None = None,
+                 squares: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """x [B, K] -> each linear's output by name [B, N]; with `norm`, of norm(x): the batch-1 FP8 GEMV normalizes
         the rows it reads (`fp8_gemv`'s norm_weight: the norm's launch of its own gone where no other part reads
-        x), the other parts read norm(x). rope (cos, sin [B, R/2] fp32, heads, head_dim): the first part's first
-        heads come out rotated (`rotated_heads`; by the batch-1 FP8 GEMV, its rotation launch gone)."""
+        x; by x's partial sums of squares where `squares` hands them on), the other parts read norm(x). rope (cos,
+        sin [B, R/2] fp32, heads, head_dim): the first part's first heads come out rotated (`rotated_heads`; by the
+        batch-1 FP8 GEMV, its rotation launch gone)."""
         outs, normed = {}, None
         for i, (names, widths, fp32, weight, stored) in enumerate(self.parts):
             out_dtype = torch.float32 if fp32 else x.dtype
             heads = rope if i == 0 else None
             if stored is not None and stored.serves(x):
-                y = stored(x, out_dtype, norm=norm, rope=heads)
+                y = stored(x, out_dtype, norm=norm, rope=heads, squares=squares if norm is not None else None)
             else:
                 if normed is None:
                     normed = x if norm is None else norm(x)
@@ -498,17 +500,18 @@ class FastAttention(Attention):
 
     # -------------------------------------------------------------- decode step
     def decode(self, x: torch.Tensor, norm: RMSNorm, pos: torch.Tensor, slots: torch.Tensor, rows: StepRows,
-               view: LayerSlots, picks: torch.Tensor | None, pool: torch.Tensor | None, compress: bool = True):
+               view: LayerSlots, picks: torch.Tensor | None, pool: torch.Tensor | None, compress: bool = True,
+               squares: torch.Tensor | None = None):
         """norm(x) [B, D] (x before the layer's attn_norm, `norm`, which the linears reading it apply: see
-        SharedInput): one token of each sequence, at positions pos [B] of slots [B] (the cache rows they write and
-        read: `rows`), in the layer's buffers `view`. `picks` [B, k] int32: the index source's top-k as rows of the
-        compressed store (`_global_ids`, made once in the source's layer; a CSA layer without its own indexer);
-        `pool`: the candidate source's blocks (a candidate consumer; see `_index_decode`); `compress`: run the
-        compressor (off in a bounded replay, whose positions' entries and carries are restored).
-        -> (out [B, D], picks, pool): this layer's top-k and candidate blocks where it computes them, else those
-        given."""
+        SharedInput; `squares`: x's partial sums of squares where the FFN post before handed them on): one token of each
+        sequence, at positions pos [B] of slots [B] (the cache rows they write and read: `rows`), in the layer's buffers
+        `view`. `picks` [B, k] int32: the index source's top-k as rows of the compressed store (`_global_ids`, made once
+        in the source's layer; a CSA layer without its own indexer); `pool`: the candidate source's blocks (a candidate
+        consumer; see `_index_decode`); `compress`: run the compressor (off in a bounded replay, whose positions'
+        entries and carries are restored). -> (out [B, D], picks, pool): this layer's top-k and candidate blocks where
+        it computes them, else those given."""
         cos, sin = rows.cos_sin[self.rotation]  # [B, R/2]
-        on_x = self.on_x(x, norm)  # {linear: [B, N]}, as on_qr below
+        on_x = self.on_x(x, norm, squares=squares)  # {linear: [B, N]}, as on_qr below
         if self.is_v41:  # the rotation alone, in wq_b's GEMV at batch 1 (a launch of its own before)
             on_qr = self.on_qr(on_x["wq_a"], self.q_norm, (cos, sin, self.n_heads, self.head_dim))
             q = on_qr["wq_b"].unflatten(-1, (self.n_heads, self.head_dim))  # [B, H, Dh]
@@ -700,18 +703,20 @@ class FastBlock(Block):
 
         pre is what the layer before left: V4.1's collapse weights [B, hc] (None for V4), or, where it took this
         layer's attention-site pass (`next_site`), that pass: (x [B, D], the site's coefficients as
-        `decode_post_partial` returns them). With `next_site` (the next layer's attention site: `site_params`) this
-        layer's FFN post takes the next one's pass (`decode_post_partial`) and returns it as pre."""
+        `decode_post_partial` returns them, x's squares or None). With `next_site` (the next layer's attention site:
+        `site_params`) this layer's FFN post takes the next one's pass (`decode_post_partial`) and returns it as
+        pre, at one token with x's squares, by which the next layer's first GEMV normalizes x (`SharedInput`)."""
         if self.role.engram:
             h = self.engram.mix(h[:, None], engram_rows[:, None])[:, 0]
-        x, coefficients = pre if isinstance(pre, tuple) else self.decode_pre_site(h, "attn", pre)
-        a, picks, pool = self.attn.decode(x, self.attn_norm, pos, slots, rows, view, picks, pool, compress)
+        x, coefficients, squares = pre if isinstance(pre, tuple) else (*self.decode_pre_site(h, "attn", pre), None)
+        a, picks, pool = self.attn.decode(x, self.attn_norm, pos, slots, rows, view, picks, pool, compress, squares)
         h, x, coefficients, squares = self.decode_between_sites(a, h, coefficients)
         # [B, D], or at one token the slots the fused posts sum
         f = self.ffn.normed_slots(x, squares, self.ffn_norm, ids)
         if next_site is not None:
-            h, x, coefficients, _ = self.decode_post_partial(f, h, "ffn", coefficients, next_site)
-            return h, (x, coefficients), picks, pool
+            h, x, coefficients, squares = self.decode_post_partial(f, h, "ffn", coefficients, next_site,
+                                                                   squares=Fp8Copy.serves(x))
+            return h, (x, coefficients, squares), picks, pool
         h, pre = self.decode_post_site(f, h, "ffn", coefficients)
         return h, pre, picks, pool
 
@@ -727,32 +732,35 @@ class FastBlock(Block):
     def decode_between_sites(self, a: torch.Tensor, h: torch.Tensor, coefficients):
         """The attention site's post, then the FFN site's pre pass: (h', x, the FFN site's coefficients, x's squares
         where the FFN's gate takes them, else None), as `decode_post_partial`."""
-        return self.decode_post_partial(a, h, "attn", coefficients, self.site_params("ffn"),
-                                        squares=FastMoE.normed_in_gate(a.shape[0]))
+        gate_normed = FastMoE.normed_in_gate(a.shape[0])
+        return self.decode_post_partial(a, h, "attn", coefficients, self.site_params("ffn"), squares=gate_normed,
+                                        start_next=gate_normed)
 
     def decode_post_partial(self, f: torch.Tensor, h: torch.Tensor, site: str, coefficients, next_site: tuple,
-                            squares: bool = False):
+                            squares: bool = False, start_next: bool = False):
         """A site's post, then the pre pass of the next site (this layer's FFN site, or the next layer's attention
         site; next_site: its `site_params`) -> (h', x, that site's coefficients, with `squares` (V4.1) x's sums of
-        squares by d step for the FFN's gate to normalize x by (`FastMoE.normed_slots`), else None). V4.1: one kernel
+        squares by d step for the consumer to normalize x by (the FFN's gate: `FastMoE.normed_slots`; the next
+        layer's first GEMV: `SharedInput`), else None). V4.1: one kernel
         (`mhc_post_partial`: the new streams' partial sums and collapse taken while they are in registers; at one
         token 8-9 us where mhc_post_finish and mhc_pre_partial took 18, H100, `bench/mhc.py --sweep`). V4, whose
         sites collapse with their own pre: the post and the next site's partial sums in one kernel
         (`mhc_post_sums`), then its finish (`mhc_pre_finish`), two launches where mhc_post and mhc_pre took three.
         Both posts are `settled` (h and the coefficients were made before the sub-layer's kernels): they finish the
         coefficients before their PDL wait, beside the tail of the kernel before them (wo_b's GEMV and the MoE's
-        down kernel start them early): V4.1's post 8.1 -> 2.0 us a launch on the H100 (session 52). Where it hands
-        the squares on, the post starts the gate GEMM as it passes its wait (`start_next`): the GEMM's first
-        weight loads run beside the post's last work (session 63, H100: the gate 1.2-4 us faster a launch; the
-        next layer's wq_a GEMV, started so by the FFN post, ran ~2.9 us slower, so that post does not). On the H200
-        (session 64) the step came out the same: the post ran ~1 us longer where the gate gained."""
+        down kernel start them early): V4.1's post 8.1 -> 2.0 us a launch on the H100 (session 52). `start_next`
+        (the attention site's post, handing the squares to the gate): the post starts the gate GEMM as it passes its
+        wait, so that the GEMM's first weight loads run beside the post's last work (session 63, H100: the gate
+        1.2-4 us faster a launch; the next layer's wq_a GEMV, started so by the FFN post, ran ~2.9 us slower, so
+        that post does not). On the H200 (session 64) the step came out the same: the post ran ~1 us longer where
+        the gate gained."""
         c = self.config
         fn_next, scale_next, base_next = next_site
         eps = (c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
         if c.is_v41:
             scale, base = self.site_params(site)[1:]
             h, x, ws, xsq = mhc_post_partial(f, h, coefficients, scale, base, fn_next, *eps, settled=True,
-                                             squares=squares, start_next=squares)
+                                             squares=squares, start_next=start_next)
             return h, x, ws, xsq if squares else None
         h, ws = mhc_post_sums(f, h, *coefficients, fn_next, settled=True)
         x, _, post, comb = mhc_pre_finish(h, ws, scale_next, base_next, *eps)

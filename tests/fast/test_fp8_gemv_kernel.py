@@ -138,17 +138,37 @@ def normed_case(seed: int, M: int, N: int, K: int, block: tuple[int, int], dtype
     return x, w, s, norm
 
 
+def partial_squares(x: torch.Tensor, parts: int) -> torch.Tensor:
+    """x's sums of squares as `parts` partial sums over consecutive columns [M, parts] fp32, as a producer hands
+    them on (`mhc_post_partial`'s squares by d step)."""
+    return torch.stack([c.sum(1) for c in x.float().square().tensor_split(parts, dim=1)], 1)
+
+
 @settings(max_examples=30, deadline=None)
 @given(M=st.integers(1, 4), N=st.integers(1, 48), words=st.integers(1, 300),
-       block=st.sampled_from([(32, 32), (128, 128), (16, 64)]), x_bf16=st.booleans(), seed=st.integers(0, 2**16))
-def test_a_norm_weight_makes_the_gemv_read_the_normed_rows(M, N, words, block, x_bf16, seed):
+       block=st.sampled_from([(32, 32), (128, 128), (16, 64)]), x_bf16=st.booleans(), parts=st.integers(1, 80),
+       seed=st.integers(0, 2**16))
+def test_a_norm_weight_makes_the_gemv_read_the_normed_rows(M, N, words, block, x_bf16, parts, seed):
     """With norm_weight the kernel reads rms_norm(x) (rounded to x's dtype) as the twin does: the GEMV of the twin's
-    normed rows up to the fp32 summation order, across norm chunks (K up to 1200: two of 1024) and K masks."""
+    normed rows up to the fp32 summation order, across norm chunks (K up to 1200: two of 1024) and K masks; the
+    same with the sum of squares handed on as partial sums (any count, not a power of two), not summed from x."""
     x, w, s, norm = normed_case(seed, M, N, 4 * words, block, torch.bfloat16 if x_bf16 else torch.float32)
     y = fp8_gemv(x, w, s, *block, torch.float32, 1, norm, 1e-6)
     check(y, rms_norm(x, norm, 1e-6), w, s, block)
+    handed = fp8_gemv(x, w, s, *block, torch.float32, 1, norm, 1e-6, squares=partial_squares(x, min(parts, 4 * words)))
+    check(handed, rms_norm(x, norm, 1e-6), w, s, block)
     assert torch.equal(fp8_gemv_reference(x, w, s, *block, torch.float32, 1, norm, 1e-6),
                        fp8_gemv_reference(rms_norm(x, norm, 1e-6), w, s, *block, torch.float32))
+
+
+def test_squares_without_a_norm_weight_or_of_another_shape_are_refused():
+    x, w, s, norm = normed_case(0, 2, 64, 64, (32, 32))
+    with pytest.raises(ValueError, match=r"squares go with a norm weight.*alone"):
+        fp8_gemv(x, w, s, 32, 32, squares=partial_squares(x, 4))
+    with pytest.raises(ValueError, match=r"squares go with a norm weight, \[2, S >= 1\] float32"):
+        fp8_gemv(x, w, s, 32, 32, torch.bfloat16, 1, norm, 1e-6, squares=partial_squares(x[:1], 4))
+    with pytest.raises(ValueError, match="float32"):
+        fp8_gemv(x, w, s, 32, 32, torch.bfloat16, 1, norm, 1e-6, squares=partial_squares(x, 4).double())
 
 
 def test_a_norm_weight_of_another_width_or_with_groups_is_refused():
@@ -264,4 +284,7 @@ def test_gpu_decode_shapes(M, N, K, groups, block):
     if groups == 1:  # with the norm before it (attn_norm before wq_a + wkv, q_norm before wq_b), on the CPU's norm
         x, _, _, norm = normed_case(M + N, M, N, K, block)
         y = fp8_gemv(x, w, s, *block, torch.bfloat16, 1, norm, 1e-6)
+        check(y, rms_norm(x.cpu(), norm.cpu(), 1e-6).to(DEVICE), w, s, block)
+        # the sum of squares handed on as the mHC post hands it (80 partial sums at V4.1's width)
+        y = fp8_gemv(x, w, s, *block, torch.bfloat16, 1, norm, 1e-6, squares=partial_squares(x, 80))
         check(y, rms_norm(x.cpu(), norm.cpu(), 1e-6).to(DEVICE), w, s, block)

@@ -497,7 +497,7 @@ def test_a_v4_decode_step_takes_each_sites_partial_sums_in_the_post_before_it(ti
     assert calls == Counter(mhc_post_sums=2 * (2 * L - 1), mhc_pre=3 * 2 * L + 2, mhc_pre_finish=2 * (2 * L - 1))
 
     # the sites as before: mhc_post, then mhc_pre
-    def post_then_pre(self, f, h, site, coefficients, next_site, squares=False):
+    def post_then_pre(self, f, h, site, coefficients, next_site, squares=False, start_next=False):
         h = model_module.mhc_post(f, h, *coefficients)
         c = self.config
         x, _, post, comb = model_module.mhc_pre(h, *next_site, None, c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
@@ -893,8 +893,9 @@ def test_a_batch_1_decode_reads_the_attention_weights_as_stored(arch_dir, monkey
     """make_fast(fp8_decode=True) keeps the attention's FP8 weights as stored beside the dequantized copies (the
     query latent's part, x's where all its linears are FP8, wo_a and wo_b), holding the same values. A decode step
     of one sequence reads them, the parts of x and of the query latent with their RMSNorms (attn_norm, q_norm)
-    applied in the GEMV (V4.1's query heads rotated there too), and equals the reference; a batch of two reads the
-    bf16 copies."""
+    applied in the GEMV (V4.1's query heads rotated there too; V4.1's attn_norm by the squares the FFN post before
+    handed on, where that post took the layer's attention-site pass), and equals the reference; a batch of two reads
+    the bf16 copies."""
     ref, fast = models(arch_dir, packed=False, fp8_decode=True)
     pairs = fp8_copies(fast)
     assert len(pairs) >= 3 * len(fast.layers)  # wq_b's part, wo_a and wo_b in every layer
@@ -903,10 +904,10 @@ def test_a_batch_1_decode_reads_the_attention_weights_as_stored(arch_dir, monkey
         assert torch.equal(dequantize_fp8(stored.weight, stored.scale, stored.block).to(weight.dtype), weight)
     assert fp8_copies(models(arch_dir, packed=False)[1]) == []  # off the GPU, by default none are kept
 
-    rows, normed, rotated = [], [], []
+    rows, normed, rotated, squared = [], [], [], []
     monkeypatch.setattr(Fp8Copy, "__call__", lambda self, x, *a, _call=Fp8Copy.__call__, **k: rows.append(x.shape[0])
                         or normed.append(k.get("norm") is not None) or rotated.append(k.get("rope") is not None)
-                        or _call(self, x, *a, **k))
+                        or squared.append(k.get("squares") is not None) or _call(self, x, *a, **k))
     runner = Runner(fast, max_seqs=2, max_len=96, compile=False)
     slots, seqs, tokens = prefill_two(runner, ref)
     assert rows == []  # the prefill reads the bf16 copies
@@ -919,6 +920,9 @@ def test_a_batch_1_decode_reads_the_attention_weights_as_stored(arch_dir, monkey
     inputs = [stored for block in fast.layers for *_, stored in block.attn.on_x.parts + block.attn.on_qr.parts]
     assert sum(normed) == 3 * sum(stored is not None for stored in inputs) >= 3 * len(fast.layers)
     assert sum(rotated) == (3 * len(fast.layers) if fast.config.is_v41 else 0)  # wq_b's part, each step and layer
+    handed = [i for i in range(1, len(fast.layers)) if fast._next_attn_site(i - 1) is not None
+              and any(not fp32 and stored is not None for _, _, fp32, _, stored in fast.layers[i].attn.on_x.parts)]
+    assert sum(squared) == (3 * len(handed) if fast.config.is_v41 else 0) and (handed or not fast.config.is_v41)
     rows.clear()
     runner.decode(slots, tokens)
     assert rows == []

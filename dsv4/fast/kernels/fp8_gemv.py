@@ -3,13 +3,15 @@
     y[m, n] = round( sum over k of x[m, k] * e4m3[n, k] * 2^(e8m0[n // bn, k // bk] - 127) )      (fp32 sums)
 
 - `dsv4::fp8_gemv(x, w, w_scale, bn, bk, out_dtype, groups=1, norm_weight=None, eps=0.0, start_successor=False,
-    rope_cos=None, rope_sin=None, rope_heads=0, head_dim=0) -> [M, N]`: x bf16 /
+    rope_cos=None, rope_sin=None, rope_heads=0, head_dim=0, squares=None) -> [M, N]`: x bf16 /
     fp32 [M, groups * K] (a decode batch), w float8_e4m3fn [N, K], w_scale float8_e8m0fnu [ceil(N / bn), ceil(K /
     bk)], out_dtype bfloat16 / float32. With groups G, output rows g * N / G .. (g + 1) * N / G read x's g-th K
     columns (the attention's grouped `wo_a`); G = 1 is the plain GEMV. With `norm_weight` [K] (G = 1) the GEMV
     reads rms_norm(x, norm_weight, eps) (`dsv4.reference.linear.rms_norm`, rounded to x's dtype) in place of x:
     the RMSNorm before the attention's first linears (attn_norm before wq_a and wkv, q_norm before wq_b), which in
     the compiled decode step was a launch of its own before each GEMV (a one-program reduction, 1.8-2.8 us).
+    With `squares` [M, S] (x's partial sums of squares, handed on by the kernel that made x) it takes the norm's
+    root from them, not from a pass over x.
     With RoPE tables the first rope_heads heads of head_dim output rows come out rotated (`rotated_heads`): V4.1's
     query heads, whose rotation was an inductor launch after wq_b's GEMV.
 
@@ -37,8 +39,8 @@ import torch
 from dsv4.fast.kernels import (TensorDescriptor, pdl, start_successor, tl, to_bf16, triton, use_tma, use_triton,
                                wait_for_predecessor)
 from dsv4.fast.kernels.engram import _e4m3_to_f32
-from dsv4.fast.kernels.rope import (NORM_CHUNK, check_rope_tables, rope_factors, rotated_by, rounded,
-                                   streamed_inverse_rms)
+from dsv4.fast.kernels.rope import (NORM_CHUNK, _inverse_root, check_rope_tables, rope_factors, rotated_by,
+                                   rounded, streamed_inverse_rms)
 from dsv4.quant import dequantize_fp8
 from dsv4.reference.linear import rms_norm
 from dsv4.reference.rope import apply_rope
@@ -80,11 +82,11 @@ def _dot4(acc, w, x0, x1, x2, x3, INTERP: tl.constexpr):
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, w_desc, s_ptr, y_ptr, nw_ptr, eps, M, N, K, KW, KS, block_n, G, cos_ptr, sin_ptr, rope_rows,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    x_ptr, w_ptr, w_desc, s_ptr, y_ptr, nw_ptr, sq_ptr, n_sq, eps, M, N, K, KW, KS, block_n, G, cos_ptr, sin_ptr,
+    rope_rows, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     OUT_BF16: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
     X_BF16: tl.constexpr, NORM_CHUNK: tl.constexpr, START: tl.constexpr, HEAD: tl.constexpr, R: tl.constexpr,
-    WORD_SCALES: tl.constexpr, TMA: tl.constexpr,
+    WORD_SCALES: tl.constexpr, TMA: tl.constexpr, SQP: tl.constexpr,
 ):
     """Program: weight rows pid * BN .. + BN for all BM <= M activation rows; of G groups of N / G rows (BN
     divides N / G when G > 1), each reading its own K columns of x's rows. KW = K / 4 (words a row) comes as an
@@ -98,9 +100,11 @@ def _fp8_gemv_kernel(
     so that finding a word's K block is a shift, not a division by a runtime int. NORM: every program first sums
     its rows' squares (x is a few KB, read from L2 by each), then normalizes the activations it loads as
     `rms_norm` does, weight nw_ptr; its first K step is taken out of the loop, its weights asked for before the
-    sums' loads. R > 0: the output rows below rope_rows are heads of HEAD rows whose last R are rotated
-    (`_rotated_heads`). TMA: the weight steps come through w_desc (a tensor descriptor over the weight as int32
-    words, tiles [BN, BK/4]) as bulk tensor copies, in the same pipelined stages (`_tma_tiles`)."""
+    sums' loads. SQP > 0: the sums come as the rows' n_sq partial sums of squares at sq_ptr ([M, n_sq] fp32, the
+    producer's: `mhc_post_partial`'s squares), one load where the pass over x took two L2 round trips or more. R > 0:
+    the output rows below rope_rows are heads of HEAD rows whose last R are rotated (`_rotated_heads`). TMA: the weight
+    steps come through w_desc (a tensor descriptor over the weight as int32 words, tiles [BN, BK/4]) as bulk tensor
+    copies, in the same pipelined stages (`_tma_tiles`)."""
     wait_for_predecessor(PDL)
     start_successor(START)
     pid = tl.program_id(0)
@@ -127,7 +131,13 @@ def _fp8_gemv_kernel(
         w = _step_words(words, w_desc, pid * BN, 0, c, KW, nmask, EVEN_K, TMA)
         if WORD_SCALES:
             scale = _step_scales(s_row, 0, NW, BLOCK_K)
-        r = streamed_inverse_rms(x_ptr, mm, mmask, K, eps, NORM_CHUNK, STAGES)[:, None, None]
+        if SQP > 0:
+            j = tl.arange(0, SQP)
+            sq = tl.load(sq_ptr + mm[:, None] * n_sq + j[None, :], mask=mmask[:, None] & (j < n_sq)[None, :],
+                         other=0.0)
+            r = _inverse_root(tl.sum(sq, axis=1), K, eps)[:, None, None]
+        else:
+            r = streamed_inverse_rms(x_ptr, mm, mmask, K, eps, NORM_CHUNK, STAGES)[:, None, None]
         acc = _step_dot(acc, w, scale, x_rows, nw_ptr, c, KW, r, mmask, EVEN_K, NORM, X_BF16, INTERP)
         if not WORD_SCALES:
             scale = _byte_scales(s_row, c + NW, KW, BLOCK_K)
@@ -250,7 +260,7 @@ def _pow2_divisor(n: int, most: int) -> int:
 
 
 def _check(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int, norm_weight=None, rope_cos=None, rope_sin=None,
-           rope_heads: int = 0, head_dim: int = 0) -> None:
+           rope_heads: int = 0, head_dim: int = 0, squares=None) -> None:
     if x.dim() != 2 or w.dim() != 2 or w_scale.dim() != 2:
         raise ValueError("fp8_gemv: x, w and w_scale must be 2-D")
     if x.dtype not in (torch.bfloat16, torch.float32):
@@ -274,6 +284,10 @@ def _check(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int, norm_weight=
     if norm_weight is not None and (groups != 1 or norm_weight.shape != (K,)):
         raise ValueError(f"fp8_gemv: a norm weight [{K}] goes with one group, got {tuple(norm_weight.shape)} and "
                          f"{groups} groups")
+    if squares is not None and (norm_weight is None or squares.dim() != 2 or squares.shape[0] != M
+                                or squares.shape[1] < 1 or squares.dtype != torch.float32):
+        raise ValueError(f"fp8_gemv: squares go with a norm weight, [{M}, S >= 1] float32; got "
+                         f"{tuple(squares.shape)} {squares.dtype}" + ("" if norm_weight is not None else " alone"))
     if (rope_cos is None) != (rope_sin is None) or (rope_cos is None) != (rope_heads == 0):
         raise ValueError("fp8_gemv: RoPE takes cos, sin and rope_heads > 0 together")
     if rope_cos is not None:
@@ -285,10 +299,11 @@ def _check(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int, norm_weight=
 
 def fp8_gemv_reference(x, w, w_scale, bn: int, bk: int, out_dtype=torch.bfloat16, groups: int = 1,
                        norm_weight: torch.Tensor | None = None, eps: float = 0.0, rope_cos=None, rope_sin=None,
-                       rope_heads: int = 0, head_dim: int = 0):
-    """The twin: x through `rms_norm` where norm_weight is given, the weight dequantized exactly (dsv4.quant), fp32
-    matmul per group, one rounding; then the first rope_heads heads of head_dim rows through `apply_rope`."""
-    _check(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight, rope_cos, rope_sin, rope_heads, head_dim)
+                       rope_heads: int = 0, head_dim: int = 0, squares=None):
+    """The twin: x through `rms_norm` where norm_weight is given (squares, x's partial sums of squares, checked and
+    not read: rms_norm sums x's own), the weight dequantized exactly (dsv4.quant), fp32 matmul per group, one
+    rounding; then the first rope_heads heads of head_dim rows through `apply_rope`."""
+    _check(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight, rope_cos, rope_sin, rope_heads, head_dim, squares)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     M, (N, K) = x.shape[0], w.shape
@@ -343,7 +358,7 @@ def gemv_output(M: int, N: int, K: int, out_dtype, device) -> tuple[torch.Tensor
 
 def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1, cfg: dict | None = None,
                      norm_weight: torch.Tensor | None = None, eps: float = 0.0, start_successor: bool = False,
-                     rope_cos=None, rope_sin=None, rope_heads: int = 0, head_dim: int = 0):
+                     rope_cos=None, rope_sin=None, rope_heads: int = 0, head_dim: int = 0, squares=None):
     M, (N, K) = x.shape[0], w.shape
     y, done = gemv_output(M, N, K, out_dtype, x.device)
     if done:
@@ -359,12 +374,14 @@ def _fp8_gemv_triton(x, w, w_scale, bn: int, bk: int, out_dtype, groups: int = 1
     tma = cfg.get("tma", False) and _tma_tiles(w, BN, BK)
     _fp8_gemv_kernel[(triton.cdiv(N, BN),)](
         x.contiguous(), w, TensorDescriptor.from_tensor(w.view(torch.int32), [BN, BK // 4]) if tma else w, scales, y,
-        norm_weight.contiguous() if norm else x, float(eps), M, N, K, K // 4, w_scale.shape[1], bn, groups,
+        norm_weight.contiguous() if norm else x, x if squares is None else squares.contiguous(),
+        0 if squares is None else squares.shape[1], float(eps), M, N, K, K // 4, w_scale.shape[1], bn, groups,
         *rope, rope_heads * head_dim, WORD_SCALES=_word_scaled(K, BK, bk, scales),
         BM=triton.next_power_of_2(M), BN=BN, BK=BK, BLOCK_K=bk, STAGES=stages, OUT_BF16=out_dtype == torch.bfloat16,
         INTERP=_INTERP, PDL=pdl(x), EVEN_K=K % BK == 0, NORM=norm, X_BF16=x.dtype == torch.bfloat16,
         NORM_CHUNK=NORM_CHUNK, START=start_successor and pdl(x), HEAD=max(head_dim, 1),
-        R=2 * rope[0].shape[-1] if rope_heads else 0, TMA=tma, num_warps=warps, launch_pdl=pdl(x))
+        R=2 * rope[0].shape[-1] if rope_heads else 0, TMA=tma,
+        SQP=0 if squares is None else triton.next_power_of_2(squares.shape[1]), num_warps=warps, launch_pdl=pdl(x))
     return y
 
 
@@ -381,21 +398,25 @@ def _tma_tiles(w: torch.Tensor, BN: int, BK: int) -> bool:
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bn: int, bk: int,
              out_dtype: torch.dtype = torch.bfloat16, groups: int = 1, norm_weight: torch.Tensor | None = None,
              eps: float = 0.0, start_successor: bool = False, rope_cos: torch.Tensor | None = None,
-             rope_sin: torch.Tensor | None = None, rope_heads: int = 0, head_dim: int = 0) -> torch.Tensor:
+             rope_sin: torch.Tensor | None = None, rope_heads: int = 0, head_dim: int = 0,
+             squares: torch.Tensor | None = None) -> torch.Tensor:
     """x [M <= MAX_M, groups * K] (with norm_weight [K], rms_norm(x, norm_weight, eps)) times the block-scaled FP8
-    weight w [N, K] transposed, group by group -> [M, N] out_dtype. start_successor: the next kernel starts as this
-    one's last programs do (`dsv4.fast.kernels.start_successor`); the same values. rope_cos / rope_sin [M, R/2]
-    fp32 with rope_heads: output rows 0 .. rope_heads * head_dim are that many heads, each rotated by `apply_rope`
-    on its trailing R rows at its activation row's tables after the output's rounding (wq_b's query heads)."""
+    weight w [N, K] transposed, group by group -> [M, N] out_dtype. squares [M, S] fp32, with norm_weight: x's sum
+    of squares as S partial sums (`mhc_post_partial`'s), which the kernel normalizes by instead of summing x's own
+    (its mean square may differ from rms_norm's in its last bits; the twin: rms_norm of x). start_successor: the next
+    kernel starts as this one's last programs do (`dsv4.fast.kernels.start_successor`); the same values. rope_cos /
+    rope_sin [M, R/2] fp32 with rope_heads: output rows 0 .. rope_heads * head_dim are that many heads, each rotated by
+    `apply_rope` on its trailing R rows at its activation row's tables after the output's rounding (wq_b's query
+    heads)."""
     rope = (rope_cos, rope_sin, rope_heads, head_dim)
-    _check(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight, *rope)
+    _check(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight, *rope, squares)
     if use_triton(x):
         return _fp8_gemv_triton(x, w, w_scale, bn, bk, out_dtype, groups, None, norm_weight, eps, start_successor,
-                                *rope)
-    return fp8_gemv_reference(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight, eps, *rope)
+                                *rope, squares)
+    return fp8_gemv_reference(x, w, w_scale, bn, bk, out_dtype, groups, norm_weight, eps, *rope, squares)
 
 
 @fp8_gemv.register_fake
 def _(x, w, w_scale, bn, bk, out_dtype=torch.bfloat16, groups=1, norm_weight=None, eps=0.0, start_successor=False,
-      rope_cos=None, rope_sin=None, rope_heads=0, head_dim=0):
+      rope_cos=None, rope_sin=None, rope_heads=0, head_dim=0, squares=None):
     return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype)
