@@ -389,8 +389,8 @@ def _tma_tiles(w: torch.Tensor, BN: int, BK: int) -> bool:
     """Whether the weight's steps can come as bulk tensor copies (`use_tma`): whole steps along K (BK, a power of two
     >= 16, divides K, so rows are 16-byte multiples), a 16-byte aligned base, tiles [BN, BK/4] of int32 words within
     the copy engine's 256 x 256 box. Asked for by cfg {"tma": True} (`bench/fp8_gemv.py` times both forms); the
-    decode step keeps the pointer loads until the step has been measured with these (BENCHMARKS, "Not measured
-    yet")."""
+    decode step keeps the pointer loads: on the H100 these tiles were slower alone at every tile and in the step
+    (BENCHMARKS, session 65; the H200 is untried)."""
     return use_tma(w) and w.shape[1] % BK == 0 and BK >= 16 and w.data_ptr() % 16 == 0 and BN <= 256 and BK <= 1024
 
 
