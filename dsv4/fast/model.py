@@ -738,22 +738,20 @@ class FastBlock(Block):
 
     def decode_post_partial(self, f: torch.Tensor, h: torch.Tensor, site: str, coefficients, next_site: tuple,
                             squares: bool = False, start_next: bool = False):
-        """A site's post, then the pre pass of the next site (this layer's FFN site, or the next layer's attention
-        site; next_site: its `site_params`) -> (h', x, that site's coefficients, with `squares` (V4.1) x's sums of
-        squares by d step for the consumer to normalize x by (the FFN's gate: `FastMoE.normed_slots`; the next
-        layer's first GEMV: `SharedInput`), else None). V4.1: one kernel
-        (`mhc_post_partial`: the new streams' partial sums and collapse taken while they are in registers; at one
-        token 8-9 us where mhc_post_finish and mhc_pre_partial took 18, H100, `bench/mhc.py --sweep`). V4, whose
-        sites collapse with their own pre: the post and the next site's partial sums in one kernel
-        (`mhc_post_sums`), then its finish (`mhc_pre_finish`), two launches where mhc_post and mhc_pre took three.
-        Both posts are `settled` (h and the coefficients were made before the sub-layer's kernels): they finish the
-        coefficients before their PDL wait, beside the tail of the kernel before them (wo_b's GEMV and the MoE's
-        down kernel start them early): V4.1's post 8.1 -> 2.0 us a launch on the H100 (session 52). `start_next`
+        """A site's post, then the pre pass of the next site (this layer's FFN site, or the next layer's attention site;
+        next_site: its `site_params`) -> (h', x, that site's coefficients, with `squares` (V4.1) x's sums of squares by
+        d step for the consumer to normalize x by (the FFN's gate: `FastMoE.normed_slots`; the next layer's first GEMV:
+        `SharedInput`), else None). V4.1: one kernel (`mhc_post_partial`: the new streams' partial sums and collapse
+        taken while they are in registers; at one token 8-9 us where mhc_post_finish and mhc_pre_partial took 18, H100,
+        `bench/mhc.py --sweep`). V4, whose sites collapse with their own pre: the post and the next site's partial sums
+        in one kernel (`mhc_post_sums`), then its finish (`mhc_pre_finish`), two launches where mhc_post and mhc_pre
+        took three. Both posts are `settled` (h and the coefficients were made before the sub-layer's kernels): they
+        finish the coefficients before their PDL wait, beside the tail of the kernel before them (wo_b's GEMV and the
+        MoE's down kernel start them early): V4.1's post 8.1 -> 2.0 us a launch on the H100 (session 52). `start_next`
         (the attention site's post, handing the squares to the gate): the post starts the gate GEMM as it passes its
-        wait, so that the GEMM's first weight loads run beside the post's last work (session 63, H100: the gate
-        1.2-4 us faster a launch; the next layer's wq_a GEMV, started so by the FFN post, ran ~2.9 us slower, so
-        that post does not). On the H200 (session 64) the step came out the same: the post ran ~1 us longer where
-        the gate gained."""
+        wait, so that the GEMM's first weight loads run beside the post's last work (session 63, H100: the gate 1.2-4 us
+        faster a launch; the next layer's wq_a GEMV, started so by the FFN post, ran ~2.9 us slower, so that post does
+        not). On the H200 (session 64) the step came out the same: the post ran ~1 us longer where the gate gained."""
         c = self.config
         fn_next, scale_next, base_next = next_site
         eps = (c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
