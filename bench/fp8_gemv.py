@@ -15,12 +15,14 @@ to bf16 (exactly): F.linear, or for wo_a its einsum (a batched GEMM). Bytes: the
 scales, or bf16), the activations and the output. Timing: CUDA events, the median of --reps samples of R calls on R
 rotating weight sets (past L2), per call; "graph": replayed from a CUDA graph, as the decode step runs them; at M = 1
 and 2 also a sweep of tiles (graph_sweep_us), and for the one-group cases the GEMV with its RMSNorm in the kernel
-(`graph_normed_us`, the step's form for wq_a + wkv and wq_b, which sum x's squares before their K loop) and the same
-sweep so (`graph_normed_sweep_us`); and the default tile and the sweep with the weight steps as bulk tensor copies
-(TMA: `graph_tma_us`, `graph_tma_sweep_us`, `graph_tma_normed_us`; their bits against the pointer loads' in the
-checks). Exactness: within the fp32 summation-order bound of the twin (tests/fast/test_fp8_gemv_kernel.py's). JSON to
-$OUT/fp8_gemv.json if OUT is set, else bench/results/fp8_gemv.json (fp8_gemv-smoke.json with --smoke), and a PNG
-beside it. The table is printed last.
+(`graph_normed_us`, the step's form for wq_b, which sums x's squares before its K loop) and the same sweep so
+(`graph_normed_sweep_us`), and with x's sum of squares handed on (`squares_by_step`, 80 partial sums at V4.1's width;
+`graph_squared_us`: the step's form for wq_a + wkv, whose x the FFN post before made; its output's bits against the
+summing form's in the checks, `squared_bits_equal`, which may differ in a last bit); and the default tile and the
+sweep with the weight steps as bulk tensor copies (TMA: `graph_tma_us`, `graph_tma_sweep_us`, `graph_tma_normed_us`;
+their bits against the pointer loads' in the checks). Exactness: within the fp32 summation-order bound of the twin
+(tests/fast/test_fp8_gemv_kernel.py's). JSON to $OUT/fp8_gemv.json if OUT is set, else bench/results/fp8_gemv.json
+(fp8_gemv-smoke.json with --smoke), and a PNG beside it. The table is printed last.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch.nn.functional as F
 from full_width import full_width_config
 
 from dsv4.fast.kernels.fp8_gemv import _fp8_gemv_triton, fp8_gemv, fp8_gemv_reference
+from dsv4.fast.kernels.mhc import squares_by_step
 from dsv4.quant import dequantize_fp8, quantize_fp8
 
 SMOKE_SHAPES = {"small": (96, 256, 1), "grouped": (64, 128, 2)}
@@ -141,6 +144,14 @@ def main():
                         [lambda w=w, s=s, x=x, norm=norm: fp8_gemv(x, w, s, *block, torch.bfloat16, 1, norm, 1e-6)
                          for w, s, _ in sets], reps)
                     row["graph_normed_sweep_us"] = tile_sweep(x, sets, block, G, norm, reps)
+                    squares = squares_by_step(x)  # as the mHC post hands them on: a sum a d step
+                    checks[case]["squared_bits_equal"] = bool(torch.equal(
+                        fp8_gemv(x, w, s, *block, torch.bfloat16, 1, norm, 1e-6, squares=squares),
+                        fp8_gemv(x, w, s, *block, torch.bfloat16, 1, norm, 1e-6)))
+                    row["graph_squared_us"] = common.time_calls(
+                        [lambda w=w, s=s, x=x, norm=norm, sq=squares: fp8_gemv(x, w, s, *block, torch.bfloat16, 1,
+                                                                               norm, 1e-6, squares=sq)
+                         for w, s, _ in sets], reps)
                     row["graph_tma_normed_us"] = common.time_calls(
                         [lambda w=w, s=s, x=x, norm=norm: _fp8_gemv_triton(x, w, s, *block, torch.bfloat16, 1,
                                                                            {"tma": True}, norm, 1e-6)
