@@ -189,7 +189,7 @@ class SharedInput:
             out_dtype = torch.float32 if fp32 else x.dtype
             heads = rope if i == 0 else None
             if stored is not None and stored.serves(x):
-                y = stored(x, out_dtype, norm=norm, rope=heads, squares=squares if norm is not None else None)
+                y = stored(x, out_dtype, norm=norm, rope=heads, squares=squares)
             else:
                 if normed is None:
                     normed = x if norm is None else norm(x)
