@@ -39,7 +39,7 @@ import torch
 from dsv4.fast.kernels import (TensorDescriptor, pdl, start_successor, tl, to_bf16, triton, use_tma, use_triton,
                                wait_for_predecessor)
 from dsv4.fast.kernels.engram import _e4m3_to_f32
-from dsv4.fast.kernels.rope import (NORM_CHUNK, _inverse_root, check_rope_tables, rope_factors, rotated_by,
+from dsv4.fast.kernels.rope import (NORM_CHUNK, check_rope_tables, handed_inverse_rms, rope_factors, rotated_by,
                                    rounded, streamed_inverse_rms)
 from dsv4.quant import dequantize_fp8
 from dsv4.reference.linear import rms_norm
@@ -132,10 +132,7 @@ def _fp8_gemv_kernel(
         if WORD_SCALES:
             scale = _step_scales(s_row, 0, NW, BLOCK_K)
         if SQP > 0:
-            j = tl.arange(0, SQP)
-            sq = tl.load(sq_ptr + mm[:, None] * n_sq + j[None, :], mask=mmask[:, None] & (j < n_sq)[None, :],
-                         other=0.0)
-            r = _inverse_root(tl.sum(sq, axis=1), K, eps)[:, None, None]
+            r = handed_inverse_rms(sq_ptr, mm, mmask, n_sq, K, eps, SQP)[:, None, None]
         else:
             r = streamed_inverse_rms(x_ptr, mm, mmask, K, eps, NORM_CHUNK, STAGES)[:, None, None]
         acc = _step_dot(acc, w, scale, x_rows, nw_ptr, c, KW, r, mmask, EVEN_K, NORM, X_BF16, INTERP)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from dsv4.fast.kernels import pdl, tl, triton, use_triton, wait_for_predecessor
 from dsv4.fast.kernels.moe_experts import activation_planes
-from dsv4.fast.kernels.rope import _inverse_root, rounded
+from dsv4.fast.kernels.rope import handed_inverse_rms, rounded
 from dsv4.fast.kernels.torch_math import exp, log1p
 from dsv4.reference.linear import rms_norm
 from dsv4.reference.moe import route, router_scores
@@ -201,10 +201,7 @@ def _gate_gemm_kernel(
     wait_for_predecessor(PDL)
     r = tl.full((BM, 1), 1.0, tl.float32)
     if NORM:
-        j = tl.arange(0, SQP)
-        sq = tl.load(sq_ptr + rows64[:, None] * n_sq + j[None, :], mask=rmask[:, None] & (j < n_sq)[None, :],
-                     other=0.0)
-        r = _inverse_root(tl.sum(sq, axis=1), D, eps)[:, None]  # [BM, 1]
+        r = handed_inverse_rms(sq_ptr, rows64, rmask, n_sq, D, eps, SQP)[:, None]  # [BM, 1]
     acc = _gate_step(tl.zeros((BM, BE), dtype=tl.float32), x_ptr, nw_ptr, rows, rmask, k_begin + kk, D, r,
                      stride_xn, b, NORM, F32, INTERP)
     for k0 in range(k_begin + BK, k_end, BK):

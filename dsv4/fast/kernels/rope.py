@@ -72,6 +72,16 @@ def streamed_inverse_rms(x_ptr, rows, rmask, K, eps, CHUNK: tl.constexpr, STAGES
 
 
 @triton.jit
+def handed_inverse_rms(sq_ptr, rows, rmask, n_sq, count, eps, SQP: tl.constexpr):
+    """1 / sqrt(mean square + eps) of the rows `rows` [R] (mask rmask) of an x of `count` columns whose sums of
+    squares the kernel that made x handed on as n_sq partial sums a row (sq [N, n_sq] fp32, `mhc_post_partial`'s
+    squares; SQP: n_sq's power of two): one load where a pass over x takes its own round trips."""
+    j = tl.arange(0, SQP)
+    sq = tl.load(sq_ptr + rows[:, None] * n_sq + j[None, :], mask=rmask[:, None] & (j < n_sq)[None, :], other=0.0)
+    return _inverse_root(tl.sum(sq, axis=1), count, eps)
+
+
+@triton.jit
 def _inverse_root(squares, count, eps):
     """1 / sqrt(squares / count + eps) [rows] fp32, the division and the root correctly rounded: torch's rsqrt on
     the CPU (CUDA's rsqrt is not)."""
